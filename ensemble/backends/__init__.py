@@ -1,0 +1,37 @@
+"""Backends place the ensemble's members on devices and map `steps` over them.
+
+Both keep the members' state stacked on a leading member axis of size K and
+differ only in how that axis meets the devices. Their common currency is the
+canonical layout: every leaf a global (K, ...) array sharded over a 1-D mesh
+axis named 'ensemble'. Checkpoints store that layout, so they do not know
+which backend wrote them.
+"""
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ensemble.errors import UsageError
+
+ENSEMBLE_AXIS = 'ensemble'
+NAMES = ('pmap', 'jit')
+
+
+def ensemble_mesh(devices: Sequence[jax.Device]) -> Mesh:
+  return Mesh(np.asarray(devices), (ENSEMBLE_AXIS,))
+
+
+def member_sharding(devices: Sequence[jax.Device]) -> NamedSharding:
+  """The canonical sharding: members split in contiguous blocks over the devices."""
+  return NamedSharding(ensemble_mesh(devices), P(ENSEMBLE_AXIS))
+
+
+def create(name: str, **kwargs):
+  # Imported here so that `NAMES` stays importable without building either backend.
+  from ensemble.backends import jit, pmap  # pylint: disable=g-import-not-at-top
+  backends = {'pmap': pmap.PmapBackend, 'jit': jit.JitBackend}
+  if name not in backends:
+    raise UsageError(f'unknown backend {name!r}: set --config.backend to one of {list(NAMES)}')
+  return backends[name](**kwargs)

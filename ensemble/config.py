@@ -1,0 +1,44 @@
+"""Checks a config against the machine before anything runs, and fills in its defaults."""
+
+from typing import Sequence
+
+import jax
+import ml_collections
+
+from ensemble import backends
+from ensemble.errors import UsageError
+
+MEMBER_DATA = ('shared', 'shuffled')
+
+
+def _require(ok: bool, message: str):
+  if not ok:
+    raise UsageError(message)
+
+
+def resolve(config: ml_collections.ConfigDict,
+            available: Sequence[jax.Device]) -> tuple[ml_collections.ConfigDict, list[jax.Device]]:
+  """Returns a validated copy of `config` with `ensemble_size` filled in, and the devices to use."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  _require(config.backend in backends.NAMES,
+           f'unknown backend {config.backend!r}: set --config.backend to one of {list(backends.NAMES)}')
+  _require(config.member_data in MEMBER_DATA,
+           f'unknown member_data {config.member_data!r}: set --config.member_data to one of {list(MEMBER_DATA)}')
+  _require(0 <= config.num_devices <= len(available),
+           f'num_devices={config.num_devices} but {len(available)} devices are available; set '
+           f'--config.num_devices between 1 and {len(available)} (0 uses all), or run with '
+           '--cpu_devices=N to simulate N CPU devices')
+  devices = list(available[:config.num_devices or len(available)])
+  num_devices = len(devices)
+  if config.ensemble_size == 0:
+    config.ensemble_size = num_devices
+  k = config.ensemble_size
+  _require(k > 0 and k % num_devices == 0,
+           f'ensemble_size={k} cannot be placed on {num_devices} devices: use a multiple of '
+           f'{num_devices} ({num_devices}, {2 * num_devices}, {4 * num_devices}, ...), or set '
+           f'--config.num_devices to a divisor of {k}')
+  for name in ('num_epochs', 'batch_size', 'eval_batch_size', 'checkpoints_to_keep'):
+    _require(config[name] > 0, f'{name}={config[name]} must be positive')
+  _require(config.learning_rate > 0, f'learning_rate={config.learning_rate} must be positive')
+  _require(0 <= config.momentum < 1, f'momentum={config.momentum} must be in [0, 1)')
+  return config, devices

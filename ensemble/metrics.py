@@ -1,0 +1,43 @@
+"""clu metric collections for training and evaluation."""
+
+import flax
+import jax.numpy as jnp
+from clu import metrics as clu_metrics
+
+
+@flax.struct.dataclass
+class PerMember(clu_metrics.Metric):
+  """The mean of a per-member value, one entry per member.
+
+  clu's `Average` keeps only the grand mean; comparing members with the ensemble
+  needs each member's own. `values` is (K, N); `mask` (N,) marks real examples.
+  """
+  total: jnp.ndarray
+  count: jnp.ndarray
+
+  @classmethod
+  def from_model_output(cls, values: jnp.ndarray, mask: jnp.ndarray | None = None, **_) -> 'PerMember':
+    mask = jnp.ones(values.shape[1:], jnp.float32) if mask is None else mask.astype(jnp.float32)
+    return cls(total=(values * mask).reshape(values.shape[0], -1).sum(-1), count=mask.sum())
+
+  def merge(self, other: 'PerMember') -> 'PerMember':
+    return type(self)(total=self.total + other.total, count=self.count + other.count)
+
+  def compute(self) -> jnp.ndarray:
+    return self.total / self.count
+
+
+@flax.struct.dataclass
+class TrainMetrics(clu_metrics.Collection):
+  """Training loss and accuracy, averaged over the members and the steps."""
+  loss: clu_metrics.Average.from_output('loss')
+  accuracy: clu_metrics.Average.from_output('accuracy')
+
+
+@flax.struct.dataclass
+class EvalMetrics(clu_metrics.Collection):
+  """Test NLL and accuracy of the ensemble (mean probabilities) and of each member."""
+  loss: clu_metrics.Average.from_output('ensemble_loss')
+  accuracy: clu_metrics.Average.from_output('ensemble_correct')
+  member_loss: PerMember.from_output('member_loss')
+  member_accuracy: PerMember.from_output('member_correct')

@@ -1,0 +1,80 @@
+"""What one ensemble member computes: init, train step, eval step.
+
+Written once for every backend. Each function sees a single member; a backend
+maps it over members (vmap, and pmap over devices) and passes the names of the
+mapped axes as `axis_name`, so `lax.pmean` over them averages the members'
+probabilities into the ensemble prediction wherever the members live.
+"""
+
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+AxisName = str | Sequence[str]
+TrainState = train_state.TrainState
+Metrics = dict[str, jnp.ndarray]
+
+
+def create_optimizer(config) -> optax.GradientTransformation:
+  return optax.sgd(config.learning_rate, config.momentum)
+
+
+def create_member_state(key: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
+                        input_shape: Sequence[int]) -> TrainState:
+  params = model.init(key, jnp.ones((1, *input_shape), jnp.float32))['params']
+  return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+
+def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def train_step(state: TrainState, images: jnp.ndarray, labels: jnp.ndarray) -> tuple[TrainState, Metrics]:
+  """One SGD step of one member on its batch.
+
+  Members train independently (that is what makes a deep ensemble), so there is
+  no collective here: the ensemble only meets at prediction time.
+  """
+  def loss_fn(params):
+    logits = state.apply_fn({'params': params}, images)
+    return cross_entropy(logits, labels).mean(), logits
+
+  (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
+  return state.apply_gradients(grads=grads), {'loss': loss, 'accuracy': accuracy}
+
+
+def ensemble_probs(probs: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray:
+  """The ensemble prediction: the mean of the members' probabilities over the mapped axes."""
+  return jax.lax.pmean(probs, axis_name)
+
+
+def eval_step(state: TrainState, images: jnp.ndarray, labels: jnp.ndarray, *,
+              axis_name: AxisName) -> Metrics:
+  """Per-example losses and hits of this member and of the whole ensemble."""
+  logits = state.apply_fn({'params': state.params}, images)
+  probs = jax.nn.softmax(logits)
+  ensemble = ensemble_probs(probs, axis_name)
+  ensemble_label_prob = jnp.take_along_axis(ensemble, labels[:, None], axis=-1)[:, 0]
+  return {
+      'member_loss': cross_entropy(logits, labels),
+      'member_correct': (jnp.argmax(logits, -1) == labels).astype(jnp.float32),
+      'ensemble_loss': -jnp.log(jnp.maximum(ensemble_label_prob, jnp.finfo(jnp.float32).tiny)),
+      'ensemble_correct': (jnp.argmax(ensemble, -1) == labels).astype(jnp.float32),
+  }
+
+
+def member_keys(seed: int, ensemble_size: int) -> jax.Array:
+  """Member i's init key depends on the seed and the ensemble size only, not on the devices."""
+  return jax.random.split(jax.random.key(seed), ensemble_size)
+
+
+def abstract_ensemble_state(model: nn.Module, tx: optax.GradientTransformation,
+                            ensemble_size: int, input_shape: Sequence[int]) -> Any:
+  """Shapes and dtypes of the stacked (K, ...) ensemble state, computed without allocating it."""
+  init = jax.vmap(lambda key: create_member_state(key, model, tx, input_shape))
+  return jax.eval_shape(init, jax.eval_shape(lambda: member_keys(0, ensemble_size)))

@@ -1,0 +1,104 @@
+"""The training loop: data -> backend step -> clu metrics -> writers and checkpoints."""
+
+import json
+import os
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+from clu import periodic_actions
+
+from ensemble import backends, checkpoint, config as config_lib, data, metrics, models, steps, writers
+from ensemble.errors import UsageError
+
+INPUT_SHAPE = (*data.IMAGE_SHAPE, 1)
+
+
+def evaluate(backend, state, split: data.Split, batch_size: int) -> dict[str, Any]:
+  """Ensemble and member metrics over the whole split, each example counted once."""
+  outputs, masks = [], []
+  for images, labels, mask in data.eval_batches(split, batch_size):
+    outputs.append(backend.eval_step(state, images, labels))
+    masks.append(mask)
+  outputs = backend.to_host(jax.tree.map(lambda *xs: np.concatenate(xs, axis=-1), *outputs))
+  # The ensemble outputs are the same on every member; member 0's copy is enough.
+  outputs = {k: v[0] if k.startswith('ensemble_') else v for k, v in outputs.items()}
+  return metrics.EvalMetrics.single_from_model_output(**outputs, mask=np.concatenate(masks)).compute()
+
+
+def _epoch_summary(train: dict[str, Any], test: dict[str, Any], epoch: int) -> dict[str, float]:
+  summary = {'epoch': epoch,
+             'train_loss': train['loss'], 'train_accuracy': train['accuracy'],
+             'test_loss': test['loss'], 'test_accuracy': test['accuracy']}
+  for i, (loss, accuracy) in enumerate(zip(test['member_loss'], test['member_accuracy'])):
+    summary[f'member_test_loss/{i}'] = loss
+    summary[f'member_test_accuracy/{i}'] = accuracy
+  return {k: float(v) for k, v in summary.items()}
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple[Any, dict[str, float]]:
+  """Trains (or resumes) the ensemble in `workdir`; returns its canonical state and last summary."""
+  config, devices = config_lib.resolve(config, jax.devices())
+  dataset = data.load(config.data_dir or None)
+  num_train = len(dataset['train']['label'])
+  if config.batch_size > num_train:
+    raise UsageError(f'batch_size={config.batch_size} exceeds the {num_train} training examples; '
+                     'lower --config.batch_size')
+  model, tx = models.create_model(config.model), steps.create_optimizer(config)
+  backend = backends.create(config.backend, model=model, tx=tx, devices=devices,
+                            ensemble_size=config.ensemble_size, member_data=config.member_data,
+                            input_shape=INPUT_SHAPE)
+  ckpt_meta = {'model': config.model, 'ensemble_size': config.ensemble_size}
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=backends.member_sharding(devices)),
+      steps.abstract_ensemble_state(model, tx, config.ensemble_size, INPUT_SHAPE))
+
+  # Everything that can refuse the run does so before the workdir is written.
+  ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.checkpoints_to_keep)
+  start_epoch = ckpt.latest_epoch() or 0
+  if start_epoch:
+    state = backend.from_canonical(ckpt.restore(start_epoch, abstract, ckpt_meta))
+    logging.info('Resumed from %s at epoch %d.', ckpt.directory, start_epoch)
+  else:
+    state = backend.init(steps.member_keys(config.seed, config.ensemble_size))
+
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
+    json.dump(config.to_dict(), f, indent=2, sort_keys=True)
+  writer = writers.create_writers(workdir, is_main_process=jax.process_index() == 0)
+  steps_per_epoch = data.steps_per_epoch(num_train, config.batch_size)
+  report_progress = periodic_actions.ReportProgress(
+      num_train_steps=config.num_epochs * steps_per_epoch, writer=writer.progress)
+  logging.info('Training %d members on %d devices with the %s backend, %d steps per epoch.',
+               config.ensemble_size, len(devices), config.backend, steps_per_epoch)
+
+  step, summary = start_epoch * steps_per_epoch, {}
+  for epoch in range(start_epoch + 1, config.num_epochs + 1):
+    train_outputs = []
+    batches = data.train_batches(dataset['train'], config.batch_size, config.seed, epoch,
+                                 config.ensemble_size, config.member_data)
+    for images, labels in batches:
+      with jax.profiler.StepTraceAnnotation('train', step_num=step):
+        state, step_metrics = backend.train_step(state, images, labels)
+      # Block on every step: with several simulated CPU devices, a deep queue of
+      # in-flight multi-device programs starves XLA's collective rendezvous and
+      # aborts the process; waiting here costs no throughput (DEVELOPERS.md).
+      train_outputs.append(jax.block_until_ready(step_metrics))
+      step += 1
+      report_progress(step)
+    train_outputs = backend.to_host(jax.tree.map(lambda *xs: np.stack(xs, axis=-1), *train_outputs))
+    train = metrics.TrainMetrics.single_from_model_output(**train_outputs).compute()
+    test = evaluate(backend, state, dataset['test'], config.eval_batch_size)
+    summary = _epoch_summary(train, test, epoch)
+    # Checkpoint first: a crash between the two repeats this epoch on resume rather than losing it.
+    ckpt.save(epoch, backend.to_canonical(state), ckpt_meta)
+    writer.epoch.write_scalars(step, summary)
+    writer.epoch.flush()
+    logging.info('epoch %d: train_loss %.4f, test_loss %.4f, test_accuracy %.4f, members %s',
+                 epoch, summary['train_loss'], summary['test_loss'], summary['test_accuracy'],
+                 np.round(test['member_accuracy'], 4).tolist())
+  writer.epoch.close()
+  ckpt.close()
+  return backend.to_canonical(state), summary

@@ -1,0 +1,82 @@
+"""Metric writers: clu's TensorBoard + logging writers, and a JSON-lines file."""
+
+import json
+import os
+from typing import Any, Mapping, NamedTuple
+
+import numpy as np
+from clu import metric_writers
+
+
+class JsonlWriter(metric_writers.MetricWriter):
+  """Appends one JSON object per `write_scalars` call to a file.
+
+  TensorBoard wants one scalar per tag, so per-member values arrive as
+  `name/0`, `name/1`, ...; a JSON reader wants them as one list, so those keys
+  are folded into `name: [...]` in member order. Non-scalar summaries are not
+  written here.
+  """
+
+  def __init__(self, path: str):
+    self._path = path
+    self._file = open(path, 'a', encoding='utf-8')
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    record: dict[str, Any] = {'step': int(step)}
+    members: dict[str, dict[int, float]] = {}
+    for key, value in scalars.items():
+      name, _, index = key.rpartition('/')
+      if name and index.isdigit():
+        members.setdefault(name, {})[int(index)] = float(value)
+      else:
+        record[key] = np.asarray(value).item()
+    for name, values in members.items():
+      record[name] = [values[i] for i in sorted(values)]
+    self._file.write(json.dumps(record) + '\n')
+
+  def write_summaries(self, step, values, metadata=None):
+    pass
+
+  def write_images(self, step, images):
+    pass
+
+  def write_videos(self, step, videos):
+    pass
+
+  def write_audios(self, step, audios, *, sample_rate):
+    pass
+
+  def write_texts(self, step, texts):
+    pass
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    pass
+
+  def write_hparams(self, hparams):
+    pass
+
+  def flush(self):
+    self._file.flush()
+
+  def close(self):
+    self._file.close()
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+  with open(path, encoding='utf-8') as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+class Writers(NamedTuple):
+  epoch: metric_writers.MetricWriter  # per-epoch summaries: TensorBoard, logs and metrics.jsonl
+  progress: metric_writers.MetricWriter  # steps/s and ETA: TensorBoard and logs only
+
+
+def create_writers(workdir: str, is_main_process: bool = True) -> Writers:
+  """Only process 0 writes files; the others log."""
+  if not is_main_process:
+    logs = metric_writers.create_default_writer(just_logging=True)
+    return Writers(epoch=logs, progress=logs)
+  events = metric_writers.create_default_writer(workdir, asynchronous=False)
+  return Writers(epoch=metric_writers.MultiWriter([events, JsonlWriter(os.path.join(workdir, 'metrics.jsonl'))]),
+                 progress=events)
