@@ -10,15 +10,16 @@ class PerMember(clu_metrics.Metric):
   """The mean of a per-member value, one entry per member.
 
   clu's `Average` keeps only the grand mean; comparing members with the ensemble
-  needs each member's own. `values` is (K, N); `mask` (N,) marks real examples.
+  needs each member's own. `values` is (N, K), examples first as clu expects;
+  `mask` (N,) marks real examples.
   """
   total: jnp.ndarray
   count: jnp.ndarray
 
   @classmethod
   def from_model_output(cls, values: jnp.ndarray, mask: jnp.ndarray | None = None, **_) -> 'PerMember':
-    mask = jnp.ones(values.shape[1:], jnp.float32) if mask is None else mask.astype(jnp.float32)
-    return cls(total=(values * mask).reshape(values.shape[0], -1).sum(-1), count=mask.sum())
+    mask = jnp.ones(values.shape[:1], jnp.float32) if mask is None else mask.astype(jnp.float32)
+    return cls(total=(values * mask[:, None]).sum(0), count=mask.sum())
 
   def merge(self, other: 'PerMember') -> 'PerMember':
     return type(self)(total=self.total + other.total, count=self.count + other.count)

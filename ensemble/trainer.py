@@ -24,7 +24,7 @@ def evaluate(backend, state, split: data.Split, batch_size: int) -> dict[str, An
     masks.append(mask)
   outputs = backend.to_host(jax.tree.map(lambda *xs: np.concatenate(xs, axis=-1), *outputs))
   # The ensemble outputs are the same on every member; member 0's copy is enough.
-  outputs = {k: v[0] if k.startswith('ensemble_') else v for k, v in outputs.items()}
+  outputs = {k: v[0] if k.startswith('ensemble_') else v.T for k, v in outputs.items()}
   return metrics.EvalMetrics.single_from_model_output(**outputs, mask=np.concatenate(masks)).compute()
 
 

@@ -1,0 +1,102 @@
+"""The backends: placement only, so both must compute the same ensemble."""
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import synthetic_mnist
+from ensemble import backends, models, steps
+from ensemble.trainer import INPUT_SHAPE
+
+
+def _backend(name, ensemble_size=8, num_devices=8, member_data='shared', learning_rate=0.1):
+  return backends.create(name, model=models.CNN(), tx=steps.optax.sgd(learning_rate, 0.9),
+                         devices=jax.devices()[:num_devices], ensemble_size=ensemble_size,
+                         member_data=member_data, input_shape=INPUT_SHAPE)
+
+
+def _batches(num_steps, batch=16, ensemble_size=8, member_data='shared'):
+  shape = (num_steps, batch) if member_data == 'shared' else (num_steps, ensemble_size, batch)
+  (images, labels), _ = synthetic_mnist(num_train=int(np.prod(shape)))
+  images = images[..., None].astype(np.float32) / 255
+  labels = labels.astype(np.int32)
+  return images.reshape(*shape, 28, 28, 1), labels.reshape(shape)
+
+
+def _train(backend, ensemble_size, num_steps, member_data='shared', seed=0):
+  state = backend.init(steps.member_keys(seed, ensemble_size))
+  images, labels = _batches(num_steps, ensemble_size=ensemble_size, member_data=member_data)
+  losses = []
+  for x, y in zip(images, labels):
+    state, m = backend.train_step(state, x, y)
+    losses.append(backend.to_host(m)['loss'])
+  return backend.to_canonical(state), np.stack(losses)
+
+
+def _params(canonical_state):
+  return jax.tree.map(np.asarray, canonical_state.params)
+
+
+def test_members_start_different_and_one_pmap_step_changes_each_differently():
+  backend = _backend('pmap')
+  state = backend.init(steps.member_keys(0, 8))
+  before = _params(backend.to_canonical(state))
+  kernel = before['Conv_0']['kernel']
+  assert kernel.shape == (8, 3, 3, 1, 32)
+  assert all(not np.allclose(kernel[0], kernel[i]) for i in range(1, 8))
+
+  images, labels = _batches(1)
+  state, _ = backend.train_step(state, images[0], labels[0])
+  after = _params(backend.to_canonical(state))
+  for path_before, path_after in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    delta = (path_after - path_before).reshape(8, -1)
+    assert np.all(np.abs(delta).max(axis=1) > 0), 'every member must change'
+    assert all(not np.allclose(delta[0], delta[i]) for i in range(1, 8)), 'members change differently'
+
+
+@pytest.mark.parametrize('name', ['pmap', 'jit'])
+def test_ensemble_prediction_is_the_mean_of_member_probabilities(name):
+  backend = _backend(name, ensemble_size=16)
+  state = backend.init(steps.member_keys(3, 16))
+  images, labels = _batches(1)
+  out = backend.to_host(backend.eval_step(state, images[0], labels[0]))
+  params = _params(backend.to_canonical(state))
+  member_probs = np.stack([
+      jax.nn.softmax(models.CNN().apply({'params': jax.tree.map(lambda p, i=i: p[i], params)}, images[0]))
+      for i in range(16)])
+  ensemble = member_probs.mean(0)
+  expected_nll = -np.log(ensemble[np.arange(16), labels[0]])
+  np.testing.assert_allclose(out['ensemble_loss'][0], expected_nll, rtol=1e-5)
+  np.testing.assert_allclose(out['ensemble_loss'][15], expected_nll, rtol=1e-5)
+  np.testing.assert_array_equal(out['ensemble_correct'][0], ensemble.argmax(-1) == labels[0])
+  member_nll = -np.log(member_probs[:, np.arange(16), labels[0]])
+  np.testing.assert_allclose(out['member_loss'], member_nll, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize('member_data', ['shared', 'shuffled'])
+def test_pmap_and_jit_train_the_same_members(member_data):
+  pmap_state, pmap_losses = _train(_backend('pmap', member_data=member_data), 8, 3, member_data)
+  jit_state, jit_losses = _train(_backend('jit', member_data=member_data), 8, 3, member_data)
+  np.testing.assert_allclose(pmap_losses, jit_losses, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               _params(pmap_state), _params(jit_state))
+
+
+@pytest.mark.parametrize('name, num_devices', [('pmap', 4), ('jit', 1), ('pmap', 1)])
+def test_member_i_does_not_depend_on_the_device_count(name, num_devices):
+  reference, reference_losses = _train(_backend('jit', ensemble_size=16), 16, 2)
+  state, losses = _train(_backend(name, ensemble_size=16, num_devices=num_devices), 16, 2)
+  np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               _params(state), _params(reference))
+
+
+def test_pmap_canonical_round_trip_keeps_every_member_on_its_device():
+  backend = _backend('pmap', ensemble_size=16)
+  state = backend.init(steps.member_keys(0, 16))
+  canonical = backend.to_canonical(state)
+  leaf = canonical.params['Dense_1']['bias']
+  assert leaf.shape == (16, 10) and leaf.sharding.is_equivalent_to(backends.member_sharding(jax.devices()), 2)
+  again = backend.from_canonical(canonical)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), state, again)
+  assert np.asarray(again.params['Dense_1']['bias']).shape == (8, 2, 10)
