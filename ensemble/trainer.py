@@ -51,18 +51,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple
                             ensemble_size=config.ensemble_size, member_data=config.member_data,
                             input_shape=INPUT_SHAPE)
   ckpt_meta = {'model': config.model, 'ensemble_size': config.ensemble_size}
-  abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=backends.member_sharding(devices)),
-      steps.abstract_ensemble_state(model, tx, config.ensemble_size, INPUT_SHAPE))
 
   # Everything that can refuse the run does so before the workdir is written.
   ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.checkpoints_to_keep)
   start_epoch = ckpt.latest_epoch() or 0
   if start_epoch:
-    state = backend.from_canonical(ckpt.restore(start_epoch, abstract, ckpt_meta))
+    state = backend.from_canonical(ckpt.restore(start_epoch, backend.abstract_state(), ckpt_meta))
     logging.info('Resumed from %s at epoch %d.', ckpt.directory, start_epoch)
   else:
-    state = backend.init(steps.member_keys(config.seed, config.ensemble_size))
+    state = backend.init(config.seed)
 
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:

@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from conftest import synthetic_mnist
@@ -10,7 +11,7 @@ from ensemble.trainer import INPUT_SHAPE
 
 
 def _backend(name, ensemble_size=8, num_devices=8, member_data='shared', learning_rate=0.1):
-  return backends.create(name, model=models.CNN(), tx=steps.optax.sgd(learning_rate, 0.9),
+  return backends.create(name, model=models.CNN(), tx=optax.sgd(learning_rate, 0.9),
                          devices=jax.devices()[:num_devices], ensemble_size=ensemble_size,
                          member_data=member_data, input_shape=INPUT_SHAPE)
 
@@ -24,7 +25,7 @@ def _batches(num_steps, batch=16, ensemble_size=8, member_data='shared'):
 
 
 def _train(backend, ensemble_size, num_steps, member_data='shared', seed=0):
-  state = backend.init(steps.member_keys(seed, ensemble_size))
+  state = backend.init(seed)
   images, labels = _batches(num_steps, ensemble_size=ensemble_size, member_data=member_data)
   losses = []
   for x, y in zip(images, labels):
@@ -39,7 +40,7 @@ def _params(canonical_state):
 
 def test_members_start_different_and_one_pmap_step_changes_each_differently():
   backend = _backend('pmap')
-  state = backend.init(steps.member_keys(0, 8))
+  state = backend.init(0)
   before = _params(backend.to_canonical(state))
   kernel = before['Conv_0']['kernel']
   assert kernel.shape == (8, 3, 3, 1, 32)
@@ -57,7 +58,7 @@ def test_members_start_different_and_one_pmap_step_changes_each_differently():
 @pytest.mark.parametrize('name', ['pmap', 'jit'])
 def test_ensemble_prediction_is_the_mean_of_member_probabilities(name):
   backend = _backend(name, ensemble_size=16)
-  state = backend.init(steps.member_keys(3, 16))
+  state = backend.init(3)
   images, labels = _batches(1)
   out = backend.to_host(backend.eval_step(state, images[0], labels[0]))
   params = _params(backend.to_canonical(state))
@@ -93,7 +94,7 @@ def test_member_i_does_not_depend_on_the_device_count(name, num_devices):
 
 def test_pmap_canonical_round_trip_keeps_every_member_on_its_device():
   backend = _backend('pmap', ensemble_size=16)
-  state = backend.init(steps.member_keys(0, 16))
+  state = backend.init(0)
   canonical = backend.to_canonical(state)
   leaf = canonical.params['Dense_1']['bias']
   assert leaf.shape == (16, 10) and leaf.sharding.is_equivalent_to(backends.member_sharding(jax.devices()), 2)

@@ -57,11 +57,8 @@ def _restore_and_evaluate(config, workdir, backend_name, num_devices):
   model, tx = models.create_model(config.model), steps.create_optimizer(config)
   backend = backends.create(backend_name, model=model, tx=tx, devices=devices, ensemble_size=8,
                             member_data='shared', input_shape=trainer.INPUT_SHAPE)
-  abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=backends.member_sharding(devices)),
-      steps.abstract_ensemble_state(model, tx, 8, trainer.INPUT_SHAPE))
   ckpt = checkpoint.Checkpointer(workdir)
-  state = ckpt.restore(ckpt.latest_epoch(), abstract, {'model': 'cnn', 'ensemble_size': 8})
+  state = ckpt.restore(ckpt.latest_epoch(), backend.abstract_state(), {'model': 'cnn', 'ensemble_size': 8})
   test = trainer.evaluate(backend, backend.from_canonical(state), data.load(config.data_dir)['test'],
                           config.eval_batch_size)
   return state, test

@@ -28,7 +28,24 @@ def member_sharding(devices: Sequence[jax.Device]) -> NamedSharding:
   return NamedSharding(ensemble_mesh(devices), P(ENSEMBLE_AXIS))
 
 
+def abstract_member_state(model, tx, ensemble_size: int, input_shape: Sequence[int],
+                          devices: Sequence[jax.Device]):
+  """The canonical ensemble state as shapes, dtypes and shardings: a restore target."""
+  from ensemble import steps  # pylint: disable=g-import-not-at-top
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=member_sharding(devices)),
+      steps.abstract_ensemble_state(model, tx, ensemble_size, input_shape))
+
+
 def create(name: str, **kwargs):
+  """Builds a backend. Every backend offers:
+
+    init(seed) -> state            abstract_state() -> canonical restore target
+    train_step(state, images, labels) -> (state, metrics)
+    eval_step(state, images, labels) -> per-example outputs
+    to_host(tree) -> numpy, member axis first
+    to_canonical(state), from_canonical(state)
+  """
   # Imported here so that `NAMES` stays importable without building either backend.
   from ensemble.backends import jit, pmap  # pylint: disable=g-import-not-at-top
   backends = {'pmap': pmap.PmapBackend, 'jit': jit.JitBackend}

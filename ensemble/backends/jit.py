@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ensemble import steps
-from ensemble.backends import ENSEMBLE_AXIS, ensemble_mesh, member_sharding
+from ensemble.backends import ENSEMBLE_AXIS, abstract_member_state, ensemble_mesh, member_sharding
 
 
 class JitBackend:
@@ -23,6 +23,7 @@ class JitBackend:
                member_data: str, input_shape: Sequence[int]):
     self.devices = list(devices)
     self.ensemble_size = ensemble_size
+    self._abstract = functools.partial(abstract_member_state, model, tx, ensemble_size, input_shape, devices)
     members = member_sharding(self.devices)
     replicated = NamedSharding(ensemble_mesh(self.devices), P())
     shared = member_data == 'shared'
@@ -40,8 +41,12 @@ class JitBackend:
         in_shardings=(members, replicated, replicated),
         out_shardings=members)
 
-  def init(self, keys: jax.Array) -> steps.TrainState:
+  def init(self, seed: int) -> steps.TrainState:
+    keys = steps.member_keys(seed, self.ensemble_size)
     return self._init(keys)
+
+  def abstract_state(self):
+    return self._abstract()
 
   def train_step(self, state, images: np.ndarray, labels: np.ndarray):
     return self._train(state, images, labels)

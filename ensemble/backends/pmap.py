@@ -13,7 +13,7 @@ from flax import jax_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ensemble import steps
-from ensemble.backends import ENSEMBLE_AXIS, member_sharding
+from ensemble.backends import ENSEMBLE_AXIS, abstract_member_state, member_sharding
 
 _MEMBER_AXIS = 'member'  # the vmapped members on one device
 
@@ -25,6 +25,7 @@ class PmapBackend:
                member_data: str, input_shape: Sequence[int]):
     self.devices = list(devices)
     self.ensemble_size = ensemble_size
+    self._abstract = functools.partial(abstract_member_state, model, tx, ensemble_size, input_shape, devices)
     self.members_per_device = ensemble_size // len(self.devices)
     self._shared_data = member_data == 'shared'
     self._canonical = member_sharding(self.devices)
@@ -41,8 +42,12 @@ class PmapBackend:
   def _by_device(self, x: np.ndarray) -> np.ndarray:
     return x.reshape(len(self.devices), self.members_per_device, *x.shape[1:])
 
-  def init(self, keys: jax.Array) -> steps.TrainState:
+  def init(self, seed: int) -> steps.TrainState:
+    keys = steps.member_keys(seed, self.ensemble_size)
     return self._init(self._by_device(keys))
+
+  def abstract_state(self):
+    return self._abstract()
 
   def train_step(self, state, images: np.ndarray, labels: np.ndarray):
     if self._shared_data:
