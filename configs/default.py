@@ -17,6 +17,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.member_data = 'shared'
   # A folder with the four MNIST IDX files; empty means tensorflow-datasets.
   config.data_dir = ''
+  # 0: the plain path, a host batch per step. N > 0: the fast path, the training set kept
+  # on the devices and N steps run per dispatch with lax.scan (same results).
+  config.steps_per_dispatch = 0
   config.num_epochs = 10
   config.batch_size = 128
   config.eval_batch_size = 1000

@@ -39,6 +39,8 @@ def resolve(config: ml_collections.ConfigDict,
            f'--config.num_devices to a divisor of {k}')
   for name in ('num_epochs', 'batch_size', 'eval_batch_size', 'checkpoints_to_keep'):
     _require(config[name] > 0, f'{name}={config[name]} must be positive')
+  _require(config.steps_per_dispatch >= 0,
+           f'steps_per_dispatch={config.steps_per_dispatch} must be 0 (plain path) or positive (fast path)')
   _require(config.learning_rate > 0, f'learning_rate={config.learning_rate} must be positive')
   _require(0 <= config.momentum < 1, f'momentum={config.momentum} must be in [0, 1)')
   return config, devices

@@ -71,21 +71,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple
   logging.info('Training %d members on %d devices with the %s backend, %d steps per epoch.',
                config.ensemble_size, len(devices), config.backend, steps_per_epoch)
 
+  # The fast path keeps the training set on the devices and runs several steps per dispatch.
+  resident = backend.put_dataset(dataset['train']) if config.steps_per_dispatch else None
+  steps_per_dispatch = config.steps_per_dispatch or 1
   step, summary = start_epoch * steps_per_epoch, {}
   for epoch in range(start_epoch + 1, config.num_epochs + 1):
+    indices = data.train_batch_indices(num_train, config.batch_size, config.seed, epoch,
+                                       config.ensemble_size, config.member_data)
     train_outputs = []
-    batches = data.train_batches(dataset['train'], config.batch_size, config.seed, epoch,
-                                 config.ensemble_size, config.member_data)
-    for images, labels in batches:
+    for start in range(0, len(indices), steps_per_dispatch):
+      chunk = indices[start:start + steps_per_dispatch]
       with jax.profiler.StepTraceAnnotation('train', step_num=step):
-        state, step_metrics = backend.train_step(state, images, labels)
-      # Block on every step: with several simulated CPU devices, a deep queue of
+        state, chunk_metrics = backends.train_chunk(backend, state, dataset['train'], resident, chunk)
+      # Block on every dispatch: with several simulated CPU devices, a deep queue of
       # in-flight multi-device programs starves XLA's collective rendezvous and
       # aborts the process; waiting here costs no throughput (DEVELOPERS.md).
-      train_outputs.append(jax.block_until_ready(step_metrics))
-      step += 1
+      train_outputs.append(jax.block_until_ready(chunk_metrics))
+      step += len(chunk)
       report_progress(step)
-    train_outputs = backend.to_host(jax.tree.map(lambda *xs: np.stack(xs, axis=-1), *train_outputs))
+    train_outputs = jax.tree.map(
+        lambda *xs: np.concatenate([x.reshape(config.ensemble_size, -1) for x in xs], axis=1),
+        *backend.to_host(train_outputs))
     train = metrics.TrainMetrics.single_from_model_output(**train_outputs).compute()
     test = evaluate(backend, state, dataset['test'], config.eval_batch_size)
     summary = _epoch_summary(train, test, epoch)

@@ -101,3 +101,20 @@ def test_pmap_canonical_round_trip_keeps_every_member_on_its_device():
   again = backend.from_canonical(canonical)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), state, again)
   assert np.asarray(again.params['Dense_1']['bias']).shape == (8, 2, 10)
+
+
+@pytest.mark.parametrize('name, member_data', [('pmap', 'shared'), ('jit', 'shuffled')])
+def test_fast_path_matches_the_plain_path(name, member_data):
+  """Resident data and several steps per dispatch (lax.scan) must not change the results."""
+  plain_state, plain_losses = _train(_backend(name, member_data=member_data), 8, 4, member_data)
+  backend = _backend(name, member_data=member_data)
+  images, labels = _batches(4, member_data=member_data)
+  split = {'image': images.reshape(-1, 28, 28, 1), 'label': labels.reshape(-1)}
+  indices = np.arange(len(split['label'])).reshape(labels.shape)
+  state, dataset = backend.init(0), backend.put_dataset(split)
+  state, first = backend.train_steps(state, dataset, indices[:3])
+  state, last = backend.train_steps(state, dataset, indices[3:])
+  losses = np.concatenate([backend.to_host(first)['loss'], backend.to_host(last)['loss']], axis=1)
+  np.testing.assert_allclose(losses, plain_losses.T, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               _params(backend.to_canonical(state)), _params(plain_state))

@@ -42,6 +42,7 @@ def create(name: str, **kwargs):
 
     init(seed) -> state            abstract_state() -> canonical restore target
     train_step(state, images, labels) -> (state, metrics)
+    put_dataset(split) -> resident data;  train_steps(state, resident, indices) -> (state, metrics)
     eval_step(state, images, labels) -> per-example outputs
     to_host(tree) -> numpy, member axis first
     to_canonical(state), from_canonical(state)
@@ -52,3 +53,16 @@ def create(name: str, **kwargs):
   if name not in backends:
     raise UsageError(f'unknown backend {name!r}: set --config.backend to one of {list(NAMES)}')
   return backends[name](**kwargs)
+
+
+def train_chunk(backend, state, split: dict[str, np.ndarray], resident, chunk: np.ndarray):
+  """Trains on the batches whose example indices `chunk` holds, (steps, ...) of them.
+
+  Plain path (`resident` is None): one step, its batch gathered on the host.
+  Fast path (`resident` from `backend.put_dataset`): every step of the chunk in
+  one program. The trainer and the benchmark both go through here.
+  """
+  if resident is not None:
+    return backend.train_steps(state, resident, chunk)
+  (batch,) = chunk
+  return backend.train_step(state, split['image'][batch], split['label'][batch])

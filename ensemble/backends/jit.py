@@ -26,13 +26,19 @@ class JitBackend:
     self._abstract = functools.partial(abstract_member_state, model, tx, ensemble_size, input_shape, devices)
     members = member_sharding(self.devices)
     replicated = NamedSharding(ensemble_mesh(self.devices), P())
-    shared = member_data == 'shared'
-    data_axis, data_sharding = (None, replicated) if shared else (0, members)
+    self._shared_data = member_data == 'shared'
+    data_axis, data_sharding = (None, replicated) if self._shared_data else (0, members)
     create = functools.partial(steps.create_member_state, model=model, tx=tx, input_shape=input_shape)
     self._init = jax.jit(jax.vmap(create), in_shardings=members, out_shardings=members)
     self._train = jax.jit(
         jax.vmap(steps.train_step, in_axes=(0, data_axis, data_axis)),
         in_shardings=(members, data_sharding, data_sharding),
+        out_shardings=(members, members),
+        donate_argnums=0)
+    self._replicated = replicated
+    self._train_steps = jax.jit(
+        jax.vmap(steps.train_steps, in_axes=(0, None, None, data_axis)),
+        in_shardings=(members, replicated, replicated, data_sharding),
         out_shardings=(members, members),
         donate_argnums=0)
     evaluate = functools.partial(steps.eval_step, axis_name=ENSEMBLE_AXIS)
@@ -50,6 +56,16 @@ class JitBackend:
 
   def train_step(self, state, images: np.ndarray, labels: np.ndarray):
     return self._train(state, images, labels)
+
+  def put_dataset(self, split):
+    """The whole training set, replicated on every device, for `train_steps`."""
+    return jax.device_put((split['image'], split['label']), self._replicated)
+
+  def train_steps(self, state, dataset, indices: np.ndarray):
+    """`indices` is (S, batch) for shared data, else (S, K, batch)."""
+    if not self._shared_data:
+      indices = np.moveaxis(indices, 1, 0)
+    return self._train_steps(state, *dataset, indices)
 
   def eval_step(self, state, images: np.ndarray, labels: np.ndarray) -> steps.Metrics:
     return self._eval(state, images, labels)

@@ -36,6 +36,8 @@ class PmapBackend:
     self._init = pmap(jax.vmap(create))
     self._train = pmap(jax.vmap(steps.train_step, in_axes=(0, data_axis, data_axis)),
                        donate_argnums=0)
+    self._train_steps = pmap(jax.vmap(steps.train_steps, in_axes=(0, None, None, data_axis)),
+                             donate_argnums=0)
     evaluate = functools.partial(steps.eval_step, axis_name=(ENSEMBLE_AXIS, _MEMBER_AXIS))
     self._eval = pmap(jax.vmap(evaluate, in_axes=(0, None, None), axis_name=_MEMBER_AXIS))
 
@@ -55,6 +57,18 @@ class PmapBackend:
     else:
       images, labels = self._by_device(images), self._by_device(labels)
     return self._train(state, images, labels)
+
+  def put_dataset(self, split):
+    """The whole training set, one copy per device, for `train_steps`."""
+    return jax_utils.replicate((split['image'], split['label']), self.devices)
+
+  def train_steps(self, state, dataset, indices: np.ndarray):
+    """`indices` is (S, batch) for shared data, else (S, K, batch)."""
+    if self._shared_data:
+      indices = jax_utils.replicate(indices, self.devices)
+    else:
+      indices = self._by_device(np.moveaxis(indices, 1, 0))
+    return self._train_steps(state, *dataset, indices)
 
   def eval_step(self, state, images: np.ndarray, labels: np.ndarray) -> steps.Metrics:
     return self._eval(state, *jax_utils.replicate((images, labels), self.devices))
