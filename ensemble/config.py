@@ -16,6 +16,23 @@ def _require(ok: bool, message: str):
     raise UsageError(message)
 
 
+def _check_single_model(config: ml_collections.ConfigDict):
+  """A mesh backend splits one model over all the devices: an ensemble of one."""
+  backend, model = config.backend, backends.MESH_MODELS[config.backend]
+  example = f"configs/{'mlp' if backend == 'sharded' else backend}.py"
+  _require('mesh_shape' in config,
+           f'backend {backend!r} needs the mesh fields (mesh_shape, ...) of {example}: '
+           f'run with --config={example}')
+  _require(config.model == model,
+           f'backend {backend!r} trains model {model!r}, not {config.model!r}: set --config.model={model}')
+  _require(config.ensemble_size in (0, 1),
+           f'backend {backend!r} trains one model, not an ensemble: set --config.ensemble_size=1, or '
+           'use backend pmap or jit for ensembles')
+  _require(config.member_data == 'shared',
+           f"backend {backend!r} trains one model: set --config.member_data=shared")
+  config.ensemble_size = 1
+
+
 def resolve(config: ml_collections.ConfigDict,
             available: Sequence[jax.Device]) -> tuple[ml_collections.ConfigDict, list[jax.Device]]:
   """Returns a validated copy of `config` with `ensemble_size` filled in, and the devices to use."""
@@ -30,10 +47,13 @@ def resolve(config: ml_collections.ConfigDict,
            '--cpu_devices=N to simulate N CPU devices')
   devices = list(available[:config.num_devices or len(available)])
   num_devices = len(devices)
-  if config.ensemble_size == 0:
+  single_model = config.backend in backends.MESH_MODELS
+  if single_model:
+    _check_single_model(config)
+  elif config.ensemble_size == 0:
     config.ensemble_size = num_devices
   k = config.ensemble_size
-  _require(k > 0 and k % num_devices == 0,
+  _require(single_model or (k > 0 and k % num_devices == 0),
            f'ensemble_size={k} cannot be placed on {num_devices} devices: use a multiple of '
            f'{num_devices} ({num_devices}, {2 * num_devices}, {4 * num_devices}, ...), or set '
            f'--config.num_devices to a divisor of {k}')

@@ -4,6 +4,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from ensemble.errors import UsageError
+from ensemble.parallel import fsdp, mlp
 
 
 class CNN(nn.Module):
@@ -21,10 +22,15 @@ class CNN(nn.Module):
     return nn.Dense(features=self.num_classes)(x)
 
 
-MODELS = {'cnn': CNN}
+MODELS = {'cnn': CNN, 'mlp': mlp.MLP, 'classifier': fsdp.Classifier}
 
 
-def create_model(name: str) -> nn.Module:
+def create_model(name: str, config=None) -> nn.Module:
+  """The model `name`; the MLP and the classifier take their sizes from `config`."""
   if name not in MODELS:
     raise UsageError(f'unknown model {name!r}: set --config.model to one of {sorted(MODELS)}')
+  if name == 'mlp':
+    return mlp.MLP(config.num_layers, config.depth, use_scan=config.use_scan, logical=config.logical)
+  if name == 'classifier':
+    return fsdp.Classifier(config.num_layers, config.depth, dropout_rate=config.dropout_rate)
   return MODELS[name]()

@@ -46,10 +46,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple
   if config.batch_size > num_train:
     raise UsageError(f'batch_size={config.batch_size} exceeds the {num_train} training examples; '
                      'lower --config.batch_size')
-  model, tx = models.create_model(config.model), steps.create_optimizer(config)
+  model, tx = models.create_model(config.model, config), steps.create_optimizer(config)
   backend = backends.create(config.backend, model=model, tx=tx, devices=devices,
                             ensemble_size=config.ensemble_size, member_data=config.member_data,
-                            input_shape=INPUT_SHAPE)
+                            input_shape=INPUT_SHAPE, config=config)
   ckpt_meta = {'model': config.model, 'ensemble_size': config.ensemble_size}
 
   # Everything that can refuse the run does so before the workdir is written.

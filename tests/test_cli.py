@@ -31,7 +31,8 @@ def test_cli_trains_and_resumes(mnist_dir, tmp_path):
 
 
 @pytest.mark.parametrize('args, message', [
-    (['--config.backend=tpu'], "error: unknown backend 'tpu': set --config.backend to one of ['pmap', 'jit']"),
+    (['--config.backend=tpu'],
+     "error: unknown backend 'tpu': set --config.backend to one of ['pmap', 'jit', 'sharded', 'dp', 'fsdp']"),
     (['--config.ensemble_size=3'], 'error: ensemble_size=3 cannot be placed on 2 devices'),
     (['--config.data_dir=/nonexistent'], 'error: /nonexistent: not a folder'),
 ])

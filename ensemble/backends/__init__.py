@@ -16,7 +16,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ensemble.errors import UsageError
 
 ENSEMBLE_AXIS = 'ensemble'
-NAMES = ('pmap', 'jit')
+NAMES = ('pmap', 'jit', 'sharded', 'dp', 'fsdp')
+# The mesh backends (backends/sharded.py) train one model, not an ensemble, and
+# each trains the model its placement is written for.
+MESH_MODELS = {'sharded': 'mlp', 'dp': 'classifier', 'fsdp': 'classifier'}
 
 
 def ensemble_mesh(devices: Sequence[jax.Device]) -> Mesh:
@@ -37,7 +40,7 @@ def abstract_member_state(model, tx, ensemble_size: int, input_shape: Sequence[i
       steps.abstract_ensemble_state(model, tx, ensemble_size, input_shape))
 
 
-def create(name: str, **kwargs):
+def create(name: str, *, config=None, **kwargs):
   """Builds a backend. Every backend offers:
 
     init(seed) -> state            abstract_state() -> canonical restore target
@@ -46,12 +49,16 @@ def create(name: str, **kwargs):
     eval_step(state, images, labels) -> per-example outputs
     to_host(tree) -> numpy, member axis first
     to_canonical(state), from_canonical(state)
+
+  The mesh backends also read their mesh and step options from `config`.
   """
-  # Imported here so that `NAMES` stays importable without building either backend.
-  from ensemble.backends import jit, pmap  # pylint: disable=g-import-not-at-top
-  backends = {'pmap': pmap.PmapBackend, 'jit': jit.JitBackend}
+  # Imported here so that `NAMES` stays importable without building any backend.
+  from ensemble.backends import jit, pmap, sharded  # pylint: disable=g-import-not-at-top
+  backends = {'pmap': pmap.PmapBackend, 'jit': jit.JitBackend, **sharded.BACKENDS}
   if name not in backends:
     raise UsageError(f'unknown backend {name!r}: set --config.backend to one of {list(NAMES)}')
+  if name in MESH_MODELS:
+    kwargs['config'] = config
   return backends[name](**kwargs)
 
 

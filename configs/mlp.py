@@ -1,0 +1,28 @@
+"""One MLP split over a 2-D ('data', 'model') mesh: batches over 'data', hidden units over 'model'.
+
+  python -m ensemble.train --workdir=/tmp/mlp --config=configs/mlp.py --cpu_devices=8 \
+      [--config.mesh_shape='(4, 2)'] [--config.logical=True]
+"""
+
+from configs import default
+
+
+def get_config():
+  config = default.get_config()
+  config.backend = 'sharded'
+  config.model = 'mlp'
+  # (data, model) devices; their product must be the device count. One entry may be -1.
+  config.mesh_shape = (2, 4)
+  # DotReluDot blocks of `depth` hidden units; the model axis must divide `depth`.
+  config.num_layers = 2
+  config.depth = 512
+  # Stack the blocks with nn.scan: one compiled layer instead of num_layers.
+  config.use_scan = False
+  # Annotate with logical axes ('batch', 'hidden', ...) and map them onto the mesh with these
+  # rules, instead of naming mesh axes in the model. The default rules give the same layout.
+  config.logical = False
+  config.logical_axis_rules = (('batch', 'data'), ('hidden', 'model'))
+  # Half the CNN's: without residual connections the blocks train unsteadily at 0.1.
+  config.learning_rate = 0.05
+  config.num_epochs = 3
+  return config

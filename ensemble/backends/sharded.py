@@ -1,0 +1,216 @@
+"""The mesh backends: one model, not an ensemble, split over a ('data', 'model') device mesh.
+
+- 'sharded': `jax.jit` with the shardings the model's parameter annotations ask
+  for (the MLP: batch over 'data', hidden units over 'model'); XLA's SPMD
+  partitioner inserts the collectives.
+- 'dp' and 'fsdp': `shard_map` over 'data' with explicit collectives
+  (`parallel.fsdp`): parameters and optimizer state replicated, or sharded.
+
+The state lives in its sharded layout, which is also the checkpoint layout:
+every leaf one global array of the model's full shape, so a checkpoint
+restores onto any mesh whose axes divide it, and an FSDP checkpoint resumes
+under DP. To the trainer the model is an ensemble of one: outputs carry a
+leading member axis of size 1, and its ensemble metrics apply unchanged.
+"""
+
+import contextlib
+import functools
+import math
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from absl import logging
+from flax import traverse_util
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ensemble import steps
+from ensemble.backends import ENSEMBLE_AXIS, jit
+from ensemble.errors import UsageError
+from ensemble.parallel import DATA_AXIS, MESH_AXES, fsdp, mlp
+
+
+def make_mesh(mesh_shape: Sequence[int], devices: Sequence[jax.Device]) -> Mesh:
+  """The ('data', 'model') mesh; one entry of `mesh_shape` may be -1: whatever the devices leave."""
+  n = len(devices)
+  fix = (f'set --config.mesh_shape to a (data, model) pair whose product is {n}, e.g. ({n}, 1) or '
+         f'(-1, 1), or use --config.num_devices')
+  shape = tuple(mesh_shape) if isinstance(mesh_shape, (tuple, list)) else (mesh_shape,)
+  if (len(shape) != 2 or not all(isinstance(s, int) for s in shape)
+      or not all(s > 0 or s == -1 for s in shape) or shape == (-1, -1)):
+    raise UsageError(f'mesh_shape={mesh_shape!r} is not a (data, model) pair of positive sizes; {fix}')
+  if -1 in shape:
+    known = max(shape)
+    if n % known:
+      raise UsageError(f'mesh_shape={mesh_shape!r}: {known} does not divide the {n} devices in use; {fix}')
+    shape = tuple(n // known if s == -1 else s for s in shape)
+  if math.prod(shape) != n:
+    raise UsageError(f'mesh_shape={tuple(mesh_shape)} has {math.prod(shape)} devices but {n} are in use; '
+                     f'{fix}')
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def bytes_on_device(tree: Any, device: jax.Device) -> int:
+  """What `tree`'s arrays hold on `device`, read from their addressable shards."""
+  return sum(shard.data.nbytes for x in jax.tree.leaves(tree) for shard in x.addressable_shards
+             if shard.device == device)
+
+
+def _abstract(state: Any, shardings: Any) -> Any:
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+
+
+def _ensemble_of_one(eval_step):
+  """`steps.eval_step` over a member axis of size 1, so the outputs are (1, batch) like an ensemble's."""
+  evaluate = functools.partial(eval_step, axis_name=ENSEMBLE_AXIS)
+  return jax.vmap(evaluate, in_axes=(None, None, None), axis_size=1, axis_name=ENSEMBLE_AXIS)
+
+
+def _with_member_axis(metrics: steps.Metrics) -> steps.Metrics:
+  return {name: value[None] for name, value in metrics.items()}
+
+
+def _train_step(state, images, labels):
+  state, metrics = steps.train_step(state, images, labels)
+  return state, _with_member_axis(metrics)
+
+
+class _MeshBackend:
+  """What the mesh backends share: the mesh, batches split over 'data', the trainer's interface."""
+
+  def __init__(self, *, devices: Sequence[jax.Device], config, ensemble_size: int, member_data: str):
+    del ensemble_size, member_data  # one model, shared batches: config.resolve checked both
+    self.mesh = make_mesh(config.mesh_shape, devices)
+    data = self.mesh.shape[DATA_AXIS]
+    for name in ('batch_size', 'eval_batch_size'):
+      if config[name] % data:
+        raise UsageError(f'{name}={config[name]} cannot be split over the {data} devices of the data axis; '
+                         f'set --config.{name} to a multiple of {data}')
+    self._batch = NamedSharding(self.mesh, P(DATA_AXIS))
+    self._replicated = NamedSharding(self.mesh, P())
+    self._outputs = NamedSharding(self.mesh, P(None, DATA_AXIS))  # (member, example)
+    self._rules = None  # logical axis rules, for models annotated with logical axes
+
+  def _context(self):
+    """Where the model's sharding constraints find the mesh (and logical rules) when traced."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(self.mesh))
+    if self._rules is not None:
+      stack.enter_context(nn.logical_axis_rules(self._rules))
+    return stack
+
+  def _log_bytes(self, state):
+    device = self.mesh.devices.flat[0]
+    logging.info('Per device: %d parameter bytes, %d optimizer-state bytes (%s mesh %s).',
+                 bytes_on_device(state.params, device), bytes_on_device(state.opt_state, device),
+                 type(self).__name__, dict(self.mesh.shape))
+
+  def init(self, seed: int) -> steps.TrainState:
+    with self._context():
+      state = self._init(steps.member_keys(seed, 1)[0])
+    self._log_bytes(state)
+    return state
+
+  def abstract_state(self):
+    return self._abstract
+
+  def train_step(self, state, images: np.ndarray, labels: np.ndarray):
+    with self._context():
+      return self._train(state, images, labels)
+
+  def eval_step(self, state, images: np.ndarray, labels: np.ndarray) -> steps.Metrics:
+    with self._context():
+      return self._eval(state, images, labels)
+
+  # As under the jit backend, the state already is global arrays in their checkpoint layout.
+  to_host = jit.JitBackend.to_host
+  to_canonical = jit.JitBackend.to_canonical
+  from_canonical = jit.JitBackend.from_canonical
+
+
+class AnnotatedBackend(_MeshBackend):
+  """`jax.jit` with each parameter sharded as its annotation asks ('sharded')."""
+
+  def __init__(self, *, model, tx, devices, input_shape, config, **kwargs):
+    super().__init__(devices=devices, config=config, **kwargs)
+    if config.logical:
+      self._rules = mlp.check_rules(config.logical_axis_rules)
+    create = functools.partial(steps.create_member_state, model=model, tx=tx, input_shape=input_shape)
+    with self._context():
+      boxed = jax.eval_shape(create, jax.random.key(0))
+    specs = nn.get_partition_spec(boxed)
+    shardings = (nn.logical_to_mesh_sharding(specs, self.mesh, self._rules) if config.logical
+                 else nn.get_sharding(boxed, self.mesh))
+    state = nn.meta.unbox(boxed)
+    self._check_divisible(state.params, shardings.params)
+    self._abstract = _abstract(state, shardings)
+    # The state is created sharded: no device ever holds all the parameters.
+    self._init = jax.jit(lambda key: nn.meta.unbox(create(key)), out_shardings=shardings)
+    self._train = jax.jit(_train_step, in_shardings=(shardings, self._batch, self._batch),
+                          out_shardings=(shardings, self._replicated), donate_argnums=0)
+    self._eval = jax.jit(_ensemble_of_one(steps.eval_step),
+                         in_shardings=(shardings, self._batch, self._batch), out_shardings=self._outputs)
+
+  def _check_divisible(self, params, shardings):
+    flat_params = traverse_util.flatten_dict(params, sep='/')
+    for path, sharding in traverse_util.flatten_dict(shardings, sep='/').items():
+      shape = flat_params[path].shape
+      for dim, axes in enumerate(sharding.spec):
+        devices = math.prod(self.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+        if shape[dim] % devices:
+          raise UsageError(f'params/{path} has shape {shape}: its dimension {dim} cannot be split over '
+                           f'{devices} devices of mesh axis {axes!r}; set --config.depth to a multiple of '
+                           f'{devices}, or change --config.mesh_shape')
+
+
+class ShardMapBackend(_MeshBackend):
+  """`shard_map` over 'data': replicated parameters ('dp') or sharded ones ('fsdp')."""
+
+  def __init__(self, *, model, tx, devices, input_shape, config, shard_params: bool, **kwargs):
+    super().__init__(devices=devices, config=config, **kwargs)
+    if self.mesh.shape[DATA_AXIS] != len(devices):
+      raise UsageError(f'mesh_shape={tuple(config.mesh_shape)}: dp and fsdp split over the data axis only; '
+                       f'set --config.mesh_shape=({len(devices)}, 1)')
+    per_device = config.batch_size // self.mesh.shape[DATA_AXIS]
+    if config.num_minibatches < 1 or per_device % config.num_minibatches:
+      raise UsageError(f'num_minibatches={config.num_minibatches} does not divide the {per_device} examples '
+                       f'each device gets per step; set --config.num_minibatches to a divisor of '
+                       f'{per_device}')
+    if shard_params:
+      model = model.clone(fsdp_axis=DATA_AXIS, min_weight_size=config.min_weight_size)
+    shard = functools.partial(jax.shard_map, mesh=self.mesh, check_vma=False)
+    create = functools.partial(steps.create_member_state, model=model, tx=tx, input_shape=input_shape)
+    # One device's view of the state: boxes name the axis of every sharded weight.
+    local = jax.eval_shape(shard(create, in_specs=P(), out_specs=P()), jax.random.key(0))
+    specs = nn.get_partition_spec(local)
+    # Inside shard_map a step sees its device's slices, boxed again so the model knows to gather them.
+    rebox = functools.partial(fsdp.rebox, local)
+
+    def train(state, images, labels):
+      state, metrics = fsdp.train_step(
+          rebox(state), images, labels, axis_name=DATA_AXIS, num_minibatches=config.num_minibatches,
+          dropout_key=jax.random.key(config.seed))
+      return fsdp.unbox(state), _with_member_axis(metrics)
+
+    def evaluate(state, images, labels):
+      return _ensemble_of_one(steps.eval_step)(rebox(state), images, labels)
+
+    init = shard(lambda key: fsdp.unbox(create(key)), in_specs=P(), out_specs=specs)
+    shardings = nn.get_sharding(local, self.mesh)
+    self._abstract = _abstract(jax.eval_shape(init, jax.random.key(0)), shardings)
+    self._init = jax.jit(init, out_shardings=shardings)
+    self._train = jax.jit(
+        shard(train, in_specs=(specs, P(DATA_AXIS), P(DATA_AXIS)), out_specs=(specs, P())),
+        in_shardings=(shardings, self._batch, self._batch), out_shardings=(shardings, self._replicated),
+        donate_argnums=0)
+    self._eval = jax.jit(shard(evaluate, in_specs=(specs, P(DATA_AXIS), P(DATA_AXIS)),
+                               out_specs=P(None, DATA_AXIS)),
+                         in_shardings=(shardings, self._batch, self._batch), out_shardings=self._outputs)
+
+
+BACKENDS = {
+    'sharded': AnnotatedBackend,
+    'dp': functools.partial(ShardMapBackend, shard_params=False),
+    'fsdp': functools.partial(ShardMapBackend, shard_params=True),
+}

@@ -1,0 +1,171 @@
+"""Data parallelism inside `shard_map`, plain (DP) or fully sharded (FSDP).
+
+Both run the same step on every device of the 'data' axis, each on its slice
+of the batch. DP keeps a full copy of the parameters and optimizer state on
+every device and averages the gradients with `pmean`. FSDP keeps 1/N of each
+large weight per device: a layer all-gathers its weights just before it runs,
+and the gradient of that gather is a reduce-scatter, so every device ends up
+with the mean gradient of its own slice only and updates only that slice
+(and only that slice of the optimizer state). The two follow the same
+trajectory; FSDP trades two collectives per layer for N times less memory.
+"""
+
+import functools
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ensemble import steps
+
+PyTree = Any
+
+
+def _is_partitioned(x) -> bool:
+  return isinstance(x, nn.Partitioned)
+
+
+def unbox(tree: PyTree) -> PyTree:
+  """The arrays inside the boxes, as stored.
+
+  Unlike `nn.meta.unbox` (and `nn.meta.replace_boxed`), `unbox` and `rebox` add
+  no sharding constraint: inside `shard_map` the mesh axes are manual and
+  refuse one.
+  """
+  return jax.tree.map(lambda x: x.value if _is_partitioned(x) else x, tree, is_leaf=_is_partitioned)
+
+
+def rebox(template: PyTree, tree: PyTree) -> PyTree:
+  """`tree`'s arrays in the boxes of `template`: undoes `unbox`."""
+  return jax.tree.map(lambda box, x: box.replace_boxed(x) if _is_partitioned(box) else x,
+                      template, tree, is_leaf=_is_partitioned)
+
+
+def shard_params(params: PyTree, axis_name: str, min_weight_size: int) -> PyTree:
+  """Keeps this device's slice of every weight of at least `min_weight_size` values.
+
+  A weight is split along its largest dimension that the axis divides and
+  wrapped in `nn.Partitioned` naming the axis there, which tells
+  `gather_params` what to gather and `shard_map` how the global array is laid
+  out. Smaller weights stay replicated: gathering them would cost more than
+  storing them.
+  """
+  index, size = jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
+
+  def split(x):
+    value, names = (x.value, x.names) if _is_partitioned(x) else (x, (None,) * x.ndim)
+    if axis_name in names or value.size < min_weight_size:
+      return x
+    for dim in sorted(range(value.ndim), key=lambda d: -value.shape[d]):
+      if names[dim] is None and value.shape[dim] % size == 0:
+        part = value.shape[dim] // size
+        return nn.Partitioned(jax.lax.dynamic_slice_in_dim(value, index * part, part, axis=dim),
+                              names=names[:dim] + (axis_name,) + names[dim + 1:])
+    return x  # no dimension the axis divides: replicated
+
+  return jax.tree.map(split, params, is_leaf=_is_partitioned)
+
+
+def _all_gather_with_mean_grads(x: jnp.ndarray, axis: int, axis_name: str) -> jnp.ndarray:
+  """all_gather whose gradient is each slice's mean gradient over the devices.
+
+  The plain transpose of all_gather sums the devices' gradients; data
+  parallelism wants their mean, and folding the division into the
+  reduce-scatter saves a separate pmean.
+  """
+  size = jax.lax.axis_size(axis_name)
+
+  @jax.custom_gradient
+  def gather(x):
+    def grad(g):
+      return jax.lax.psum_scatter(g, axis_name, scatter_dimension=axis, tiled=True) / size
+    return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True), grad
+
+  return gather(x)
+
+
+def gather_params(params: PyTree, axis_name: str) -> PyTree:
+  """The full weights for compute, from the slices `shard_params` kept."""
+  def gather(p):
+    if not (_is_partitioned(p) and axis_name in p.names):
+      return p
+    axis = p.names.index(axis_name)
+    value = _all_gather_with_mean_grads(p.value, axis, axis_name)
+    names = p.names[:axis] + (None,) + p.names[axis + 1:]
+    return nn.Partitioned(value, names) if any(n is not None for n in names) else value
+
+  return jax.tree.map(gather, params, is_leaf=_is_partitioned)
+
+
+def shard_module_params(target: Callable, axis_name: str, min_weight_size: int) -> Callable:
+  """`target` (a Module class) whose parameters are stored sharded and gathered when it runs."""
+  return nn.map_variables(
+      target, mapped_collections='params', mutable=True,
+      trans_in_fn=functools.partial(gather_params, axis_name=axis_name),
+      trans_out_fn=functools.partial(shard_params, axis_name=axis_name, min_weight_size=min_weight_size))
+
+
+class Classifier(nn.Module):
+  """Flattened pixels -> `num_layers` x (Dense, SiLU, dropout) -> 10 classes.
+
+  With `fsdp_axis` set, every Dense layer stores its weights sharded over
+  that axis; the parameter tree (names, shapes, initial values) is the same
+  either way, so DP and FSDP checkpoints are interchangeable.
+  """
+  num_layers: int = 1
+  depth: int = 512
+  dropout_rate: float = 0.0
+  num_classes: int = 10
+  fsdp_axis: str | None = None
+  min_weight_size: int = 2**18
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+    dense = nn.Dense
+    if self.fsdp_axis is not None:
+      dense = shard_module_params(nn.Dense, self.fsdp_axis, self.min_weight_size)
+    x = x.reshape((x.shape[0], -1))
+    for i in range(self.num_layers):
+      x = nn.silu(dense(self.depth, name=f'hidden_{i}')(x))
+      x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
+    return dense(self.num_classes, name='head')(x)
+
+
+def sync_gradients(grads: PyTree, axis_name: str) -> PyTree:
+  """Averages the gradients of replicated weights; sharded ones are averaged by their gather already."""
+  def sync(g):
+    if _is_partitioned(g) and axis_name in g.names:
+      return g
+    return jax.lax.pmean(g, axis_name)
+  return jax.tree.map(sync, grads, is_leaf=_is_partitioned)
+
+
+def train_step(state: steps.TrainState, images: jnp.ndarray, labels: jnp.ndarray, *, axis_name: str,
+               num_minibatches: int, dropout_key: jax.Array) -> tuple[steps.TrainState, steps.Metrics]:
+  """One SGD step on the global batch, of which this device holds its slice.
+
+  The slice is processed in `num_minibatches` chunks whose gradients are
+  averaged (memory for activations scales with the chunk). Dropout keys are
+  a function of (dropout_key, step, device index on the data axis, chunk):
+  every device drops different units, and a rerun drops the same ones.
+  """
+  key = jax.random.fold_in(jax.random.fold_in(dropout_key, state.step), jax.lax.axis_index(axis_name))
+
+  def loss_fn(params, images, labels, key):
+    logits = state.apply_fn({'params': params}, images, train=True, rngs={'dropout': key})
+    return steps.cross_entropy(logits, labels).mean(), jnp.mean(jnp.argmax(logits, -1) == labels)
+
+  def minibatch(grads, chunk):
+    images, labels, index = chunk
+    (loss, accuracy), chunk_grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params, images, labels, jax.random.fold_in(key, index))
+    return jax.tree.map(jnp.add, grads, chunk_grads), (loss, accuracy)
+
+  chunks = (images.reshape(num_minibatches, -1, *images.shape[1:]),
+            labels.reshape(num_minibatches, -1), jnp.arange(num_minibatches))
+  zeros = jax.tree.map(jnp.zeros_like, state.params)
+  grads, (losses, accuracies) = jax.lax.scan(minibatch, zeros, chunks)
+  grads = sync_gradients(jax.tree.map(lambda g: g / num_minibatches, grads), axis_name)
+  metrics = jax.lax.pmean({'loss': losses.mean(), 'accuracy': accuracies.mean()}, axis_name)
+  return state.apply_gradients(grads=grads), metrics

@@ -1,0 +1,115 @@
+"""An MNIST MLP split over a ('data', 'model') mesh by sharding annotations (Flax's scale-up guide).
+
+Every weight says how each of its dimensions is split, and the activations
+between layers are constrained the same way; `jax.jit` turns the annotations
+into `NamedSharding`s and XLA's SPMD partitioner inserts the collectives.
+
+The annotations come in two spellings, chosen by `logical`:
+- mesh axes, written into the model (`nn.with_partitioning`,
+  `jax.lax.with_sharding_constraint`): the least indirection;
+- logical axes ('batch', 'hidden', ...; `nn.with_logical_partitioning`,
+  `nn.with_logical_constraint`) that `logical_axis_rules` map onto the mesh:
+  another layout is a config change, not a model change.
+Under `DEFAULT_RULES` the two give the same shardings.
+"""
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from ensemble.errors import UsageError
+from ensemble.parallel import DATA_AXIS, MESH_AXES, MODEL_AXIS
+
+LOGICAL_AXES = ('batch', 'pixels', 'embed', 'hidden', 'classes', 'layer')
+# What the mesh-axis spelling writes out: the batch over 'data', the hidden units over 'model'.
+DEFAULT_RULES = (('batch', DATA_AXIS), ('hidden', MODEL_AXIS))
+
+Names = Sequence[str | None]
+
+
+def _partitioned(init, logical: bool, logical_names: Names, mesh_names: Names):
+  if logical:
+    return nn.with_logical_partitioning(init, tuple(logical_names))
+  return nn.with_partitioning(init, tuple(mesh_names))
+
+
+def _constrain(x: jnp.ndarray, logical: bool, logical_names: Names, mesh_names: Names) -> jnp.ndarray:
+  if logical:
+    return nn.with_logical_constraint(x, tuple(logical_names))
+  return jax.lax.with_sharding_constraint(x, P(*mesh_names))
+
+
+class DotReluDot(nn.Module):
+  """relu(x W1) W2 with W1 split by columns and W2 by rows over 'model'.
+
+  Each device computes its slice of the hidden units and a partial product;
+  one all-reduce over 'model' sums those into z. Returns (z, None) so that
+  `nn.scan` can stack the layers.
+  """
+  depth: int
+  logical: bool = False
+  dense_init: nn.initializers.Initializer = nn.initializers.xavier_normal()
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray) -> tuple[jnp.ndarray, None]:
+    w1_init = _partitioned(self.dense_init, self.logical, ('embed', 'hidden'), (None, MODEL_AXIS))
+    y = nn.Dense(self.depth, use_bias=False, kernel_init=w1_init)(x)
+    y = _constrain(jax.nn.relu(y), self.logical, ('batch', 'hidden'), (DATA_AXIS, MODEL_AXIS))
+    w2_init = _partitioned(self.dense_init, self.logical, ('hidden', 'embed'), (MODEL_AXIS, None))
+    w2 = self.param('W2', w2_init, (self.depth, x.shape[-1]))
+    z = _constrain(jnp.dot(y, w2), self.logical, ('batch', 'embed'), (DATA_AXIS, None))
+    return z, None
+
+
+class MLP(nn.Module):
+  """784 pixels -> depth, `num_layers` DotReluDot blocks of width `depth`, -> 10 classes.
+
+  The input projection and the head are small and stay replicated; the blocks
+  hold most of the weights and are split over 'model'. With `use_scan` the
+  blocks are one `nn.scan` (one compiled layer, weights stacked on a leading
+  'layer' axis that stays unsplit).
+  """
+  num_layers: int
+  depth: int
+  use_scan: bool = False
+  logical: bool = False
+  num_classes: int = 10
+
+  def _dense(self, features: int, logical_names: Names, name: str) -> nn.Dense:
+    return nn.Dense(
+        features, name=name,
+        kernel_init=_partitioned(nn.initializers.lecun_normal(), self.logical, logical_names, (None, None)),
+        bias_init=_partitioned(nn.initializers.zeros_init(), self.logical, logical_names[1:], (None,)))
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    x = x.reshape((x.shape[0], -1))
+    x = _constrain(x, self.logical, ('batch', 'pixels'), (DATA_AXIS, None))
+    x = self._dense(self.depth, ('pixels', 'embed'), 'input')(x)
+    if self.use_scan:
+      blocks = nn.scan(DotReluDot, length=self.num_layers, variable_axes={'params': 0},
+                       split_rngs={'params': True},
+                       metadata_params={nn.PARTITION_NAME: 'layer' if self.logical else None})
+      x, _ = blocks(self.depth, self.logical, name='blocks')(x)
+    else:
+      for i in range(self.num_layers):
+        x, _ = DotReluDot(self.depth, self.logical, name=f'block_{i}')(x)
+    return self._dense(self.num_classes, ('embed', 'classes'), 'head')(x)
+
+
+def check_rules(rules) -> tuple[tuple[str, str | None], ...]:
+  """The rules as a tuple of pairs, or a UsageError naming the first axis nobody knows."""
+  fix = f'logical axes are {list(LOGICAL_AXES)}, mesh axes {list(MESH_AXES)} or None'
+  try:
+    rules = tuple((logical, mesh) for logical, mesh in rules)
+  except (TypeError, ValueError):
+    raise UsageError(f'logical_axis_rules={rules!r} must be (logical axis, mesh axis) pairs; {fix}') from None
+  for logical, mesh in rules:
+    if logical not in LOGICAL_AXES:
+      raise UsageError(f'logical_axis_rules name an unknown logical axis {logical!r}; {fix}')
+    if mesh is not None and mesh not in MESH_AXES:
+      raise UsageError(f'logical_axis_rules map {logical!r} to an unknown mesh axis {mesh!r}; {fix}')
+  return rules
