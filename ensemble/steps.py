@@ -49,15 +49,16 @@ def train_step(state: TrainState, images: jnp.ndarray, labels: jnp.ndarray) -> t
 
 
 def train_steps(state: TrainState, images: jnp.ndarray, labels: jnp.ndarray,
-                indices: jnp.ndarray) -> tuple[TrainState, Metrics]:
+                indices: jnp.ndarray, step_fn=train_step) -> tuple[TrainState, Metrics]:
   """`len(indices)` train steps in one program, each batch gathered from a resident training set.
 
   The fast path: the training set stays on the device, so a step costs one
   gather instead of a host-to-device copy, and one dispatch and one host sync
-  serve many steps. Each step is `train_step`, so results match the plain path.
+  serve many steps. Each step is `step_fn` (`train_step`, or the data-parallel
+  step of `parallel.fsdp`), so results match the plain path.
   """
   def step(state, batch_indices):
-    return train_step(state, images[batch_indices], labels[batch_indices])
+    return step_fn(state, images[batch_indices], labels[batch_indices])
   return jax.lax.scan(step, state, indices)
 
 

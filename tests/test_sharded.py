@@ -46,13 +46,16 @@ def _backend(config, num_devices=8):
                          config=config)
 
 
+def _split(num_examples):
+  (images, labels), _ = synthetic_mnist(num_train=num_examples)
+  return {'image': (images[..., None] / 255).astype(np.float32), 'label': labels.astype(np.int32)}
+
+
 def _train(backend, num_steps=3, batch=32):
-  (images, labels), _ = synthetic_mnist(num_train=num_steps * batch)
-  images = (images[..., None] / 255).astype(np.float32).reshape(num_steps, batch, 28, 28, 1)
-  labels = labels.astype(np.int32).reshape(num_steps, batch)
+  split = _split(num_steps * batch)
   state, losses = backend.init(0), []
-  for x, y in zip(images, labels):
-    state, metrics = backend.train_step(state, x, y)
+  for idx in np.arange(num_steps * batch).reshape(num_steps, batch):
+    state, metrics = backend.train_step(state, split['image'][idx], split['label'][idx])
     losses.append(backend.to_host(metrics)['loss'])
   return state, np.concatenate(losses)
 
@@ -151,6 +154,23 @@ def test_fsdp_follows_dp_with_an_eighth_of_its_large_weights_per_device():
     assert sharded.bytes_on_device(dp_large, device) == sum(x.nbytes for x in dp_large)
     assert sharded.bytes_on_device(fsdp_large, device) * 8 == sharded.bytes_on_device(dp_large, device)
     assert sharded.bytes_on_device(fsdp_small, device) == sum(x.nbytes for x in fsdp_small)
+
+
+@pytest.mark.parametrize('config', [_mlp_config(), _classifier_config('fsdp', dropout_rate=0.1)],
+                         ids=['sharded', 'fsdp'])
+def test_fast_path_matches_the_plain_path(config):
+  """The training set resident on the mesh and several steps per dispatch: the same steps."""
+  plain_state, plain_losses = _train(_backend(config), num_steps=4)
+  backend = _backend(config)
+  indices = np.arange(4 * 32).reshape(4, 32)
+  state, dataset = backend.init(0), backend.put_dataset(_split(4 * 32))
+  state, first = backend.train_steps(state, dataset, indices[:3])
+  state, last = backend.train_steps(state, dataset, indices[3:])
+  losses = np.concatenate([backend.to_host(first)['loss'], backend.to_host(last)['loss']], axis=1)
+  assert losses.shape == (1, 4)
+  np.testing.assert_allclose(losses[0], plain_losses, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               _params(state), _params(plain_state))
 
 
 @pytest.mark.parametrize('first, then', [

@@ -76,6 +76,11 @@ def _train_step(state, images, labels):
   return state, _with_member_axis(metrics)
 
 
+def _train_steps(state, images, labels, indices):
+  state, metrics = steps.train_steps(state, images, labels, indices)
+  return state, _with_member_axis(metrics)
+
+
 class _MeshBackend:
   """What the mesh backends share: the mesh, batches split over 'data', the trainer's interface."""
 
@@ -89,7 +94,8 @@ class _MeshBackend:
                          f'set --config.{name} to a multiple of {data}')
     self._batch = NamedSharding(self.mesh, P(DATA_AXIS))
     self._replicated = NamedSharding(self.mesh, P())
-    self._outputs = NamedSharding(self.mesh, P(None, DATA_AXIS))  # (member, example)
+    # Examples on the second axis: (member, example) outputs, (step, example) batch indices.
+    self._by_column = NamedSharding(self.mesh, P(None, DATA_AXIS))
     self._rules = None  # logical axis rules, for models annotated with logical axes
 
   def _context(self):
@@ -119,11 +125,18 @@ class _MeshBackend:
     with self._context():
       return self._train(state, images, labels)
 
+  def train_steps(self, state, dataset, indices: np.ndarray):
+    """The fast path: `indices` (S, batch) of the resident `dataset`, S steps in one program."""
+    with self._context():
+      return self._train_steps(state, *dataset, indices)
+
   def eval_step(self, state, images: np.ndarray, labels: np.ndarray) -> steps.Metrics:
     with self._context():
       return self._eval(state, images, labels)
 
-  # As under the jit backend, the state already is global arrays in their checkpoint layout.
+  # As under the jit backend, the state already is global arrays in their checkpoint layout,
+  # and the resident training set is replicated.
+  put_dataset = jit.JitBackend.put_dataset
   to_host = jit.JitBackend.to_host
   to_canonical = jit.JitBackend.to_canonical
   from_canonical = jit.JitBackend.from_canonical
@@ -149,8 +162,10 @@ class AnnotatedBackend(_MeshBackend):
     self._init = jax.jit(lambda key: nn.meta.unbox(create(key)), out_shardings=shardings)
     self._train = jax.jit(_train_step, in_shardings=(shardings, self._batch, self._batch),
                           out_shardings=(shardings, self._replicated), donate_argnums=0)
+    self._train_steps = jax.jit(_train_steps, in_shardings=(shardings, *(self._replicated,) * 3),
+                                out_shardings=(shardings, self._replicated), donate_argnums=0)
     self._eval = jax.jit(_ensemble_of_one(steps.eval_step),
-                         in_shardings=(shardings, self._batch, self._batch), out_shardings=self._outputs)
+                         in_shardings=(shardings, self._batch, self._batch), out_shardings=self._by_column)
 
   def _check_divisible(self, params, shardings):
     flat_params = traverse_util.flatten_dict(params, sep='/')
@@ -187,10 +202,15 @@ class ShardMapBackend(_MeshBackend):
     # Inside shard_map a step sees its device's slices, boxed again so the model knows to gather them.
     rebox = functools.partial(fsdp.rebox, local)
 
+    step = functools.partial(fsdp.train_step, axis_name=DATA_AXIS, num_minibatches=config.num_minibatches,
+                             dropout_key=jax.random.key(config.seed))
+
     def train(state, images, labels):
-      state, metrics = fsdp.train_step(
-          rebox(state), images, labels, axis_name=DATA_AXIS, num_minibatches=config.num_minibatches,
-          dropout_key=jax.random.key(config.seed))
+      state, metrics = step(rebox(state), images, labels)
+      return fsdp.unbox(state), _with_member_axis(metrics)
+
+    def train_many(state, images, labels, indices):  # indices: this device's columns of each batch
+      state, metrics = steps.train_steps(rebox(state), images, labels, indices, step_fn=step)
       return fsdp.unbox(state), _with_member_axis(metrics)
 
     def evaluate(state, images, labels):
@@ -204,9 +224,13 @@ class ShardMapBackend(_MeshBackend):
         shard(train, in_specs=(specs, P(DATA_AXIS), P(DATA_AXIS)), out_specs=(specs, P())),
         in_shardings=(shardings, self._batch, self._batch), out_shardings=(shardings, self._replicated),
         donate_argnums=0)
-    self._eval = jax.jit(shard(evaluate, in_specs=(specs, P(DATA_AXIS), P(DATA_AXIS)),
-                               out_specs=P(None, DATA_AXIS)),
-                         in_shardings=(shardings, self._batch, self._batch), out_shardings=self._outputs)
+    columns = self._by_column.spec
+    self._train_steps = jax.jit(
+        shard(train_many, in_specs=(specs, P(), P(), columns), out_specs=(specs, P())),
+        in_shardings=(shardings, self._replicated, self._replicated, self._by_column),
+        out_shardings=(shardings, self._replicated), donate_argnums=0)
+    self._eval = jax.jit(shard(evaluate, in_specs=(specs, P(DATA_AXIS), P(DATA_AXIS)), out_specs=columns),
+                         in_shardings=(shardings, self._batch, self._batch), out_shardings=self._by_column)
 
 
 BACKENDS = {
