@@ -62,6 +62,7 @@ def small_config(data_dir: str, **overrides):
   config.batch_size = 32
   config.eval_batch_size = 64
   config.ensemble_size = 8
+  config.heldout_fraction = 0.0
   config.update(overrides)
   return config
 
