@@ -29,6 +29,9 @@ from ensemble import backends, calibration, checkpoint, cli, data, models, repor
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
 DEFAULT_ANGLES = tuple(range(0, 181, 15))
+# Runs trained before `heldout_fraction` existed (or with 0) held nothing out; the temperature is then
+# fitted on this last fraction of the training split, which the members have seen, and the report says so.
+FALLBACK_HELDOUT_FRACTION = 0.1
 RUN_CONFIG_KEYS = ('model', 'ensemble_size', 'learning_rate', 'momentum', 'eval_batch_size', 'data_dir')
 
 FLAGS = flags.FLAGS
@@ -38,8 +41,6 @@ flags.DEFINE_string('data_dir', None, 'Folder of MNIST IDX files; default: the d
 flags.DEFINE_integer('step', None, 'The checkpoint (epoch) to evaluate; default: the latest.')
 flags.DEFINE_string('output_dir', None, 'Where the report goes; default: WORKDIR/eval.')
 flags.DEFINE_list('angles', [str(a) for a in DEFAULT_ANGLES], 'Rotations of the test set, in degrees.')
-flags.DEFINE_float('heldout_fraction', 0.1, 'The last fraction of the training split, on which the '
-                   'temperature is fitted.')
 flags.mark_flags_as_required(['workdir'])
 
 
@@ -159,42 +160,40 @@ def score_test_set(member_probs: np.ndarray, labels: np.ndarray) -> dict[str, An
 
 def score_rotations(predict: Predictor, test: data.Split, angles: Sequence[int]) -> list[dict[str, Any]]:
   """Accuracy, NLL and ECE of the ensemble and of the mean member on the rotated test set."""
+  pick = lambda scores: {name: scores[name] for name in ('accuracy', 'nll', 'ece')}
   rows = []
   for angle in angles:
     member_probs = predict({'image': rotate(test['image'], angle), 'label': test['label']})
-    members = [calibration.scores(p, test['label']) for p in member_probs]
     ensemble = calibration.scores(member_probs.mean(0), test['label'])
-    keep = ('accuracy', 'nll', 'ece')
-    rows.append({'angle': angle,
-                 'ensemble': {name: ensemble[name] for name in keep},
-                 'mean_member': {name: value for name, value in _mean_member(members).items() if name in keep}})
+    members = [calibration.scores(p, test['label']) for p in member_probs]
+    rows.append({'angle': angle, 'ensemble': pick(ensemble), 'mean_member': pick(_mean_member(members))})
     logging.info('rotation %3d deg: ensemble accuracy %.4f NLL %.4f ECE %.4f', angle,
                  ensemble['accuracy'], ensemble['nll'], ensemble['ece'])
   return rows
 
 
-def heldout_split(train: data.Split, fraction: float) -> data.Split:
-  """The last `fraction` of the training split: the examples the temperature is fitted on."""
-  count = int(round(fraction * len(train['label'])))
-  if not 0 < count < len(train['label']):
-    raise UsageError(f'--heldout_fraction={fraction} selects {count} of the {len(train["label"])} '
-                     'training examples; choose a fraction that selects at least one, e.g. 0.1')
-  return {name: values[-count:] for name, values in train.items()}
+def heldout_split(train: data.Split, config: ml_collections.ConfigDict) -> tuple[data.Split, bool]:
+  """The training examples to fit the temperature on, and whether the members were trained on them."""
+  fraction = config.get('heldout_fraction', 0.0)
+  _, heldout = data.hold_out(train, fraction or FALLBACK_HELDOUT_FRACTION)
+  if not len(heldout['label']):
+    raise UsageError(f'heldout_fraction={fraction} of {len(train["label"])} training examples holds out none '
+                     'to fit the temperature on; train with a larger --config.heldout_fraction')
+  return heldout, not fraction
 
 
-def score_temperature(predict: Predictor, heldout: data.Split, test_probs: np.ndarray,
-                      test_labels: np.ndarray) -> dict[str, Any]:
+def score_temperature(predict: Predictor, heldout: data.Split, seen_in_training: bool,
+                      test_probs: np.ndarray, test_labels: np.ndarray) -> dict[str, Any]:
   """Temperature scaling after averaging: fitted on held-out training data, judged on the test set."""
   temperature = calibration.fit_temperature(predict(heldout).mean(0), heldout['label'])
   scaled = calibration.temperature_scale(test_probs, temperature)
   judge = lambda probs: {'nll': calibration.nll(probs, test_labels), 'ece': calibration.ece(probs, test_labels)}
-  return {'temperature': temperature, 'fit_examples': len(heldout['label']),
+  return {'temperature': temperature, 'fit_examples': len(heldout['label']), 'seen_in_training': seen_in_training,
           'before': judge(test_probs), 'after': judge(scaled)}
 
 
 def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = None,
-             output_dir: str | None = None, angles: Sequence[int] = DEFAULT_ANGLES,
-             heldout_fraction: float = 0.1) -> dict[str, Any]:
+             output_dir: str | None = None, angles: Sequence[int] = DEFAULT_ANGLES) -> dict[str, Any]:
   """Scores the checkpoint, writes the report into `output_dir` (default WORKDIR/eval) and returns its numbers."""
   config = load_run_config(workdir)
   devices = evaluation_devices(config.ensemble_size)
@@ -203,7 +202,7 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
                config.ensemble_size, len(devices))
   data_dir = config.data_dir if data_dir is None else data_dir
   dataset = data.load(data_dir or None)
-  heldout = heldout_split(dataset['train'], heldout_fraction)
+  heldout, seen_in_training = heldout_split(dataset['train'], config)
   predict = Predictor(state, devices, config.eval_batch_size)
 
   test = dataset['test']
@@ -217,7 +216,11 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
   logging.info('Rotating the test set by %s degrees.', list(angles))
   results['rotation'] = score_rotations(predict, test, angles)
   logging.info('Fitting the temperature on the last %d training examples.', len(heldout['label']))
-  results['temperature_scaling'] = score_temperature(predict, heldout, member_probs.mean(0), test['label'])
+  if seen_in_training:
+    logging.warning('%s held out no training examples (heldout_fraction=0): the temperature is fitted on '
+                    'examples the members were trained on and will sharpen the ensemble.', workdir)
+  results['temperature_scaling'] = score_temperature(predict, heldout, seen_in_training, member_probs.mean(0),
+                                                     test['label'])
   logging.info('temperature %.3f: test NLL %.4f -> %.4f', results['temperature_scaling']['temperature'],
                results['temperature_scaling']['before']['nll'], results['temperature_scaling']['after']['nll'])
 
@@ -244,7 +247,7 @@ def main(argv):
   logging.get_absl_logger().addFilter(cli.QuietLibraries())
   try:
     evaluate(FLAGS.workdir, data_dir=FLAGS.data_dir, step=FLAGS.step, output_dir=FLAGS.output_dir,
-             angles=_parse_angles(FLAGS.angles), heldout_fraction=FLAGS.heldout_fraction)
+             angles=_parse_angles(FLAGS.angles))
   except UsageError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)

@@ -33,6 +33,7 @@ def markdown(results: dict[str, Any]) -> str:
                scores_row('gain over best member', results['gain_over_best_member'])]
   test_rows += [scores_row(f'member {i}', scores) for i, scores in enumerate(results['members'])]
   ensemble, temperature = results['ensemble'], results['temperature_scaling']
+  seen = temperature['seen_in_training']
   rotation_rows = [[row['angle'], *(row[who][s] for who in ('ensemble', 'mean_member') for s in ('accuracy', 'nll', 'ece'))]
                    for row in results['rotation']]
   return '\n'.join([
@@ -66,8 +67,12 @@ def markdown(results: dict[str, Any]) -> str:
       '## Temperature scaling after averaging',
       '',
       f'Temperature {temperature["temperature"]:.4f}, fitted on the last {temperature["fit_examples"]} '
-      'examples of the training split, applied to the log of the ensemble\'s mean probabilities; '
-      'scores on the test set:',
+      'examples of the training split '
+      f'({"which the members were trained on" if seen else "held out of training"}) and applied to the log '
+      'of the ensemble\'s mean probabilities; scores on the test set:',
+      *(['', '**This run held out no training examples (`heldout_fraction=0`): on examples they were trained '
+             'on the members are more confident than on new data, so this temperature sharpens the ensemble. '
+             'Train with `--config.heldout_fraction=0.1` for a fair fit.**'] if seen else []),
       '',
       _table(['', 'NLL', 'ECE'], [[when, temperature[when]['nll'], temperature[when]['ece']]
                                   for when in ('before', 'after')]),

@@ -1,11 +1,13 @@
 """Evaluation of a trained workdir: the report's numbers, files, and refusals of bad input."""
 
+import functools
 import json
 import os
 import shutil
 import subprocess
 import sys
 
+import ml_collections
 import numpy as np
 import pytest
 from absl import flags
@@ -21,7 +23,7 @@ def workdir(tmp_path_factory) -> str:
   """An 8-member ensemble trained for one epoch on 8 devices, shared by the tests here."""
   root = tmp_path_factory.mktemp('evaluate')
   workdir = str(root / 'run')
-  trainer.train_and_evaluate(small_config(write_mnist(str(root / 'mnist'))), workdir)
+  trainer.train_and_evaluate(small_config(write_mnist(str(root / 'mnist')), heldout_fraction=0.1), workdir)
   return workdir
 
 
@@ -73,7 +75,8 @@ def test_script_writes_a_report_that_agrees_with_training(workdir, tmp_path):
   assert rotation[90]['ensemble']['accuracy'] < rotation[0]['ensemble']['accuracy'] - 0.2
 
   temperature = results['temperature_scaling']
-  assert temperature['fit_examples'] == 26  # the last 10% of 256 training examples
+  # The last 10% of the 256 training examples, which the trainer left out: 230 examples, 7 steps of 32.
+  assert temperature['fit_examples'] == 26 and not temperature['seen_in_training'] and trained['step'] == 7
   assert temperature['before']['nll'] == pytest.approx(ensemble['nll'])
   assert 0.05 < temperature['temperature'] < 20 and np.isfinite(temperature['after']['nll'])
   assert sum(results['reliability']['ensemble']['count']) == 100
@@ -83,11 +86,12 @@ def test_script_writes_a_report_that_agrees_with_training(workdir, tmp_path):
   assert '| 90 |' in report and '![rotation](rotation.png)' in report
 
 
-def _mismatched(workdir, tmp_path):
+def _with_config(workdir, tmp_path, **changes):
+  """A copy of `workdir` whose config.json says `changes`."""
   copy = str(tmp_path / 'copy')
   shutil.copytree(workdir, copy)
   config = json.load(open(os.path.join(copy, 'config.json')))
-  json.dump({**config, 'ensemble_size': 4}, open(os.path.join(copy, 'config.json'), 'w'))
+  json.dump({**config, **changes}, open(os.path.join(copy, 'config.json'), 'w'))
   return ['--workdir', copy]
 
 
@@ -100,13 +104,14 @@ def _untrained(workdir, tmp_path):
 @pytest.mark.parametrize('make_args, message', [
     (lambda w, t: ['--workdir', str(t)], 'error: {tmp}/config.json: missing; --workdir must name'),
     (_untrained, 'error: {tmp}/fresh/checkpoints: no checkpoint; train first'),
-    (_mismatched, 'error: {tmp}/copy/config.json does not describe its checkpoint: checkpoint '
+    (functools.partial(_with_config, ensemble_size=4), 'error: {tmp}/copy/config.json does not describe its checkpoint: checkpoint '
                   '{tmp}/copy/checkpoints/1 holds ensemble_size=8 but the config asks for ensemble_size=4'),
     (lambda w, t: ['--workdir', w, '--data_dir=/nonexistent'], 'error: /nonexistent: not a folder'),
     (lambda w, t: ['--workdir', w, '--step=3'], 'error: --step=3: no such checkpoint in {workdir}/checkpoints; '
                                                  'choose one of [1]'),
     (lambda w, t: ['--workdir', w, '--angles=0,ninety'], 'error: --angles=0,ninety: give whole degrees'),
-    (lambda w, t: ['--workdir', w, '--heldout_fraction=0.001'], 'error: --heldout_fraction=0.001 selects 0'),
+    (functools.partial(_with_config, heldout_fraction=0.001), 'error: heldout_fraction=0.001 of 256 training '
+                                                                'examples holds out none'),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(workdir, tmp_path, capsys, make_args, message):
   args = [*make_args(workdir, tmp_path), '--output_dir', str(tmp_path / 'eval')]
@@ -129,3 +134,14 @@ def test_cli_refuses_a_folder_that_was_never_trained(tmp_path):
   assert errors == [f'error: {tmp_path}/config.json: missing; --workdir must name a folder written by '
                     'python -m ensemble.train'], result.stderr[-2000:]
   assert 'Traceback' not in result.stderr
+
+
+@pytest.mark.parametrize('saved, fit_examples, seen', [
+    ({'heldout_fraction': 0.2}, 51, False),
+    ({'heldout_fraction': 0.0}, 26, True),
+    ({}, 26, True),  # a run from before heldout_fraction existed
+])
+def test_the_temperature_is_fitted_on_the_slice_the_trainer_held_out(saved, fit_examples, seen):
+  train = {'image': np.zeros((256, 28, 28, 1)), 'label': np.arange(256)}
+  heldout, seen_in_training = evaluate.heldout_split(train, ml_collections.ConfigDict(saved))
+  assert heldout['label'].tolist() == list(range(256 - fit_examples, 256)) and seen_in_training == seen
