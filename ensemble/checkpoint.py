@@ -37,6 +37,9 @@ class Checkpointer:
   def latest_epoch(self) -> int | None:
     return self._manager.latest_step()
 
+  def epochs(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
   def restore(self, epoch: int, abstract_state: Any, meta: dict[str, Any]) -> Any:
     """Restores the state saved at `epoch` onto the shardings of `abstract_state`'s leaves.
 

@@ -63,4 +63,5 @@ def resolve(config: ml_collections.ConfigDict,
            f'steps_per_dispatch={config.steps_per_dispatch} must be 0 (plain path) or positive (fast path)')
   _require(config.learning_rate > 0, f'learning_rate={config.learning_rate} must be positive')
   _require(0 <= config.momentum < 1, f'momentum={config.momentum} must be in [0, 1)')
+  _require(0 <= config.heldout_fraction < 1, f'heldout_fraction={config.heldout_fraction} must be in [0, 1)')
   return config, devices

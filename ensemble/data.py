@@ -133,6 +133,12 @@ def load(data_dir: str | None) -> dict[str, Split]:
   return load_idx(data_dir) if data_dir else load_tfds()
 
 
+def hold_out(split: Split, fraction: float) -> tuple[Split, Split]:
+  """(the rest, the last `fraction` of the examples): a fixed slice, the same for training and evaluation."""
+  start = len(split['label']) - int(round(fraction * len(split['label'])))
+  return {k: v[:start] for k, v in split.items()}, {k: v[start:] for k, v in split.items()}
+
+
 def epoch_order(num_examples: int, seed: int, epoch: int, member: int | None = None) -> np.ndarray:
   """A permutation that is a function of (seed, epoch[, member]) alone."""
   entropy = [seed, epoch] if member is None else [seed, epoch, member]

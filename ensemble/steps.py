@@ -33,6 +33,11 @@ def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
+def predict(state: TrainState, images: jnp.ndarray) -> jnp.ndarray:
+  """One member's logits: the forward pass that evaluation and the eval step share."""
+  return state.apply_fn({'params': state.params}, images)
+
+
 def train_step(state: TrainState, images: jnp.ndarray, labels: jnp.ndarray) -> tuple[TrainState, Metrics]:
   """One SGD step of one member on its batch.
 
@@ -70,7 +75,7 @@ def ensemble_probs(probs: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray:
 def eval_step(state: TrainState, images: jnp.ndarray, labels: jnp.ndarray, *,
               axis_name: AxisName) -> Metrics:
   """Per-example losses and hits of this member and of the whole ensemble."""
-  logits = state.apply_fn({'params': state.params}, images)
+  logits = predict(state, images)
   probs = jax.nn.softmax(logits)
   ensemble = ensemble_probs(probs, axis_name)
   ensemble_label_prob = jnp.take_along_axis(ensemble, labels[:, None], axis=-1)[:, 0]

@@ -14,7 +14,7 @@ from absl import app, flags, logging  # pylint: disable=g-import-not-at-top,g-mu
 import jax  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
-from ensemble import trainer  # pylint: disable=g-import-not-at-top
+from ensemble import cli, trainer  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
@@ -27,17 +27,10 @@ flags.DEFINE_integer('cpu_devices', None,
 flags.mark_flags_as_required(['workdir', 'config'])
 
 
-class _QuietLibraries:
-  """Drops orbax's INFO lines (several per checkpoint) and keeps its warnings."""
-
-  def filter(self, record) -> bool:
-    return record.levelno >= logging.WARNING or '/orbax/' not in record.pathname
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  logging.get_absl_logger().addFilter(_QuietLibraries())
+  logging.get_absl_logger().addFilter(cli.QuietLibraries())
   if FLAGS.cpu_devices:
     jax.config.update('jax_num_cpu_devices', FLAGS.cpu_devices)
   logging.info('JAX devices: %s', jax.devices())

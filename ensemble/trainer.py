@@ -42,6 +42,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple
   """Trains (or resumes) the ensemble in `workdir`; returns its canonical state and last summary."""
   config, devices = config_lib.resolve(config, jax.devices())
   dataset = data.load(config.data_dir or None)
+  dataset['train'], _ = data.hold_out(dataset['train'], config.heldout_fraction)
   num_train = len(dataset['train']['label'])
   if config.batch_size > num_train:
     raise UsageError(f'batch_size={config.batch_size} exceeds the {num_train} training examples; '

@@ -54,16 +54,19 @@ def mnist_dir(tmp_path) -> str:
   return write_mnist(str(tmp_path / 'mnist'))
 
 
+def small_config(data_dir: str, **overrides):
+  """A small, fast config on the synthetic data in `data_dir`; keyword arguments override fields."""
+  config = default.get_config()
+  config.data_dir = data_dir
+  config.num_epochs = 1
+  config.batch_size = 32
+  config.eval_batch_size = 64
+  config.ensemble_size = 8
+  config.heldout_fraction = 0.0
+  config.update(overrides)
+  return config
+
+
 @pytest.fixture
 def make_config(mnist_dir):
-  """A small, fast config on the synthetic data; keyword arguments override fields."""
-  def make(**overrides):
-    config = default.get_config()
-    config.data_dir = mnist_dir
-    config.num_epochs = 1
-    config.batch_size = 32
-    config.eval_batch_size = 64
-    config.ensemble_size = 8
-    config.update(overrides)
-    return config
-  return make
+  return lambda **overrides: small_config(mnist_dir, **overrides)

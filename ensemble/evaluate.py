@@ -1,0 +1,257 @@
+"""Evaluates a trained ensemble: accuracy, calibration and robustness to rotation, as numbers and plots.
+
+  python -m ensemble.evaluate --workdir=/tmp/mnist [--data_dir=DIR] [--step=N] [--output_dir=DIR]
+
+Restores a checkpoint of `ensemble.train` onto the devices at hand, predicts the
+test set once per member, and scores the members and their average (the
+ensemble) with `calibration`: on the test set, on the test set rotated by a
+range of angles (Ovadia et al. 2019), and after temperature scaling of the
+average (Ashukha et al. 2020). Writes metrics.json, report.md and PNG plots.
+"""
+
+import json
+import math
+import os
+import sys
+from typing import Any, Sequence
+
+# Silence TensorFlow's C++ start-up chatter if tensorflow-datasets loads the data.
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+from absl import app, flags, logging  # pylint: disable=g-import-not-at-top,g-multiple-import
+import jax  # pylint: disable=g-import-not-at-top
+import ml_collections  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+import scipy.ndimage  # pylint: disable=g-import-not-at-top
+from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+from ensemble import backends, calibration, checkpoint, cli, data, models, report, steps  # pylint: disable=g-import-not-at-top
+from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
+
+DEFAULT_ANGLES = tuple(range(0, 181, 15))
+# Runs trained before `heldout_fraction` existed (or with 0) held nothing out; the temperature is then
+# fitted on this last fraction of the training split, which the members have seen, and the report says so.
+FALLBACK_HELDOUT_FRACTION = 0.1
+RUN_CONFIG_KEYS = ('model', 'ensemble_size', 'learning_rate', 'momentum', 'eval_batch_size', 'data_dir')
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('workdir', None, 'A folder trained by `python -m ensemble.train`.')
+flags.DEFINE_string('data_dir', None, 'Folder of MNIST IDX files; default: the data_dir the workdir was '
+                    'trained with (empty there: tensorflow-datasets).')
+flags.DEFINE_integer('step', None, 'The checkpoint (epoch) to evaluate; default: the latest.')
+flags.DEFINE_string('output_dir', None, 'Where the report goes; default: WORKDIR/eval.')
+flags.DEFINE_list('angles', [str(a) for a in DEFAULT_ANGLES], 'Rotations of the test set, in degrees.')
+flags.mark_flags_as_required(['workdir'])
+
+
+def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The resolved config that `ensemble.train` saved next to its checkpoints."""
+  path = os.path.join(workdir, 'config.json')
+  fix = '--workdir must name a folder written by python -m ensemble.train'
+  try:
+    with open(path, encoding='utf-8') as f:
+      config = json.load(f)
+  except FileNotFoundError:
+    raise UsageError(f'{path}: missing; {fix}') from None
+  except (OSError, ValueError) as e:
+    raise UsageError(f'{path}: cannot be read ({e}); {fix}') from None
+  missing = [key for key in RUN_CONFIG_KEYS if key not in config]
+  if missing:
+    raise UsageError(f'{path}: lacks {", ".join(missing)}; {fix}')
+  return ml_collections.ConfigDict(config)
+
+
+def evaluation_devices(ensemble_size: int) -> list[jax.Device]:
+  """As many of the available devices as split the members evenly."""
+  available = jax.devices()
+  count = max(n for n in range(1, len(available) + 1) if ensemble_size % n == 0)
+  return available[:count]
+
+
+def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None,
+            devices: Sequence[jax.Device]) -> tuple[steps.TrainState, int]:
+  """The ensemble saved at `step` (default: the latest) in the canonical layout, and its epoch."""
+  ckpt = checkpoint.Checkpointer(workdir)
+  epochs = ckpt.epochs()
+  if not epochs:
+    raise UsageError(f'{ckpt.directory}: no checkpoint; train first with python -m ensemble.train '
+                     f'--workdir={workdir}')
+  epoch = epochs[-1] if step is None else step
+  if epoch not in epochs:
+    raise UsageError(f'--step={step}: no such checkpoint in {ckpt.directory}; choose one of {epochs}')
+  model, tx = models.create_model(config.model), steps.create_optimizer(config)
+  target = backends.abstract_member_state(model, tx, config.ensemble_size, (*data.IMAGE_SHAPE, 1), devices)
+  try:
+    state = ckpt.restore(epoch, target, {'model': config.model, 'ensemble_size': config.ensemble_size})
+  except UsageError as e:
+    raise UsageError(f'{os.path.join(workdir, "config.json")} does not describe its checkpoint: {e}') from None
+  ckpt.close()
+  return state, epoch
+
+
+class Predictor:
+  """Every member's probabilities for a split: one jitted program, members sharded over the devices."""
+
+  def __init__(self, state: steps.TrainState, devices: Sequence[jax.Device], batch_size: int):
+    members = backends.member_sharding(devices)
+    replicated = NamedSharding(backends.ensemble_mesh(devices), P())
+    log_probs = lambda member, images: jax.nn.log_softmax(steps.predict(member, images))
+    self._log_probs = jax.jit(jax.vmap(log_probs, in_axes=(0, None)),
+                              in_shardings=(members, replicated), out_shardings=members)
+    self._state = state
+    self._batch_size = batch_size
+
+  def __call__(self, split: data.Split) -> np.ndarray:
+    """(K, N, C) float64: log-probabilities go to the host, so that tiny probabilities keep their digits."""
+    batches = [np.asarray(self._log_probs(self._state, images))[:, mask]
+               for images, _, mask in data.eval_batches(split, self._batch_size)]
+    return np.exp(np.concatenate(batches, axis=1).astype(np.float64))
+
+
+def rotate(images: np.ndarray, angle: float) -> np.ndarray:
+  """(N, 28, 28, 1) images turned counter-clockwise by `angle` degrees about their centre, black outside."""
+  return scipy.ndimage.rotate(images, angle, axes=(1, 2), reshape=False, order=1, mode='constant', cval=0.0)
+
+
+def _mean_member(member_scores: list[dict[str, float]]) -> dict[str, float]:
+  return {name: float(np.mean([s[name] for s in member_scores])) for name in member_scores[0]}
+
+
+def _gain(ensemble: dict[str, float], reference: dict[str, float]) -> dict[str, float]:
+  """How much better the ensemble is: positive when it is better, whichever way the score points."""
+  return {name: ensemble[name] - value if name == 'accuracy' else value - ensemble[name]
+          for name, value in reference.items()}
+
+
+def _reliability(probs: np.ndarray, labels: np.ndarray) -> dict[str, list]:
+  counts, confidence, accuracy = calibration.reliability(probs, labels)
+  as_list = lambda x: [None if math.isnan(v) else float(v) for v in x]
+  return {'count': counts.tolist(), 'confidence': as_list(confidence), 'accuracy': as_list(accuracy)}
+
+
+def score_test_set(member_probs: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
+  """Members, their average, the gains and the ensemble-size curve on one labelled split."""
+  ensemble_probs = member_probs.mean(0)
+  members = [calibration.scores(p, labels) for p in member_probs]
+  ensemble = {**calibration.scores(ensemble_probs, labels),
+              'entropy': calibration.entropy(ensemble_probs),
+              'disagreement': calibration.disagreement(member_probs)}
+  mean_member = _mean_member(members)
+  # The best member is taken score by score: the member with the highest accuracy need not have the lowest NLL.
+  best_member = {name: (max if name == 'accuracy' else min)(s[name] for s in members) for name in mean_member}
+  pooled_labels = np.tile(labels, len(member_probs))
+  return {
+      'ensemble': ensemble,
+      'members': members,
+      'mean_member': mean_member,
+      'best_member': best_member,
+      'gain_over_mean_member': _gain(ensemble, mean_member),
+      'gain_over_best_member': _gain(ensemble, best_member),
+      'ensemble_size_curve': [
+          {'members': k, 'accuracy': calibration.accuracy(member_probs[:k].mean(0), labels),
+           'nll': calibration.nll(member_probs[:k].mean(0), labels)}
+          for k in range(1, len(member_probs) + 1)],
+      # The members' curve pools their predictions: per bin, the mean member weighted by its examples.
+      'reliability': {
+          'ensemble': _reliability(ensemble_probs, labels),
+          'mean_member': _reliability(member_probs.reshape(-1, member_probs.shape[-1]), pooled_labels)},
+  }
+
+
+def score_rotations(predict: Predictor, test: data.Split, angles: Sequence[int]) -> list[dict[str, Any]]:
+  """Accuracy, NLL and ECE of the ensemble and of the mean member on the rotated test set."""
+  pick = lambda scores: {name: scores[name] for name in ('accuracy', 'nll', 'ece')}
+  rows = []
+  for angle in angles:
+    member_probs = predict({'image': rotate(test['image'], angle), 'label': test['label']})
+    ensemble = calibration.scores(member_probs.mean(0), test['label'])
+    members = [calibration.scores(p, test['label']) for p in member_probs]
+    rows.append({'angle': angle, 'ensemble': pick(ensemble), 'mean_member': pick(_mean_member(members))})
+    logging.info('rotation %3d deg: ensemble accuracy %.4f NLL %.4f ECE %.4f', angle,
+                 ensemble['accuracy'], ensemble['nll'], ensemble['ece'])
+  return rows
+
+
+def heldout_split(train: data.Split, config: ml_collections.ConfigDict) -> tuple[data.Split, bool]:
+  """The training examples to fit the temperature on, and whether the members were trained on them."""
+  fraction = config.get('heldout_fraction', 0.0)
+  _, heldout = data.hold_out(train, fraction or FALLBACK_HELDOUT_FRACTION)
+  if not len(heldout['label']):
+    raise UsageError(f'heldout_fraction={fraction} of {len(train["label"])} training examples holds out none '
+                     'to fit the temperature on; train with a larger --config.heldout_fraction')
+  return heldout, not fraction
+
+
+def score_temperature(predict: Predictor, heldout: data.Split, seen_in_training: bool,
+                      test_probs: np.ndarray, test_labels: np.ndarray) -> dict[str, Any]:
+  """Temperature scaling after averaging: fitted on held-out training data, judged on the test set."""
+  temperature = calibration.fit_temperature(predict(heldout).mean(0), heldout['label'])
+  scaled = calibration.temperature_scale(test_probs, temperature)
+  judge = lambda probs: {'nll': calibration.nll(probs, test_labels), 'ece': calibration.ece(probs, test_labels)}
+  return {'temperature': temperature, 'fit_examples': len(heldout['label']), 'seen_in_training': seen_in_training,
+          'before': judge(test_probs), 'after': judge(scaled)}
+
+
+def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = None,
+             output_dir: str | None = None, angles: Sequence[int] = DEFAULT_ANGLES) -> dict[str, Any]:
+  """Scores the checkpoint, writes the report into `output_dir` (default WORKDIR/eval) and returns its numbers."""
+  config = load_run_config(workdir)
+  devices = evaluation_devices(config.ensemble_size)
+  state, epoch = restore(workdir, config, step, devices)
+  logging.info('Restored epoch %d of %s: %d members on %d devices.', epoch, workdir,
+               config.ensemble_size, len(devices))
+  data_dir = config.data_dir if data_dir is None else data_dir
+  dataset = data.load(data_dir or None)
+  heldout, seen_in_training = heldout_split(dataset['train'], config)
+  predict = Predictor(state, devices, config.eval_batch_size)
+
+  test = dataset['test']
+  logging.info('Predicting the %d test examples.', len(test['label']))
+  member_probs = predict(test)
+  results = {'workdir': os.path.abspath(workdir), 'epoch': epoch, 'ensemble_size': config.ensemble_size,
+             'data': data_dir or 'tensorflow-datasets', 'test_examples': len(test['label']),
+             **score_test_set(member_probs, test['label'])}
+  logging.info('test: ensemble accuracy %.4f NLL %.4f ECE %.4f; mean member accuracy %.4f NLL %.4f ECE %.4f',
+               *(results[who][name] for who in ('ensemble', 'mean_member') for name in ('accuracy', 'nll', 'ece')))
+  logging.info('Rotating the test set by %s degrees.', list(angles))
+  results['rotation'] = score_rotations(predict, test, angles)
+  logging.info('Fitting the temperature on the last %d training examples.', len(heldout['label']))
+  if seen_in_training:
+    logging.warning('%s held out no training examples (heldout_fraction=0): the temperature is fitted on '
+                    'examples the members were trained on and will sharpen the ensemble.', workdir)
+  results['temperature_scaling'] = score_temperature(predict, heldout, seen_in_training, member_probs.mean(0),
+                                                     test['label'])
+  logging.info('temperature %.3f: test NLL %.4f -> %.4f', results['temperature_scaling']['temperature'],
+               results['temperature_scaling']['before']['nll'], results['temperature_scaling']['after']['nll'])
+
+  output_dir = output_dir or os.path.join(workdir, 'eval')
+  report.write(results, output_dir)
+  logging.info('Wrote metrics.json, report.md and plots to %s.', output_dir)
+  return results
+
+
+def _parse_angles(values: Sequence[str]) -> list[int]:
+  try:
+    angles = [int(v) for v in values]
+  except ValueError:
+    angles = []
+  if not angles:
+    raise UsageError(f'--angles={",".join(values)}: give whole degrees separated by commas, '
+                     'e.g. --angles=0,45,90')
+  return angles
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  logging.get_absl_logger().addFilter(cli.QuietLibraries())
+  try:
+    evaluate(FLAGS.workdir, data_dir=FLAGS.data_dir, step=FLAGS.step, output_dir=FLAGS.output_dir,
+             angles=_parse_angles(FLAGS.angles))
+  except UsageError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == '__main__':
+  app.run(main)

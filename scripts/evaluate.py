@@ -1,0 +1,17 @@
+"""Evaluates a trained ensemble; the same as `python -m ensemble.evaluate`.
+
+  python scripts/evaluate.py --workdir=/tmp/mnist [--data_dir=DIR] [--step=N] [--output_dir=DIR]
+"""
+
+import os
+import sys
+
+# Run from a checkout: import the `ensemble` package that sits next to this script.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app  # pylint: disable=g-import-not-at-top
+
+from ensemble import evaluate  # pylint: disable=g-import-not-at-top
+
+if __name__ == '__main__':
+  app.run(evaluate.main)

@@ -1,0 +1,147 @@
+"""Evaluation of a trained workdir: the report's numbers, files, and refusals of bad input."""
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+from absl import flags
+
+from conftest import small_config, write_mnist
+from ensemble import evaluate, trainer, writers
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory) -> str:
+  """An 8-member ensemble trained for one epoch on 8 devices, shared by the tests here."""
+  root = tmp_path_factory.mktemp('evaluate')
+  workdir = str(root / 'run')
+  trainer.train_and_evaluate(small_config(write_mnist(str(root / 'mnist')), heldout_fraction=0.1), workdir)
+  return workdir
+
+
+def _run(*args, module=('scripts/evaluate.py',)):
+  env = {**os.environ, 'XLA_FLAGS': ''}  # one CPU device: the 8-device checkpoint is restored elsewhere
+  return subprocess.run([sys.executable, *module, *args], cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=300)
+
+
+def test_script_writes_a_report_that_agrees_with_training(workdir, tmp_path):
+  out = tmp_path / 'eval'
+  result = _run('--workdir', workdir, '--angles=0,90', '--output_dir', str(out))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'Restored epoch 1' in result.stderr and 'rotation  90 deg' in result.stderr  # progress
+  assert 'checkpoint_manager.py' not in result.stderr  # orbax's INFO lines are filtered out
+  assert sorted(os.listdir(out)) == ['ensemble_size.png', 'metrics.json', 'reliability.png', 'report.md',
+                                     'rotation.png']
+  assert not os.path.exists(os.path.join(workdir, 'eval'))
+  for png in ('ensemble_size.png', 'reliability.png', 'rotation.png'):
+    assert (out / png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and (out / png).stat().st_size > 10_000
+
+  results = json.loads((out / 'metrics.json').read_text())
+  ensemble, members = results['ensemble'], results['members']
+  assert results['epoch'] == 1 and results['ensemble_size'] == 8 and results['test_examples'] == 100
+
+  # The same test set through the trainer's path (pmap eval step on 8 devices, clu metrics).
+  trained = writers.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))[-1]
+  np.testing.assert_allclose(ensemble['accuracy'], trained['test_accuracy'], rtol=1e-6)
+  np.testing.assert_allclose(ensemble['nll'], trained['test_loss'], rtol=1e-4)
+  np.testing.assert_allclose([m['accuracy'] for m in members], trained['member_test_accuracy'], rtol=1e-6)
+  np.testing.assert_allclose([m['nll'] for m in members], trained['member_test_loss'], rtol=1e-4)
+
+  # Averaging probabilities can only lower NLL and Brier below the members' mean (both are convex).
+  assert ensemble['nll'] <= results['mean_member']['nll']
+  assert ensemble['brier'] <= results['mean_member']['brier']
+  for name in ('accuracy', 'nll', 'brier', 'ece'):
+    assert results['mean_member'][name] == pytest.approx(np.mean([m[name] for m in members]))
+  assert results['gain_over_mean_member']['nll'] == pytest.approx(results['mean_member']['nll'] - ensemble['nll'])
+  assert results['best_member']['accuracy'] == max(m['accuracy'] for m in members)
+  assert 0 <= ensemble['disagreement'] <= 1 and 0 < ensemble['entropy'] < np.log(10)
+
+  curve = results['ensemble_size_curve']
+  assert [row['members'] for row in curve] == list(range(1, 9))
+  assert curve[0]['nll'] == pytest.approx(members[0]['nll']) and curve[-1]['nll'] == pytest.approx(ensemble['nll'])
+
+  rotation = {row['angle']: row for row in results['rotation']}
+  assert sorted(rotation) == [0, 90]
+  assert rotation[0]['ensemble']['nll'] == pytest.approx(ensemble['nll'])
+  assert rotation[90]['ensemble']['accuracy'] < rotation[0]['ensemble']['accuracy'] - 0.2
+
+  temperature = results['temperature_scaling']
+  # The last 10% of the 256 training examples, which the trainer left out: 230 examples, 7 steps of 32.
+  assert temperature['fit_examples'] == 26 and not temperature['seen_in_training'] and trained['step'] == 7
+  assert temperature['before']['nll'] == pytest.approx(ensemble['nll'])
+  assert 0.05 < temperature['temperature'] < 20 and np.isfinite(temperature['after']['nll'])
+  assert sum(results['reliability']['ensemble']['count']) == 100
+
+  report = (out / 'report.md').read_text()
+  assert f'| **ensemble** | {ensemble["accuracy"]:.4f} | {ensemble["nll"]:.4f} |' in report
+  assert '| 90 |' in report and '![rotation](rotation.png)' in report
+
+
+def _with_config(workdir, tmp_path, **changes):
+  """A copy of `workdir` whose config.json says `changes`."""
+  copy = str(tmp_path / 'copy')
+  shutil.copytree(workdir, copy)
+  config = json.load(open(os.path.join(copy, 'config.json')))
+  json.dump({**config, **changes}, open(os.path.join(copy, 'config.json'), 'w'))
+  return ['--workdir', copy]
+
+
+def _untrained(workdir, tmp_path):
+  os.makedirs(tmp_path / 'fresh')
+  shutil.copy(os.path.join(workdir, 'config.json'), tmp_path / 'fresh')
+  return ['--workdir', str(tmp_path / 'fresh')]
+
+
+@pytest.mark.parametrize('make_args, message', [
+    (lambda w, t: ['--workdir', str(t)], 'error: {tmp}/config.json: missing; --workdir must name'),
+    (_untrained, 'error: {tmp}/fresh/checkpoints: no checkpoint; train first'),
+    (functools.partial(_with_config, ensemble_size=4), 'error: {tmp}/copy/config.json does not describe its checkpoint: checkpoint '
+                  '{tmp}/copy/checkpoints/1 holds ensemble_size=8 but the config asks for ensemble_size=4'),
+    (lambda w, t: ['--workdir', w, '--data_dir=/nonexistent'], 'error: /nonexistent: not a folder'),
+    (lambda w, t: ['--workdir', w, '--step=3'], 'error: --step=3: no such checkpoint in {workdir}/checkpoints; '
+                                                 'choose one of [1]'),
+    (lambda w, t: ['--workdir', w, '--angles=0,ninety'], 'error: --angles=0,ninety: give whole degrees'),
+    (functools.partial(_with_config, heldout_fraction=0.001), 'error: heldout_fraction=0.001 of 256 training '
+                                                                'examples holds out none'),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(workdir, tmp_path, capsys, make_args, message):
+  args = [*make_args(workdir, tmp_path), '--output_dir', str(tmp_path / 'eval')]
+  flags.FLAGS(['evaluate', *args])
+  try:
+    with pytest.raises(SystemExit) as exit_:
+      evaluate.main(['evaluate'])
+  finally:
+    flags.FLAGS.unparse_flags()
+  assert exit_.value.code == 2
+  errors = capsys.readouterr().err.strip().splitlines()
+  assert len(errors) == 1 and errors[0].startswith(message.format(tmp=tmp_path, workdir=workdir)), errors
+  assert not (tmp_path / 'eval').exists()
+
+
+def test_cli_refuses_a_folder_that_was_never_trained(tmp_path):
+  result = _run('--workdir', str(tmp_path), module=('-m', 'ensemble.evaluate'))
+  assert result.returncode == 2
+  errors = [line for line in result.stderr.splitlines() if line.startswith('error:')]
+  assert errors == [f'error: {tmp_path}/config.json: missing; --workdir must name a folder written by '
+                    'python -m ensemble.train'], result.stderr[-2000:]
+  assert 'Traceback' not in result.stderr
+
+
+@pytest.mark.parametrize('saved, fit_examples, seen', [
+    ({'heldout_fraction': 0.2}, 51, False),
+    ({'heldout_fraction': 0.0}, 26, True),
+    ({}, 26, True),  # a run from before heldout_fraction existed
+])
+def test_the_temperature_is_fitted_on_the_slice_the_trainer_held_out(saved, fit_examples, seen):
+  train = {'image': np.zeros((256, 28, 28, 1)), 'label': np.arange(256)}
+  heldout, seen_in_training = evaluate.heldout_split(train, ml_collections.ConfigDict(saved))
+  assert heldout['label'].tolist() == list(range(256 - fit_examples, 256)) and seen_in_training == seen
