@@ -5,7 +5,7 @@ from typing import Sequence
 import jax
 import ml_collections
 
-from ensemble import backends
+from ensemble import backends, distributed
 from ensemble.errors import UsageError
 
 MEMBER_DATA = ('shared', 'shuffled')
@@ -30,6 +30,8 @@ def _check_single_model(config: ml_collections.ConfigDict):
            'use backend pmap or jit for ensembles')
   _require(config.member_data == 'shared',
            f"backend {backend!r} trains one model: set --config.member_data=shared")
+  _require(jax.process_count() == 1,
+           f'backend {backend!r} runs in a single process; use backend pmap or jit across processes')
   config.ensemble_size = 1
 
 
@@ -64,4 +66,5 @@ def resolve(config: ml_collections.ConfigDict,
   _require(config.learning_rate > 0, f'learning_rate={config.learning_rate} must be positive')
   _require(0 <= config.momentum < 1, f'momentum={config.momentum} must be in [0, 1)')
   _require(0 <= config.heldout_fraction < 1, f'heldout_fraction={config.heldout_fraction} must be in [0, 1)')
+  distributed.check_layout(config, devices)
   return config, devices

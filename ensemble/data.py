@@ -170,11 +170,18 @@ def train_batches(split: Split, batch_size: int, seed: int, epoch: int, ensemble
     yield split['image'][idx], split['label'][idx]
 
 
-def eval_batches(split: Split, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-  """The whole split once, in order; the last batch is padded and `mask` marks real examples."""
+def eval_batches(split: Split, batch_size: int,
+                 rows: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+  """The whole split once, in order; the last batch is padded and `mask` marks real examples.
+
+  With `rows`, the images and labels are only those rows of each batch (a
+  process's share), while `mask` still covers the whole batch: every member
+  predicts every example.
+  """
   n = len(split['label'])
   for start in range(0, n, batch_size):
     idx = np.arange(start, start + batch_size)
     mask = idx < n
     idx = np.where(mask, idx, 0)
+    idx = idx if rows is None else idx[rows]
     yield split['image'][idx], split['label'][idx], mask

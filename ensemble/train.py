@@ -2,6 +2,9 @@
 
   python -m ensemble.train --workdir=/tmp/mnist --config=configs/default.py \
       [--config.backend=jit] [--cpu_devices=8]
+
+On several hosts, run it once per host with the same flags plus
+--coordinator_address=HOST0:PORT --num_processes=N --process_id=I (README).
 """
 
 import os
@@ -14,7 +17,7 @@ from absl import app, flags, logging  # pylint: disable=g-import-not-at-top,g-mu
 import jax  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
-from ensemble import cli, trainer  # pylint: disable=g-import-not-at-top
+from ensemble import cli, distributed, trainer  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
@@ -24,6 +27,16 @@ config_flags.DEFINE_config_file('config', None, 'A Python config file with get_c
 flags.DEFINE_integer('cpu_devices', None,
                      'Simulate this many CPU devices (jax_num_cpu_devices), e.g. 8 to try an '
                      '8-member ensemble on a laptop. Must be set before jax starts, hence a flag.')
+flags.DEFINE_string('coordinator_address', None,
+                    'HOST:PORT where process 0 runs the jax.distributed coordinator; with --num_processes '
+                    'and --process_id, for one process per host. Leave all three out on a cluster that '
+                    'jax.distributed detects (SLURM, Open MPI, Cloud TPU), or for a single process.')
+flags.DEFINE_integer('num_processes', None, 'How many processes train the ensemble together.')
+flags.DEFINE_integer('process_id', None, "This process's id, 0 to num_processes - 1; 0 hosts the coordinator.")
+flags.DEFINE_integer('initialization_timeout', 300,
+                     'Seconds to wait at start-up for the coordinator and all processes before giving up.')
+flags.DEFINE_integer('heartbeat_timeout', 100,
+                     'Seconds after which a silent process counts as dead and the others stop too.')
 flags.mark_flags_as_required(['workdir', 'config'])
 
 
@@ -33,8 +46,11 @@ def main(argv):
   logging.get_absl_logger().addFilter(cli.QuietLibraries())
   if FLAGS.cpu_devices:
     jax.config.update('jax_num_cpu_devices', FLAGS.cpu_devices)
-  logging.info('JAX devices: %s', jax.devices())
   try:
+    distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                           initialization_timeout=FLAGS.initialization_timeout,
+                           heartbeat_timeout=FLAGS.heartbeat_timeout)
+    logging.info('Process %d of %d; JAX devices: %s', jax.process_index(), jax.process_count(), jax.devices())
     trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
   except UsageError as e:
     print(f'error: {e}', file=sys.stderr)

@@ -10,19 +10,23 @@ import numpy as np
 from absl import logging
 from clu import periodic_actions
 
-from ensemble import backends, checkpoint, config as config_lib, data, metrics, models, steps, writers
+from ensemble import backends, checkpoint, config as config_lib, data, distributed, metrics, models, steps, writers
 from ensemble.errors import UsageError
 
 INPUT_SHAPE = (*data.IMAGE_SHAPE, 1)
 
 
 def evaluate(backend, state, split: data.Split, batch_size: int) -> dict[str, Any]:
-  """Ensemble and member metrics over the whole split, each example counted once."""
+  """Ensemble and member metrics over the whole split, each example counted once.
+
+  Each process feeds only its rows of every batch; the outputs cover whole batches.
+  """
   outputs, masks = [], []
-  for images, labels, mask in data.eval_batches(split, batch_size):
+  rows = distributed.process_rows(backend.devices, batch_size)
+  for images, labels, mask in data.eval_batches(split, batch_size, rows):
     outputs.append(backend.eval_step(state, images, labels))
     masks.append(mask)
-  outputs = backend.to_host(jax.tree.map(lambda *xs: np.concatenate(xs, axis=-1), *outputs))
+  outputs = jax.tree.map(lambda *xs: np.concatenate(xs, axis=-1), *backend.to_host(outputs))
   # The ensemble outputs are the same on every member; member 0's copy is enough.
   outputs = {k: v[0] if k.startswith('ensemble_') else v.T for k, v in outputs.items()}
   return metrics.EvalMetrics.single_from_model_output(**outputs, mask=np.concatenate(masks)).compute()
@@ -63,8 +67,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple
     state = backend.init(config.seed)
 
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
-    json.dump(config.to_dict(), f, indent=2, sort_keys=True)
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
+      json.dump(config.to_dict(), f, indent=2, sort_keys=True)
   writer = writers.create_writers(workdir, is_main_process=jax.process_index() == 0)
   steps_per_epoch = data.steps_per_epoch(num_train, config.batch_size)
   report_progress = periodic_actions.ReportProgress(

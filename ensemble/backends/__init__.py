@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ensemble import distributed
 from ensemble.errors import UsageError
 
 ENSEMBLE_AXIS = 'ensemble'
@@ -46,9 +47,13 @@ def create(name: str, *, config=None, **kwargs):
     init(seed) -> state            abstract_state() -> canonical restore target
     train_step(state, images, labels) -> (state, metrics)
     put_dataset(split) -> resident data;  train_steps(state, resident, indices) -> (state, metrics)
-    eval_step(state, images, labels) -> per-example outputs
-    to_host(tree) -> numpy, member axis first
+    eval_step(state, images, labels) -> per-example outputs of the whole batch
+    to_host(tree) -> numpy, member axis first, gathered from all processes
     to_canonical(state), from_canonical(state)
+
+  `images` and `labels` are the rows of a batch that this process feeds
+  (`distributed.process_rows` of `backend.devices`): whole batches unless the
+  devices span several processes.
 
   The mesh backends also read their mesh and step options from `config`.
   """
@@ -65,11 +70,25 @@ def create(name: str, *, config=None, **kwargs):
 def train_chunk(backend, state, split: dict[str, np.ndarray], resident, chunk: np.ndarray):
   """Trains on the batches whose example indices `chunk` holds, (steps, ...) of them.
 
-  Plain path (`resident` is None): one step, its batch gathered on the host.
-  Fast path (`resident` from `backend.put_dataset`): every step of the chunk in
-  one program. The trainer and the benchmark both go through here.
+  Plain path (`resident` is None): one step, this process's rows of its batch
+  gathered on the host. Fast path (`resident` from `backend.put_dataset`):
+  every step of the chunk in one program. The trainer and the benchmark both
+  go through here.
   """
   if resident is not None:
     return backend.train_steps(state, resident, chunk)
   (batch,) = chunk
+  batch = batch[distributed.process_rows(backend.devices, len(batch))]
   return backend.train_step(state, split['image'][batch], split['label'][batch])
+
+
+def gathering_batches(fn):
+  """`fn(state, images, labels)` under pmap or shard_map, fed slices of a batch that all members share.
+
+  Across processes, each device receives only its slice of such a batch (see
+  `distributed.process_rows`); every device gathers the whole batch back
+  before its members use it.
+  """
+  def gathered(state, images, labels):
+    return fn(state, *jax.lax.all_gather((images, labels), ENSEMBLE_AXIS, tiled=True))
+  return gathered

@@ -6,7 +6,9 @@ partitioner instead is much slower: it turns the vmapped convolutions into one
 grouped convolution that it does not split, so every device all-gathers the
 parameters and computes all K members (seen in the compiled HLO; on 8 CPU
 devices about 20x slower). The backend's layout is the canonical one, so
-conversions are free.
+conversions are free. Across processes, batches are global arrays built from
+each process's rows, and a shared batch arrives split over all devices and is
+gathered back on each of them.
 """
 
 import functools
@@ -16,8 +18,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ensemble import steps
-from ensemble.backends import ENSEMBLE_AXIS, abstract_member_state, ensemble_mesh, member_sharding
+from ensemble import distributed, steps
+from ensemble.backends import ENSEMBLE_AXIS, abstract_member_state, ensemble_mesh, gathering_batches
 
 _MEMBER_AXIS = 'member'  # the vmapped members within one device's block
 
@@ -33,8 +35,16 @@ class JitBackend:
     mesh = ensemble_mesh(self.devices)
     members, whole = P(ENSEMBLE_AXIS), P()
     self._replicated = NamedSharding(mesh, whole)
+    self._members = NamedSharding(mesh, members)
     self._shared_data = member_data == 'shared'
-    data_axis, data_spec = (None, whole) if self._shared_data else (0, members)
+    # One process feeds whole shared batches; several each feed their devices' slices
+    # (distributed.process_rows), which every device then gathers.
+    split = distributed.spans_processes(self.devices)
+    batch_spec, gather = (members, gathering_batches) if split else (whole, lambda fn: fn)
+    self._batches = NamedSharding(mesh, batch_spec)
+    # Per step: a batch (plain path), or its indices into the resident training set (fast path).
+    data_axis, data_spec, index_spec = (None, batch_spec, whole) if self._shared_data else (0, members, members)
+    self._data = NamedSharding(mesh, data_spec)
 
     def compile_mapped(member_fn, in_specs, out_specs, donate=()):
       """jit(shard_map(member_fn)) with the shardings of its specs stated and `donate` donated."""
@@ -48,16 +58,17 @@ class JitBackend:
 
     create = functools.partial(steps.create_member_state, model=model, tx=tx, input_shape=input_shape)
     self._init = compile_mapped(jax.vmap(create), members, members)
+    train = jax.vmap(steps.train_step, in_axes=(0, data_axis, data_axis))
     self._train = compile_mapped(
-        jax.vmap(steps.train_step, in_axes=(0, data_axis, data_axis)),
-        (members, data_spec, data_spec), (members, members), donate=0)
+        gather(train) if self._shared_data else train, (members, data_spec, data_spec), (members, members),
+        donate=0)
     self._train_steps = compile_mapped(
         jax.vmap(steps.train_steps, in_axes=(0, None, None, data_axis)),
-        (members, whole, whole, data_spec), (members, members), donate=0)
+        (members, whole, whole, index_spec), (members, members), donate=0)
     evaluate = functools.partial(steps.eval_step, axis_name=(ENSEMBLE_AXIS, _MEMBER_AXIS))
     self._eval = compile_mapped(
-        jax.vmap(evaluate, in_axes=(0, None, None), axis_name=_MEMBER_AXIS),
-        (members, whole, whole), members)
+        gather(jax.vmap(evaluate, in_axes=(0, None, None), axis_name=_MEMBER_AXIS)),
+        (members, batch_spec, batch_spec), members)
 
   def init(self, seed: int) -> steps.TrainState:
     keys = steps.member_keys(seed, self.ensemble_size)
@@ -67,7 +78,7 @@ class JitBackend:
     return self._abstract()
 
   def train_step(self, state, images: np.ndarray, labels: np.ndarray):
-    return self._train(state, images, labels)
+    return self._train(state, *jax.make_array_from_process_local_data(self._data, (images, labels)))
 
   def put_dataset(self, split):
     """The whole training set, replicated on every device, for `train_steps`."""
@@ -76,14 +87,16 @@ class JitBackend:
   def train_steps(self, state, dataset, indices: np.ndarray):
     """`indices` is (S, batch) for shared data, else (S, K, batch)."""
     if not self._shared_data:
-      indices = np.moveaxis(indices, 1, 0)
+      members = np.moveaxis(indices, 1, 0)
+      own = members[distributed.process_rows(self.devices, self.ensemble_size)]
+      indices = jax.make_array_from_process_local_data(self._members, own, members.shape)
     return self._train_steps(state, *dataset, indices)
 
   def eval_step(self, state, images: np.ndarray, labels: np.ndarray) -> steps.Metrics:
-    return self._eval(state, images, labels)
+    return self._eval(state, *jax.make_array_from_process_local_data(self._batches, (images, labels)))
 
   def to_host(self, tree):
-    return jax.tree.map(np.asarray, tree)
+    return distributed.to_numpy(tree)
 
   def to_canonical(self, state):
     return state

@@ -1,7 +1,10 @@
 """The classic recipe: `jax.pmap` over devices, `jax.vmap` over the members each device holds.
 
 State leaves are (D, K/D, ...): D devices, K/D members on each. Batches that all
-members share are replicated with `flax.jax_utils.replicate`.
+members share are replicated with `flax.jax_utils.replicate`. Across processes,
+each process pmaps over its own devices (host-local inputs and outputs, as pmap
+wants them), and a shared batch arrives split over all devices and is gathered
+back on each of them.
 """
 
 import functools
@@ -12,8 +15,8 @@ import numpy as np
 from flax import jax_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ensemble import steps
-from ensemble.backends import ENSEMBLE_AXIS, abstract_member_state, member_sharding
+from ensemble import distributed, steps
+from ensemble.backends import ENSEMBLE_AXIS, abstract_member_state, gathering_batches, member_sharding
 
 _MEMBER_AXIS = 'member'  # the vmapped members on one device
 
@@ -27,55 +30,68 @@ class PmapBackend:
     self.ensemble_size = ensemble_size
     self._abstract = functools.partial(abstract_member_state, model, tx, ensemble_size, input_shape, devices)
     self.members_per_device = ensemble_size // len(self.devices)
+    self._local_devices = [d for d in self.devices if d.process_index == jax.process_index()]
     self._shared_data = member_data == 'shared'
+    self._split_batches = distributed.spans_processes(self.devices)
+    whole = gathering_batches if self._split_batches else lambda fn: fn
     self._canonical = member_sharding(self.devices)
     self._pmapped = NamedSharding(Mesh(np.asarray(self.devices), ('devices',)), P('devices'))
     data_axis = None if self._shared_data else 0
     pmap = functools.partial(jax.pmap, axis_name=ENSEMBLE_AXIS, devices=self.devices)
     create = functools.partial(steps.create_member_state, model=model, tx=tx, input_shape=input_shape)
     self._init = pmap(jax.vmap(create))
-    self._train = pmap(jax.vmap(steps.train_step, in_axes=(0, data_axis, data_axis)),
-                       donate_argnums=0)
+    train = jax.vmap(steps.train_step, in_axes=(0, data_axis, data_axis))
+    self._train = pmap(whole(train) if self._shared_data else train, donate_argnums=0)
     self._train_steps = pmap(jax.vmap(steps.train_steps, in_axes=(0, None, None, data_axis)),
                              donate_argnums=0)
     evaluate = functools.partial(steps.eval_step, axis_name=(ENSEMBLE_AXIS, _MEMBER_AXIS))
-    self._eval = pmap(jax.vmap(evaluate, in_axes=(0, None, None), axis_name=_MEMBER_AXIS))
+    self._eval = pmap(whole(jax.vmap(evaluate, in_axes=(0, None, None), axis_name=_MEMBER_AXIS)))
 
   def _by_device(self, x: np.ndarray) -> np.ndarray:
-    return x.reshape(len(self.devices), self.members_per_device, *x.shape[1:])
+    """This process's rows -> (its devices, rows per device, ...)."""
+    return x.reshape(len(self._local_devices), -1, *x.shape[1:])
+
+  def _own_members(self, x: np.ndarray) -> np.ndarray:
+    """The rows of a (K, ...) array that belong to this process's members, by device."""
+    return self._by_device(x[distributed.process_rows(self.devices, self.ensemble_size)])
+
+  def _shared_batch(self, images: np.ndarray, labels: np.ndarray):
+    if self._split_batches:
+      return self._by_device(images), self._by_device(labels)
+    return jax_utils.replicate((images, labels), self._local_devices)
 
   def init(self, seed: int) -> steps.TrainState:
     keys = steps.member_keys(seed, self.ensemble_size)
-    return self._init(self._by_device(keys))
+    return self._init(self._own_members(keys))
 
   def abstract_state(self):
     return self._abstract()
 
   def train_step(self, state, images: np.ndarray, labels: np.ndarray):
     if self._shared_data:
-      images, labels = jax_utils.replicate((images, labels), self.devices)
+      images, labels = self._shared_batch(images, labels)
     else:
       images, labels = self._by_device(images), self._by_device(labels)
     return self._train(state, images, labels)
 
   def put_dataset(self, split):
-    """The whole training set, one copy per device, for `train_steps`."""
-    return jax_utils.replicate((split['image'], split['label']), self.devices)
+    """The whole training set, one copy per device of this process, for `train_steps`."""
+    return jax_utils.replicate((split['image'], split['label']), self._local_devices)
 
   def train_steps(self, state, dataset, indices: np.ndarray):
     """`indices` is (S, batch) for shared data, else (S, K, batch)."""
     if self._shared_data:
-      indices = jax_utils.replicate(indices, self.devices)
+      indices = jax_utils.replicate(indices, self._local_devices)
     else:
-      indices = self._by_device(np.moveaxis(indices, 1, 0))
+      indices = self._own_members(np.moveaxis(indices, 1, 0))
     return self._train_steps(state, *dataset, indices)
 
   def eval_step(self, state, images: np.ndarray, labels: np.ndarray) -> steps.Metrics:
-    return self._eval(state, *jax_utils.replicate((images, labels), self.devices))
+    return self._eval(state, *self._shared_batch(images, labels))
 
   def to_host(self, tree):
-    """Device outputs as numpy arrays with the member axis first, (K, ...)."""
-    return jax.tree.map(lambda x: np.asarray(x).reshape(self.ensemble_size, *x.shape[2:]), tree)
+    """Device outputs of all processes as numpy arrays with the member axis first, (K, ...)."""
+    return distributed.to_numpy(self.to_canonical(tree))
 
   def to_canonical(self, state):
     """(D, K/D, ...) per device -> one global (K, ...) array; each shard stays on its device."""

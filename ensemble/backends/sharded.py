@@ -86,6 +86,7 @@ class _MeshBackend:
 
   def __init__(self, *, devices: Sequence[jax.Device], config, ensemble_size: int, member_data: str):
     del ensemble_size, member_data  # one model, shared batches: config.resolve checked both
+    self.devices = list(devices)
     self.mesh = make_mesh(config.mesh_shape, devices)
     data = self.mesh.shape[DATA_AXIS]
     for name in ('batch_size', 'eval_batch_size'):

@@ -1,0 +1,157 @@
+"""Several processes, one ensemble: start-up with `jax.distributed`, and each process's share of the data.
+
+JAX's multi-controller model: every process (one per host) runs this same
+program. After `jax.distributed.initialize`, `jax.devices()` lists the devices
+of all processes, global arrays span them, and collectives (the ensemble mean)
+cross process boundaries by themselves. What a process must still do itself is
+join the others before JAX starts (`initialize`), feed only the rows of each
+batch that its own devices hold (`process_rows`), and gather results that live
+on other processes when it needs them on the host (`to_numpy`).
+"""
+
+import collections
+import socket
+import time
+import warnings
+from typing import Any, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+
+from ensemble.errors import UsageError
+
+
+def _parse_address(address: str) -> tuple[str, int]:
+  host, _, port = address.rpartition(':')
+  if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise UsageError(f'--coordinator_address={address!r} is not HOST:PORT; give process 0\'s host '
+                     'and a free port, e.g. 10.0.0.1:1234')
+  return host.strip('[]'), int(port)
+
+
+def _wait_for_coordinator(address: str, timeout_s: float) -> float:
+  """Returns the seconds left once process 0's coordinator accepts connections.
+
+  JAX itself would abort with a C++ stack trace that blames a dead task; a
+  reachable port is checked here first so that a wrong address or a missing
+  process 0 is reported as what it is.
+  """
+  host, port = _parse_address(address)
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))).close()
+      return deadline - time.monotonic()
+    except socket.gaierror as e:
+      raise UsageError(f'cannot resolve the coordinator host {host!r} ({e.strerror}); '
+                       'fix --coordinator_address') from None
+    except OSError:
+      if time.monotonic() >= deadline:
+        raise UsageError(f'cannot reach the coordinator at {address} within {timeout_s:g} s: start process 0 '
+                         'there, check the address and that its port is open, or raise '
+                         '--initialization_timeout') from None
+      time.sleep(0.2)
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, initialization_timeout: int = 300,
+               heartbeat_timeout: int = 100):
+  """Joins the other processes of a multi-process run; must come before anything uses a JAX device.
+
+  With all three of `coordinator_address`, `num_processes` and `process_id`,
+  joins the job they describe. With none, JAX looks for a cluster it knows
+  (SLURM, Open MPI, Cloud TPU, Kubernetes) in the environment, and the run is a
+  single process when it finds none. Start-up waits at most
+  `initialization_timeout` seconds for the others; once running, a process that
+  stops answering for `heartbeat_timeout` seconds ends the others too (JAX's
+  coordination service), so a dead peer never leaves the rest hanging.
+  """
+  given = [value is not None for value in (coordinator_address, num_processes, process_id)]
+  if any(given) and not all(given):
+    raise UsageError('--coordinator_address, --num_processes and --process_id go together: give all three, '
+                     'or none on a cluster that jax.distributed detects (SLURM, Open MPI, Cloud TPU)')
+  for name, value in (('initialization_timeout', initialization_timeout), ('heartbeat_timeout', heartbeat_timeout)):
+    if value < 1:
+      raise UsageError(f'--{name}={value} must be at least 1 second')
+  if all(given):
+    if num_processes < 1:
+      raise UsageError(f'--num_processes={num_processes} must be at least 1')
+    if not 0 <= process_id < num_processes:
+      raise UsageError(f'--process_id={process_id} is out of range for --num_processes={num_processes}: '
+                       f'give each process its own id from 0 to {num_processes - 1}')
+    _parse_address(coordinator_address)
+    if process_id != 0:
+      initialization_timeout = max(1, int(_wait_for_coordinator(coordinator_address, initialization_timeout)))
+  # CPU devices of different processes reach each other through gloo; GPUs and TPUs bring their own.
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  try:
+    with warnings.catch_warnings():
+      # Without flags, JAX warns about every cluster type it could not use (e.g. Kubernetes without
+      # the kubernetes package), although finding none just means a single process here.
+      if not any(given):
+        warnings.simplefilter('ignore')
+      jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                                 initialization_timeout=initialization_timeout,
+                                 heartbeat_timeout_seconds=heartbeat_timeout)
+  except ValueError as e:
+    if not any(given) and 'coordinator_address' in str(e):
+      return  # No cluster in the environment: a single-process run.
+    raise UsageError(f'jax.distributed could not start ({e}); give --coordinator_address, '
+                     '--num_processes and --process_id') from None
+  except jax.errors.JaxRuntimeError as e:  # process 0 could not start the coordinator service
+    where = f' at {coordinator_address}' if coordinator_address else ''
+    raise UsageError(f'jax.distributed could not start the coordinator{where} ({str(e).splitlines()[0]}); '
+                     'is its port already in use? pick another port') from None
+
+
+def spans_processes(devices: Sequence[jax.Device]) -> bool:
+  return len({d.process_index for d in devices}) > 1
+
+
+def process_rows(devices: Sequence[jax.Device], num_rows: int) -> np.ndarray:
+  """The rows of a batch that this process reads and feeds.
+
+  A process that holds every device feeds whole batches. Across processes, a
+  batch's leading axis (examples, or members for per-member batches) is split
+  evenly over `devices` in order, and a process feeds the blocks of its own
+  devices, as `jax.make_array_from_process_local_data` and host-local pmap
+  inputs expect.
+  """
+  if not spans_processes(devices):
+    return np.arange(num_rows)
+  per_device = num_rows // len(devices)
+  return np.concatenate([np.arange(i * per_device, (i + 1) * per_device)
+                         for i, device in enumerate(devices) if device.process_index == jax.process_index()])
+
+
+def to_numpy(tree: Any) -> Any:
+  """Arrays as numpy on every process, including the parts that other processes hold."""
+  def fetch(x):
+    if getattr(x, 'is_fully_addressable', True):
+      return np.asarray(x)
+    return multihost_utils.process_allgather(x, tiled=True)
+  return jax.tree.map(fetch, tree)
+
+
+def check_layout(config: ml_collections.ConfigDict, devices: Sequence[jax.Device]):
+  """Refuses, on every process alike, a run that the processes could not share out evenly."""
+  if jax.process_count() == 1:
+    return
+  per_process = dict(collections.Counter(device.process_index for device in devices))
+  if len(per_process) != jax.process_count() or len(set(per_process.values())) > 1:
+    raise UsageError(f'the {jax.process_count()} processes would train on {per_process} of their devices; '
+                     'give every process the same number of devices (--cpu_devices on CPU) and leave '
+                     '--config.num_devices at 0')
+  num_processes, local = len(per_process), len(devices) // len(per_process)
+  # Batches that all members share are split over all devices and gathered back on each:
+  # every eval batch, and the train batches of the plain path (the fast path gathers on device).
+  split = ['eval_batch_size']
+  if config.member_data == 'shared' and not config.steps_per_dispatch:
+    split.append('batch_size')
+  for name in split:
+    if config[name] % len(devices):
+      raise UsageError(f'{name}={config[name]} gives each of the {num_processes} processes '
+                       f'{config[name] / num_processes:g} examples per step, which its {local} devices cannot '
+                       f'split evenly; set --config.{name} to a multiple of {len(devices)}')
