@@ -54,7 +54,7 @@ def train_step(state: TrainState, images: jnp.ndarray, labels: jnp.ndarray) -> t
 
 
 def train_steps(state: TrainState, images: jnp.ndarray, labels: jnp.ndarray,
-                indices: jnp.ndarray, step_fn=train_step) -> tuple[TrainState, Metrics]:
+                indices: jnp.ndarray, step_fn=train_step, unroll: bool = False) -> tuple[TrainState, Metrics]:
   """`len(indices)` train steps in one program, on batches gathered from a resident training set.
 
   The fast path: the training set stays on the device, so the chunk's batches
@@ -63,9 +63,24 @@ def train_steps(state: TrainState, images: jnp.ndarray, labels: jnp.ndarray,
   the data-parallel step of `parallel.fsdp`), so results match the plain path.
   The gather happens before the loop: a dataset referenced inside the scan body
   rides in the loop state, and XLA on CPU copied it every iteration (14x slower).
+
+  `unroll` traces the steps one after another instead of as a `lax.scan`
+  loop; backends set it on CPU (see `backends.unrolls`).
   """
-  return jax.lax.scan(lambda state, batch: step_fn(state, *batch), state,
-                      (images[indices], labels[indices]))
+  batches = (images[indices], labels[indices])
+  step = lambda state, batch: step_fn(state, *batch)
+  if not unroll:
+    return jax.lax.scan(step, state, batches)
+  outputs = []
+  for i in range(len(indices)):
+    state, output = step(state, (batches[0][i], batches[1][i]))
+    outputs.append(output)
+  return state, stack(outputs)
+
+
+def stack(trees: Sequence[Any]) -> Any:
+  """Equally shaped pytrees -> one pytree with a new leading axis: what a traced loop would return."""
+  return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
 def ensemble_probs(probs: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray:
@@ -76,7 +91,11 @@ def ensemble_probs(probs: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray:
 def eval_step(state: TrainState, images: jnp.ndarray, labels: jnp.ndarray, *,
               axis_name: AxisName) -> Metrics:
   """Per-example losses and hits of this member and of the whole ensemble."""
-  logits = predict(state, images)
+  return eval_outputs(predict(state, images), labels, axis_name=axis_name)
+
+
+def eval_outputs(logits: jnp.ndarray, labels: jnp.ndarray, *, axis_name: AxisName) -> Metrics:
+  """`eval_step` from this member's logits: backends that compute the logits their own way use it."""
   probs = jax.nn.softmax(logits)
   ensemble = ensemble_probs(probs, axis_name)
   ensemble_label_prob = jnp.take_along_axis(ensemble, labels[:, None], axis=-1)[:, 0]

@@ -6,6 +6,10 @@ os.environ['XLA_FLAGS'] = ' '.join(
     [os.environ.get('XLA_FLAGS', ''), '--xla_force_host_platform_device_count=8']).strip()
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
+from ensemble import host_memory  # pylint: disable=g-import-not-at-top,g-bad-import-order
+
+host_memory.keep_freed_memory()  # as `ensemble.train` does on CPU: steps stop page-faulting
+
 import gzip  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import struct
 

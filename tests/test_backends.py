@@ -103,6 +103,35 @@ def test_pmap_canonical_round_trip_keeps_every_member_on_its_device():
   assert np.asarray(again.params['Dense_1']['bias']).shape == (8, 2, 10)
 
 
+def test_members_mapped_one_after_another_match_vmap():
+  """On CPU a device's members are traced one after another (backends.map_members), elsewhere vmapped."""
+  tx = optax.sgd(0.1, 0.9)
+  keys = jax.random.split(jax.random.key(0), 2)
+  state = jax.vmap(lambda key: steps.create_member_state(key, models.CNN(), tx, INPUT_SHAPE))(keys)
+  images, labels = _batches(1)
+  args, in_axes = (state, images[0], labels[0]), (0, None, None)
+  (mapped_state, mapped), (vmapped_state, vmapped) = (
+      jax.jit(backends.map_members(steps.train_step, in_axes, jax.devices()))(*args),
+      jax.jit(jax.vmap(steps.train_step, in_axes=in_axes))(*args))
+  assert mapped['loss'].shape == (2,)
+  np.testing.assert_allclose(mapped['loss'], vmapped['loss'], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               mapped_state.params, vmapped_state.params)
+
+
+def test_unrolled_steps_match_the_loop():
+  """CPU backends unroll the fast path's steps; accelerators keep the lax.scan loop. Same steps."""
+  images, labels = _batches(3)
+  dataset = (images.reshape(-1, 28, 28, 1), labels.reshape(-1))
+  indices = np.arange(len(dataset[1])).reshape(labels.shape)
+  state = steps.create_member_state(jax.random.key(0), models.CNN(), optax.sgd(0.1, 0.9), INPUT_SHAPE)
+  run = lambda unroll: jax.jit(steps.train_steps, static_argnames='unroll')(state, *dataset, indices, unroll=unroll)
+  (looped, looped_metrics), (unrolled, unrolled_metrics) = run(False), run(True)
+  assert unrolled_metrics['loss'].shape == (3,)
+  np.testing.assert_allclose(unrolled_metrics['loss'], looped_metrics['loss'], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), unrolled.params, looped.params)
+
+
 @pytest.mark.parametrize('name, member_data', [('pmap', 'shared'), ('jit', 'shuffled')])
 def test_fast_path_matches_the_plain_path(name, member_data):
   """Resident data and several steps per dispatch (lax.scan) must not change the results."""

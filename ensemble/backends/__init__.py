@@ -7,16 +7,18 @@ axis named 'ensemble'. Checkpoints store that layout, so they do not know
 which backend wrote them.
 """
 
+import functools
 from typing import Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ensemble import distributed
+from ensemble import distributed, steps
 from ensemble.errors import UsageError
 
 ENSEMBLE_AXIS = 'ensemble'
+MEMBER_AXIS = 'member'  # the members that one device holds
 NAMES = ('pmap', 'jit', 'sharded', 'dp', 'fsdp')
 # The mesh backends (backends/sharded.py) train one model, not an ensemble, and
 # each trains the model its placement is written for.
@@ -35,7 +37,6 @@ def member_sharding(devices: Sequence[jax.Device]) -> NamedSharding:
 def abstract_member_state(model, tx, ensemble_size: int, input_shape: Sequence[int],
                           devices: Sequence[jax.Device]):
   """The canonical ensemble state as shapes, dtypes and shardings: a restore target."""
-  from ensemble import steps  # pylint: disable=g-import-not-at-top
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=member_sharding(devices)),
       steps.abstract_ensemble_state(model, tx, ensemble_size, input_shape))
@@ -65,6 +66,42 @@ def create(name: str, *, config=None, **kwargs):
   if name in MESH_MODELS:
     kwargs['config'] = config
   return backends[name](**kwargs)
+
+
+def unrolls(devices: Sequence[jax.Device]) -> bool:
+  """Whether loops over steps and members are traced unrolled: on CPU, for XLA:CPU's sake.
+
+  XLA:CPU gives a convolution its fast kernel only outside loop bodies (inside
+  one the weight gradients ran 10-15x slower), and runs the grouped convolution
+  that `jax.vmap` makes of several members' convolutions 4x slower per member
+  than separate ones. Accelerators run loops and grouped convolutions well,
+  and loops compile faster.
+  """
+  return devices[0].platform == 'cpu'
+
+
+def map_members(fn, in_axes: Sequence[int | None], devices: Sequence[jax.Device]):
+  """`jax.vmap(fn, in_axes)` over one device's members; on CPU one member after another (`unrolls`)."""
+  if not unrolls(devices):
+    return jax.vmap(fn, in_axes=in_axes)
+
+  def mapped(*args):
+    size = len(jax.tree.leaves([a for a, axis in zip(args, in_axes) if axis == 0])[0])
+    member = lambda i: [a if axis is None else jax.tree.map(lambda x: x[i], a) for a, axis in zip(args, in_axes)]
+    return steps.stack([fn(*member(i)) for i in range(size)])
+  return mapped
+
+
+def evaluate_members(devices: Sequence[jax.Device]):
+  """`steps.eval_step` for the members a device holds, inside pmap or shard_map over 'ensemble'.
+
+  The forward passes go through `map_members`; only the cheap ensemble mean
+  needs the members as a named (vmapped) axis, which with 'ensemble' spans all.
+  """
+  predict = map_members(steps.predict, (0, None), devices)
+  outputs = jax.vmap(functools.partial(steps.eval_outputs, axis_name=(ENSEMBLE_AXIS, MEMBER_AXIS)),
+                     in_axes=(0, None), axis_name=MEMBER_AXIS)
+  return lambda state, images, labels: outputs(predict(state, images), labels)
 
 
 def train_chunk(backend, state, split: dict[str, np.ndarray], resident, chunk: np.ndarray):

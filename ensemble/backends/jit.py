@@ -1,10 +1,11 @@
 """`jax.jit` with `NamedSharding`: one global (K, ...) array per state leaf, sharded over 'ensemble'.
 
 Inside the jitted step, `jax.shard_map` hands each device its block of K/D
-members and `jax.vmap` runs them. Leaving the member axis to XLA's automatic
-partitioner instead is much slower: it turns the vmapped convolutions into one
-grouped convolution that it does not split, so every device all-gathers the
-parameters and computes all K members (seen in the compiled HLO; on 8 CPU
+members and `jax.vmap` runs them (on CPU, one after another:
+`backends.map_members`). Leaving the member axis to XLA's automatic partitioner
+instead is much slower: it turns the vmapped convolutions into one grouped
+convolution that it does not split, so every device all-gathers the parameters
+and computes all K members (seen in the compiled HLO; on 8 CPU
 devices about 20x slower). The backend's layout is the canonical one, so
 conversions are free. Across processes, batches are global arrays built from
 each process's rows, and a shared batch arrives split over all devices and is
@@ -19,13 +20,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
-from ensemble.backends import ENSEMBLE_AXIS, abstract_member_state, ensemble_mesh, gathering_batches
-
-_MEMBER_AXIS = 'member'  # the vmapped members within one device's block
+from ensemble.backends import (ENSEMBLE_AXIS, abstract_member_state, ensemble_mesh, gathering_batches,
+                               evaluate_members, map_members, unrolls)
 
 
 class JitBackend:
-  """One jitted program per step over a 1-D 'ensemble' mesh, members mapped with shard_map + vmap."""
+  """One jitted program per step over a 1-D 'ensemble' mesh, members mapped with shard_map + map_members."""
 
   def __init__(self, *, model, tx, devices: Sequence[jax.Device], ensemble_size: int,
                member_data: str, input_shape: Sequence[int]):
@@ -58,16 +58,16 @@ class JitBackend:
 
     create = functools.partial(steps.create_member_state, model=model, tx=tx, input_shape=input_shape)
     self._init = compile_mapped(jax.vmap(create), members, members)
-    train = jax.vmap(steps.train_step, in_axes=(0, data_axis, data_axis))
+    train = map_members(steps.train_step, (0, data_axis, data_axis), self.devices)
     self._train = compile_mapped(
         gather(train) if self._shared_data else train, (members, data_spec, data_spec), (members, members),
         donate=0)
+    many = functools.partial(steps.train_steps, unroll=unrolls(self.devices))
     self._train_steps = compile_mapped(
-        jax.vmap(steps.train_steps, in_axes=(0, None, None, data_axis)),
+        map_members(many, (0, None, None, data_axis), self.devices),
         (members, whole, whole, index_spec), (members, members), donate=0)
-    evaluate = functools.partial(steps.eval_step, axis_name=(ENSEMBLE_AXIS, _MEMBER_AXIS))
     self._eval = compile_mapped(
-        gather(jax.vmap(evaluate, in_axes=(0, None, None), axis_name=_MEMBER_AXIS)),
+        gather(evaluate_members(self.devices)),
         (members, batch_spec, batch_spec), members)
 
   def init(self, seed: int) -> steps.TrainState:

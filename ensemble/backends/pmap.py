@@ -1,4 +1,5 @@
-"""The classic recipe: `jax.pmap` over devices, `jax.vmap` over the members each device holds.
+"""The classic recipe: `jax.pmap` over devices; a device's members mapped with `jax.vmap`
+(on CPU, traced one after another: `backends.map_members`).
 
 State leaves are (D, K/D, ...): D devices, K/D members on each. Batches that all
 members share are replicated with `flax.jax_utils.replicate`. Across processes,
@@ -16,9 +17,8 @@ from flax import jax_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
-from ensemble.backends import ENSEMBLE_AXIS, abstract_member_state, gathering_batches, member_sharding
-
-_MEMBER_AXIS = 'member'  # the vmapped members on one device
+from ensemble.backends import (ENSEMBLE_AXIS, abstract_member_state, gathering_batches, member_sharding,
+                               evaluate_members, map_members, unrolls)
 
 
 class PmapBackend:
@@ -40,12 +40,12 @@ class PmapBackend:
     pmap = functools.partial(jax.pmap, axis_name=ENSEMBLE_AXIS, devices=self.devices)
     create = functools.partial(steps.create_member_state, model=model, tx=tx, input_shape=input_shape)
     self._init = pmap(jax.vmap(create))
-    train = jax.vmap(steps.train_step, in_axes=(0, data_axis, data_axis))
+    train = map_members(steps.train_step, (0, data_axis, data_axis), self.devices)
     self._train = pmap(whole(train) if self._shared_data else train, donate_argnums=0)
-    self._train_steps = pmap(jax.vmap(steps.train_steps, in_axes=(0, None, None, data_axis)),
+    many = functools.partial(steps.train_steps, unroll=unrolls(self.devices))
+    self._train_steps = pmap(map_members(many, (0, None, None, data_axis), self.devices),
                              donate_argnums=0)
-    evaluate = functools.partial(steps.eval_step, axis_name=(ENSEMBLE_AXIS, _MEMBER_AXIS))
-    self._eval = pmap(whole(jax.vmap(evaluate, in_axes=(0, None, None), axis_name=_MEMBER_AXIS)))
+    self._eval = pmap(whole(evaluate_members(self.devices)))
 
   def _by_device(self, x: np.ndarray) -> np.ndarray:
     """This process's rows -> (its devices, rows per device, ...)."""

@@ -1,0 +1,32 @@
+"""Keeps freed host memory mapped, so that XLA:CPU stops page-faulting its buffers in every step.
+
+XLA:CPU takes each run's buffers from malloc and frees them afterwards. glibc
+serves every request above its mmap threshold (at most 32 MiB) with fresh pages
+from the kernel and unmaps them on free, so each training step faults all of its
+buffers in again. At batch 128 on 2 cores with 8 simulated devices, 16 steps
+took 5.3 s, with 2.3 s of CPU time spent in the kernel; served from a heap that
+is never given back, they took 3.8 s (1.4x the throughput). Device
+buffers on accelerators do not come from malloc, which is why the trainer does
+this on CPU only. The price is that the process keeps its peak heap.
+"""
+
+import ctypes
+
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4  # glibc's mallopt parameters
+_NEVER = 2**31 - 1  # mallopt takes an int
+
+
+def keep_freed_memory(top_pad_bytes: int = 256 << 20) -> bool:
+  """Makes glibc's malloc keep freed memory for reuse; returns False where libc is not glibc.
+
+  No mmap for large requests (they come from the heap), no trimming of the
+  heap, and `top_pad_bytes` of extra room each time the heap grows (without
+  that, the steps measured above still faulted in a sixth as many pages).
+  Process-wide and not undone: call it once, at start-up.
+  """
+  try:
+    mallopt = ctypes.CDLL(None).mallopt
+  except (OSError, AttributeError):
+    return False
+  settings = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _NEVER), (_M_TOP_PAD, top_pad_bytes))
+  return all(mallopt(param, value) == 1 for param, value in settings)
