@@ -18,7 +18,8 @@ def get_config() -> ml_collections.ConfigDict:
   # A folder with the four MNIST IDX files; empty means tensorflow-datasets.
   config.data_dir = ''
   # 0: the plain path, a host batch per step. N > 0: the fast path, the training set kept
-  # on the devices and N steps run per dispatch with lax.scan (same results).
+  # on the devices and N steps run per dispatch (same results). Meant for accelerators; on CPU
+  # it pays with several members per device, at N=8 (BENCHMARKS.md).
   config.steps_per_dispatch = 0
   # The last fraction of the training split is never trained on: `ensemble.evaluate` fits the
   # ensemble's temperature there (a temperature fitted on training data would sharpen it).
