@@ -17,7 +17,7 @@ from absl import app, flags, logging  # pylint: disable=g-import-not-at-top,g-mu
 import jax  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
-from ensemble import cli, distributed, host_memory, trainer  # pylint: disable=g-import-not-at-top
+from ensemble import cli, distributed, trainer  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
@@ -51,8 +51,7 @@ def main(argv):
                            initialization_timeout=FLAGS.initialization_timeout,
                            heartbeat_timeout=FLAGS.heartbeat_timeout)
     logging.info('Process %d of %d; JAX devices: %s', jax.process_index(), jax.process_count(), jax.devices())
-    if jax.default_backend() == 'cpu' and host_memory.keep_freed_memory():
-      logging.info('Keeping freed host memory for XLA:CPU to reuse (ensemble/host_memory.py).')
+    cli.keep_freed_memory_on_cpu()
     trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
   except UsageError as e:
     print(f'error: {e}', file=sys.stderr)
