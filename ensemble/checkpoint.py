@@ -10,7 +10,6 @@ the workdir is touched.
 import os
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 from flax import serialization, traverse_util
 

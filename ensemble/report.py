@@ -34,8 +34,8 @@ def markdown(results: dict[str, Any]) -> str:
   test_rows += [scores_row(f'member {i}', scores) for i, scores in enumerate(results['members'])]
   ensemble, temperature = results['ensemble'], results['temperature_scaling']
   seen = temperature['seen_in_training']
-  rotation_rows = [[row['angle'], *(row[who][s] for who in ('ensemble', 'mean_member') for s in ('accuracy', 'nll', 'ece'))]
-                   for row in results['rotation']]
+  columns = [(who, s) for who in ('ensemble', 'mean_member') for s in ('accuracy', 'nll', 'ece')]
+  rotation_rows = [[row['angle'], *(row[who][s] for who, s in columns)] for row in results['rotation']]
   return '\n'.join([
       f'# Evaluation of `{results["workdir"]}`',
       '',

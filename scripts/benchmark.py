@@ -26,8 +26,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -173,7 +171,7 @@ def main():
         print(results[-1], flush=True)
 
   reference = {r['batch']: r['member_images_per_s'] for r in results if r['path'] == 'reference'}
-  print(f'\n| path | K | batch | member-images/s | vs reference | % of matmul peak | eval images/s | compile s |')
+  print('\n| path | K | batch | member-images/s | vs reference | % of matmul peak | eval images/s | compile s |')
   print('| --- | --- | --- | --- | --- | --- | --- | --- |')
   for r in results:
     r['vs_reference'] = r['member_images_per_s'] / reference[r['batch']]

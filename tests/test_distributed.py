@@ -155,7 +155,8 @@ def test_two_processes_train_the_same_ensemble_as_one(runs, backend, epoch):
     ({'num_processes': 2, 'process_id': 2}, '--process_id=2 is out of range for --num_processes=2'),
     ({'num_processes': 2, 'process_id': -1}, '--process_id=-1 is out of range for --num_processes=2'),
     ({'num_processes': 2}, '--coordinator_address, --num_processes and --process_id go together'),
-    ({'coordinator_address': 'no-port', 'num_processes': 2, 'process_id': 1}, "--coordinator_address='no-port' is not HOST:PORT"),
+    ({'coordinator_address': 'no-port', 'num_processes': 2, 'process_id': 1},
+     "--coordinator_address='no-port' is not HOST:PORT"),
     ({'num_processes': 2, 'process_id': 1, 'initialization_timeout': 2}, 'cannot reach the coordinator at 127.0.0.1:'),
 ])
 def test_bad_process_flags_are_refused_before_jax_starts(flags, message):

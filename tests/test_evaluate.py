@@ -104,8 +104,9 @@ def _untrained(workdir, tmp_path):
 @pytest.mark.parametrize('make_args, message', [
     (lambda w, t: ['--workdir', str(t)], 'error: {tmp}/config.json: missing; --workdir must name'),
     (_untrained, 'error: {tmp}/fresh/checkpoints: no checkpoint; train first'),
-    (functools.partial(_with_config, ensemble_size=4), 'error: {tmp}/copy/config.json does not describe its checkpoint: checkpoint '
-                  '{tmp}/copy/checkpoints/1 holds ensemble_size=8 but the config asks for ensemble_size=4'),
+    (functools.partial(_with_config, ensemble_size=4),
+     'error: {tmp}/copy/config.json does not describe its checkpoint: checkpoint '
+     '{tmp}/copy/checkpoints/1 holds ensemble_size=8 but the config asks for ensemble_size=4'),
     (lambda w, t: ['--workdir', w, '--data_dir=/nonexistent'], 'error: /nonexistent: not a folder'),
     (lambda w, t: ['--workdir', w, '--step=3'], 'error: --step=3: no such checkpoint in {workdir}/checkpoints; '
                                                  'choose one of [1]'),
