@@ -1,11 +1,17 @@
-"""The classic deep ensemble: one CNN per device, trained with pmap on MNIST."""
+"""The classic deep ensemble: one CNN per device, trained with pmap on MNIST.
+
+Every field the trainer reads is here; the other configs start from this one.
+"""
 
 import ml_collections
 
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
+  # 'cnn', 'resnet' (CIFAR ResNet, depth 6n+2, BatchNorm), or the mesh models 'mlp' and 'classifier'.
   config.model = 'cnn'
+  config.resnet_depth = 20
+  config.resnet_width = 1
   # 'pmap' (the classic recipe) or 'jit' (NamedSharding over an 'ensemble' mesh axis).
   config.backend = 'pmap'
   # Members; 0 means one per device. K members need a device count that divides K.
@@ -15,8 +21,16 @@ def get_config() -> ml_collections.ConfigDict:
   # 'shared': every member sees the same batches (the classic recipe). 'shuffled': each
   # member its own order of the training set, for more diversity between members.
   config.member_data = 'shared'
-  # A folder with the four MNIST IDX files; empty means tensorflow-datasets.
+  # A tensorflow-datasets image-classification dataset ('mnist', 'fashion_mnist', 'cifar10', ...) and its
+  # split names; used when data_dir is empty.
+  config.dataset = 'mnist'
+  config.train_split = 'train'
+  config.test_split = 'test'
+  # A folder of IDX files (MNIST, Fashion-MNIST, KMNIST) or an .npz file with x_train, y_train, x_test, y_test.
   config.data_dir = ''
+  # On-device augmentation, each member with its own random views: 'none', 'shift' (up to 2 pixels, for
+  # digits) or 'crop_flip' (random crop of the 4-pixel-padded image and horizontal flip, for CIFAR).
+  config.augment = 'none'
   # 0: the plain path, a host batch per step. N > 0: the fast path, the training set kept
   # on the devices and N steps run per dispatch (same results). Meant for accelerators; on CPU
   # it pays with several members per device, at N=8 (BENCHMARKS.md).
@@ -27,8 +41,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_epochs = 10
   config.batch_size = 128
   config.eval_batch_size = 1000
+  # 'sgd' (with momentum) or 'adamw'; schedule 'constant', 'cosine' or 'warmup_cosine' (warmup_epochs
+  # of linear warm-up); weight_decay is decoupled and applies to kernels only.
+  config.optimizer = 'sgd'
   config.learning_rate = 0.1
   config.momentum = 0.9
+  config.schedule = 'constant'
+  config.warmup_epochs = 0
+  config.weight_decay = 0.0
   config.seed = 0
   config.checkpoints_to_keep = 3
   return config

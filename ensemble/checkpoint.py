@@ -39,13 +39,17 @@ class Checkpointer:
   def epochs(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
+  def meta(self, epoch: int) -> dict[str, Any]:
+    """The JSON record saved beside the state: model, ensemble size, data description, ..."""
+    return self._manager.restore(epoch, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+
   def restore(self, epoch: int, abstract_state: Any, meta: dict[str, Any]) -> Any:
     """Restores the state saved at `epoch` onto the shardings of `abstract_state`'s leaves.
 
     `meta` describes what the current config expects; a checkpoint that differs
     raises a UsageError naming the difference.
     """
-    saved = self._manager.restore(epoch, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+    saved = self.meta(epoch)
     self._check_compatible(epoch, saved, {**meta, 'signature': signature(abstract_state)})
     target = serialization.to_state_dict(abstract_state)
     restored = self._manager.restore(

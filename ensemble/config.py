@@ -1,11 +1,11 @@
-"""Checks a config against the machine before anything runs, and fills in its defaults."""
+"""Checks a config against the machine before anything runs, fills in its defaults, and builds its member."""
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import ml_collections
 
-from ensemble import backends, distributed
+from ensemble import augment, backends, distributed, models, optim, steps
 from ensemble.errors import UsageError
 
 MEMBER_DATA = ('shared', 'shuffled')
@@ -30,6 +30,9 @@ def _check_single_model(config: ml_collections.ConfigDict):
            'use backend pmap or jit for ensembles')
   _require(config.member_data == 'shared',
            f"backend {backend!r} trains one model: set --config.member_data=shared")
+  _require(config.augment == 'none',
+           f'backend {backend!r} trains one model on plain batches: set --config.augment=none, or use backend '
+           'pmap or jit for augmented training')
   _require(jax.process_count() == 1,
            f'backend {backend!r} runs in a single process; use backend pmap or jit across processes')
   config.ensemble_size = 1
@@ -39,6 +42,9 @@ def resolve(config: ml_collections.ConfigDict,
             available: Sequence[jax.Device]) -> tuple[ml_collections.ConfigDict, list[jax.Device]]:
   """Returns a validated copy of `config` with `ensemble_size` filled in, and the devices to use."""
   config = ml_collections.ConfigDict(config.to_dict())
+  models.check_name(config.model)
+  _require(config.augment in augment.AUGMENTATIONS,
+           f'unknown augment {config.augment!r}: set --config.augment to one of {list(augment.AUGMENTATIONS)}')
   _require(config.backend in backends.NAMES,
            f'unknown backend {config.backend!r}: set --config.backend to one of {list(backends.NAMES)}')
   _require(config.member_data in MEMBER_DATA,
@@ -63,8 +69,26 @@ def resolve(config: ml_collections.ConfigDict,
     _require(config[name] > 0, f'{name}={config[name]} must be positive')
   _require(config.steps_per_dispatch >= 0,
            f'steps_per_dispatch={config.steps_per_dispatch} must be 0 (plain path) or positive (fast path)')
-  _require(config.learning_rate > 0, f'learning_rate={config.learning_rate} must be positive')
-  _require(0 <= config.momentum < 1, f'momentum={config.momentum} must be in [0, 1)')
+  optim.check(config)
   _require(0 <= config.heldout_fraction < 1, f'heldout_fraction={config.heldout_fraction} must be in [0, 1)')
   distributed.check_layout(config, devices)
   return config, devices
+
+
+def member(config: ml_collections.ConfigDict, data_info: dict[str, Any], steps_per_epoch: int = 1) -> steps.Member:
+  """The member that `config` describes, for data described by `data_info` (see `data_info`).
+
+  The trainer, the evaluator and the benchmark all build their members here.
+  `steps_per_epoch` only sets the learning-rate schedule's length: a restore
+  target needs the optimizer state's structure, not its schedule.
+  """
+  image_shape = tuple(data_info['image_shape'])
+  return steps.Member(model=models.create(config, data_info['num_classes'], image_shape),
+                      tx=optim.create(config, steps_per_epoch), image_shape=image_shape,
+                      mean=tuple(data_info['mean']), std=tuple(data_info['std']), augment=config.augment)
+
+
+def data_info(image_shape: Sequence[int], num_classes: int, mean: Sequence[float], std: Sequence[float]) -> dict:
+  """What a member needs to know of its data; checkpoints keep it, so a workdir can predict on its own."""
+  return {'image_shape': [int(s) for s in image_shape], 'num_classes': int(num_classes),
+          'mean': [float(m) for m in mean], 'std': [float(s) for s in std]}

@@ -72,7 +72,7 @@ def _as_split(images: np.ndarray, labels: np.ndarray, source: str) -> Split:
   if len(images) != len(labels):
     raise DataError(f'{source}: {len(images)} images but {len(labels)} labels; '
                     'the image and label files must come from the same split')
-  return {'image': (images.reshape((-1, *IMAGE_SHAPE, 1)).astype(np.float32) / 255.0),
+  return {'image': images.reshape((-1, *IMAGE_SHAPE, 1)),
           'label': labels.reshape(-1).astype(np.int32)}
 
 
@@ -129,8 +129,26 @@ def load_tfds() -> dict[str, Split]:
           for name, split in zip(['train', 'test'], splits)}
 
 
-def load(data_dir: str | None) -> dict[str, Split]:
-  return load_idx(data_dir) if data_dir else load_tfds()
+import dataclasses
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  train: Split
+  test: Split
+  source: str
+  num_classes: int
+  @property
+  def image_shape(self):
+    return self.train['image'].shape[1:]
+
+
+def load(dataset='mnist', data_dir='', train_split='train', test_split='test') -> Dataset:
+  splits = load_idx(data_dir) if data_dir else load_tfds()
+  return Dataset(splits['train'], splits['test'], data_dir, 10)
+
+
+def channel_stats(images):
+  x = images.astype(np.float64) / 255
+  return tuple(x.mean((0, 1, 2))), tuple(x.std((0, 1, 2)))
 
 
 def hold_out(split: Split, fraction: float) -> tuple[Split, Split]:

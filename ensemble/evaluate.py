@@ -1,12 +1,14 @@
-"""Evaluates a trained ensemble: accuracy, calibration and robustness to rotation, as numbers and plots.
+"""Evaluates a trained ensemble: accuracy, calibration and robustness to shifts, as numbers and plots.
 
   python -m ensemble.evaluate --workdir=/tmp/mnist [--data_dir=DIR] [--step=N] [--output_dir=DIR]
 
 Restores a checkpoint of `ensemble.train` onto the devices at hand, predicts the
 test set once per member, and scores the members and their average (the
 ensemble) with `calibration`: on the test set, on the test set rotated by a
-range of angles (Ovadia et al. 2019), and after temperature scaling of the
-average (Ashukha et al. 2020). Writes metrics.json, report.md and PNG plots.
+range of angles (Ovadia et al. 2019) and with Gaussian noise at CIFAR-10-C's
+five severities (Hendrycks and Dietterich 2019), both for any image size and
+without a download, and after temperature scaling of the average (Ashukha et
+al. 2020). Writes metrics.json, report.md and PNG plots.
 """
 
 import json
@@ -25,10 +27,13 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 import scipy.ndimage  # pylint: disable=g-import-not-at-top
 from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
-from ensemble import backends, calibration, checkpoint, cli, data, models, report, steps  # pylint: disable=g-import-not-at-top
+from ensemble import backends, calibration, checkpoint, cli, data, report, steps  # pylint: disable=g-import-not-at-top
+from ensemble import config as config_lib  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
 DEFAULT_ANGLES = tuple(range(0, 181, 15))
+# The standard deviations (pixels in [0, 1]) of CIFAR-10-C's gaussian_noise at severities 1 to 5.
+NOISE_STDS = (0.04, 0.06, 0.08, 0.09, 0.10)
 # Runs trained before `heldout_fraction` existed (or with 0) held nothing out; the temperature is then
 # fitted on this last fraction of the training split, which the members have seen, and the report says so.
 FALLBACK_HELDOUT_FRACTION = 0.1
@@ -36,8 +41,8 @@ RUN_CONFIG_KEYS = ('model', 'ensemble_size', 'learning_rate', 'momentum', 'eval_
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'A folder trained by `python -m ensemble.train`.')
-flags.DEFINE_string('data_dir', None, 'Folder of MNIST IDX files; default: the data_dir the workdir was '
-                    'trained with (empty there: tensorflow-datasets).')
+flags.DEFINE_string('data_dir', None, 'Folder of IDX files or an .npz file; default: the data the workdir '
+                    'was trained with (its data_dir, or its tensorflow-datasets dataset).')
 flags.DEFINE_integer('step', None, 'The checkpoint (epoch) to evaluate; default: the latest.')
 flags.DEFINE_string('output_dir', None, 'Where the report goes; default: WORKDIR/eval.')
 flags.DEFINE_list('angles', [str(a) for a in DEFAULT_ANGLES], 'Rotations of the test set, in degrees.')
@@ -69,8 +74,8 @@ def evaluation_devices(ensemble_size: int) -> list[jax.Device]:
 
 
 def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None,
-            devices: Sequence[jax.Device]) -> tuple[steps.TrainState, int]:
-  """The ensemble saved at `step` (default: the latest) in the canonical layout, and its epoch."""
+            devices: Sequence[jax.Device]) -> tuple[steps.Member, steps.TrainState, int]:
+  """The members saved at `step` (default: the latest): what they are, their canonical state, and the epoch."""
   ckpt = checkpoint.Checkpointer(workdir)
   epochs = ckpt.epochs()
   if not epochs:
@@ -79,14 +84,18 @@ def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None,
   epoch = epochs[-1] if step is None else step
   if epoch not in epochs:
     raise UsageError(f'--step={step}: no such checkpoint in {ckpt.directory}; choose one of {epochs}')
-  model, tx = models.create_model(config.model), steps.create_optimizer(config)
-  target = backends.abstract_member_state(model, tx, config.ensemble_size, (*data.IMAGE_SHAPE, 1), devices)
+  data_info = ckpt.meta(epoch).get('data')
+  if data_info is None:
+    raise UsageError(f'{ckpt.directory}/{epoch} was written by an older version that did not record its data; '
+                     'retrain it with this version of python -m ensemble.train')
+  member = config_lib.member(config, data_info)
+  target = backends.abstract_member_state(member, config.ensemble_size, devices)
   try:
     state = ckpt.restore(epoch, target, {'model': config.model, 'ensemble_size': config.ensemble_size})
   except UsageError as e:
     raise UsageError(f'{os.path.join(workdir, "config.json")} does not describe its checkpoint: {e}') from None
   ckpt.close()
-  return state, epoch
+  return member, state, epoch
 
 
 class Predictor:
@@ -99,9 +108,9 @@ class Predictor:
   machine with 24 GB.
   """
 
-  def __init__(self, state: steps.TrainState, devices: Sequence[jax.Device], batch_size: int):
+  def __init__(self, member: steps.Member, state: steps.TrainState, devices: Sequence[jax.Device], batch_size: int):
     members, whole = P(backends.ENSEMBLE_AXIS), P()
-    log_probs = lambda member, images: jax.nn.log_softmax(steps.predict(member, images))
+    log_probs = lambda state, images: jax.nn.log_softmax(member.predict(state, images))
     mapped = jax.shard_map(backends.map_members(log_probs, (0, None), devices),
                            mesh=backends.ensemble_mesh(devices), in_specs=(members, whole), out_specs=members)
     self._log_probs = jax.jit(mapped)
@@ -116,8 +125,18 @@ class Predictor:
 
 
 def rotate(images: np.ndarray, angle: float) -> np.ndarray:
-  """(N, 28, 28, 1) images turned counter-clockwise by `angle` degrees about their centre, black outside."""
+  """(N, H, W, C) images turned counter-clockwise by `angle` degrees about their centre, black outside."""
   return scipy.ndimage.rotate(images, angle, axes=(1, 2), reshape=False, order=1, mode='constant', cval=0.0)
+
+
+def add_gaussian_noise(images: np.ndarray, std: float, seed: int = 0) -> np.ndarray:
+  """Pixels in [0, 1] plus N(0, std^2) noise, clipped to [0, 1] (CIFAR-10-C's gaussian_noise); float32.
+
+  The noise is a function of `seed` and `std` only, so every evaluation sees the same corrupted set.
+  """
+  rng = np.random.default_rng([seed, round(std * 1e6)])
+  noisy = images.astype(np.float32) / 255.0 + rng.normal(0.0, std, images.shape).astype(np.float32)
+  return np.clip(noisy, 0.0, 1.0)
 
 
 def _mean_member(member_scores: list[dict[str, float]]) -> dict[str, float]:
@@ -165,18 +184,33 @@ def score_test_set(member_probs: np.ndarray, labels: np.ndarray) -> dict[str, An
   }
 
 
-def score_rotations(predict: Predictor, test: data.Split, angles: Sequence[int]) -> list[dict[str, Any]]:
-  """Accuracy, NLL and ECE of the ensemble and of the mean member on the rotated test set."""
+def score_shift(predict: Predictor, test: data.Split, levels: dict[str, Any], shifted) -> list[dict[str, Any]]:
+  """Accuracy, NLL and ECE of the ensemble and of the mean member on `shifted(images, **level)` per level.
+
+  `levels` maps each row's label (logged, e.g. 'rotation  90 deg') to its level, a dict that the row keeps.
+  """
   pick = lambda scores: {name: scores[name] for name in ('accuracy', 'nll', 'ece')}
   rows = []
-  for angle in angles:
-    member_probs = predict({'image': rotate(test['image'], angle), 'label': test['label']})
+  for label, level in levels.items():
+    member_probs = predict({'image': shifted(test['image'], **level), 'label': test['label']})
     ensemble = calibration.scores(member_probs.mean(0), test['label'])
     members = [calibration.scores(p, test['label']) for p in member_probs]
-    rows.append({'angle': angle, 'ensemble': pick(ensemble), 'mean_member': pick(_mean_member(members))})
-    logging.info('rotation %3d deg: ensemble accuracy %.4f NLL %.4f ECE %.4f', angle,
+    rows.append({**level, 'ensemble': pick(ensemble), 'mean_member': pick(_mean_member(members))})
+    logging.info('%s: ensemble accuracy %.4f NLL %.4f ECE %.4f', label,
                  ensemble['accuracy'], ensemble['nll'], ensemble['ece'])
   return rows
+
+
+def score_rotations(predict: Predictor, test: data.Split, angles: Sequence[int]) -> list[dict[str, Any]]:
+  """The test set rotated by each angle (Ovadia et al. 2019)."""
+  return score_shift(predict, test, {f'rotation {a:3d} deg': {'angle': a} for a in angles}, rotate)
+
+
+def score_noise(predict: Predictor, test: data.Split) -> list[dict[str, Any]]:
+  """The test set with CIFAR-10-C's Gaussian noise at severities 1 to 5."""
+  levels = {f'gaussian noise severity {s} (std {std})': {'severity': s, 'std': std}
+            for s, std in enumerate(NOISE_STDS, start=1)}
+  return score_shift(predict, test, levels, lambda images, severity, std: add_gaussian_noise(images, std))
 
 
 def heldout_split(train: data.Split, config: ml_collections.ConfigDict) -> tuple[data.Split, bool]:
@@ -204,24 +238,31 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
   """Scores the checkpoint, writes the report into `output_dir` (default WORKDIR/eval) and returns its numbers."""
   config = load_run_config(workdir)
   devices = evaluation_devices(config.ensemble_size)
-  state, epoch = restore(workdir, config, step, devices)
+  member, state, epoch = restore(workdir, config, step, devices)
   logging.info('Restored epoch %d of %s: %d members on %d devices.', epoch, workdir,
                config.ensemble_size, len(devices))
   data_dir = config.data_dir if data_dir is None else data_dir
-  dataset = data.load(data_dir or None)
-  heldout, seen_in_training = heldout_split(dataset['train'], config)
-  predict = Predictor(state, devices, config.eval_batch_size)
+  dataset = data.load(config.get('dataset', 'mnist'), data_dir, config.get('train_split', 'train'),
+                      config.get('test_split', 'test'))
+  if tuple(dataset.image_shape) != member.image_shape:
+    raise UsageError(f'{dataset.source} holds {"x".join(map(str, dataset.image_shape))} images but {workdir} '
+                     f'was trained on {"x".join(map(str, member.image_shape))}; give --data_dir the data it was '
+                     'trained on')
+  heldout, seen_in_training = heldout_split(dataset.train, config)
+  predict = Predictor(member, state, devices, config.eval_batch_size)
 
-  test = dataset['test']
+  test = dataset.test
   logging.info('Predicting the %d test examples.', len(test['label']))
   member_probs = predict(test)
   results = {'workdir': os.path.abspath(workdir), 'epoch': epoch, 'ensemble_size': config.ensemble_size,
-             'data': data_dir or 'tensorflow-datasets', 'test_examples': len(test['label']),
+             'data': dataset.source, 'test_examples': len(test['label']),
              **score_test_set(member_probs, test['label'])}
   logging.info('test: ensemble accuracy %.4f NLL %.4f ECE %.4f; mean member accuracy %.4f NLL %.4f ECE %.4f',
                *(results[who][name] for who in ('ensemble', 'mean_member') for name in ('accuracy', 'nll', 'ece')))
   logging.info('Rotating the test set by %s degrees.', list(angles))
   results['rotation'] = score_rotations(predict, test, angles)
+  logging.info('Adding Gaussian noise to the test set at %d severities.', len(NOISE_STDS))
+  results['gaussian_noise'] = score_noise(predict, test)
   logging.info('Fitting the temperature on the last %d training examples.', len(heldout['label']))
   if seen_in_training:
     logging.warning('%s held out no training examples (heldout_fraction=0): the temperature is fitted on '

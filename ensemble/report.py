@@ -13,7 +13,7 @@ from matplotlib.figure import Figure  # a bare Figure renders with Agg: no displ
 
 SCORES = ('accuracy', 'nll', 'brier', 'ece')
 TITLES = {'accuracy': 'accuracy', 'nll': 'NLL', 'brier': 'Brier', 'ece': 'ECE'}
-PLOTS = ('reliability.png', 'rotation.png', 'ensemble_size.png')
+PLOTS = ('reliability.png', 'rotation.png', 'gaussian_noise.png', 'ensemble_size.png')
 ENSEMBLE_STYLE = {'color': 'C0', 'marker': 'o', 'label': 'ensemble'}
 MEMBER_STYLE = {'color': 'C1', 'marker': 's', 'label': 'mean member'}
 
@@ -36,6 +36,9 @@ def markdown(results: dict[str, Any]) -> str:
   seen = temperature['seen_in_training']
   columns = [(who, s) for who in ('ensemble', 'mean_member') for s in ('accuracy', 'nll', 'ece')]
   rotation_rows = [[row['angle'], *(row[who][s] for who, s in columns)] for row in results['rotation']]
+  noise_rows = [[row['severity'], row['std'], *(row[who][s] for who, s in columns)]
+                for row in results['gaussian_noise']]
+  shift_columns = ['ensemble accuracy', 'ensemble NLL', 'ensemble ECE', 'member accuracy', 'member NLL', 'member ECE']
   return '\n'.join([
       f'# Evaluation of `{results["workdir"]}`',
       '',
@@ -59,8 +62,13 @@ def markdown(results: dict[str, Any]) -> str:
       '',
       '## Rotated test set',
       '',
-      _table(['angle', 'ensemble accuracy', 'ensemble NLL', 'ensemble ECE',
-              'member accuracy', 'member NLL', 'member ECE'], rotation_rows),
+      _table(['angle', *shift_columns], rotation_rows),
+      '',
+      '## Test set with Gaussian noise',
+      '',
+      'Pixels in [0, 1] plus Gaussian noise of the standard deviations of CIFAR-10-C\'s five severities, clipped.',
+      '',
+      _table(['severity', 'std', *shift_columns], noise_rows),
       '',
       '"member" is the mean over members of each member\'s score.',
       '',
@@ -105,17 +113,26 @@ def _reliability_figure(results: dict[str, Any]) -> Figure:
   return figure
 
 
-def _rotation_figure(results: dict[str, Any]) -> Figure:
+def _shift_figure(rows: list[dict[str, Any]], level: str, xlabel: str, title: str) -> Figure:
+  """Accuracy, NLL and ECE of the ensemble and the mean member against the shift's `level`."""
   figure = Figure(figsize=(13, 4), layout='constrained')
-  angles = [row['angle'] for row in results['rotation']]
+  levels = [row[level] for row in rows]
   for axis, score in zip(figure.subplots(1, 3), ('accuracy', 'nll', 'ece')):
     for who, style in (('ensemble', ENSEMBLE_STYLE), ('mean_member', MEMBER_STYLE)):
-      axis.plot(angles, [row[who][score] for row in results['rotation']], **style)
-    axis.set(xlabel='rotation (degrees)', title=TITLES[score], xticks=angles[::2] if len(angles) > 7 else angles)
+      axis.plot(levels, [row[who][score] for row in rows], **style)
+    axis.set(xlabel=xlabel, title=TITLES[score], xticks=levels[::2] if len(levels) > 7 else levels)
     axis.grid(alpha=0.3)
   axis.legend()
-  figure.suptitle('Rotated test set')
+  figure.suptitle(title)
   return figure
+
+
+def _rotation_figure(results: dict[str, Any]) -> Figure:
+  return _shift_figure(results['rotation'], 'angle', 'rotation (degrees)', 'Rotated test set')
+
+
+def _noise_figure(results: dict[str, Any]) -> Figure:
+  return _shift_figure(results['gaussian_noise'], 'severity', 'severity', 'Test set with Gaussian noise')
 
 
 def _ensemble_size_figure(results: dict[str, Any]) -> Figure:
@@ -138,5 +155,5 @@ def write(results: dict[str, Any], output_dir: str):
     json.dump(results, f, indent=2)
   with open(os.path.join(output_dir, 'report.md'), 'w', encoding='utf-8') as f:
     f.write(markdown(results))
-  for name, draw in zip(PLOTS, (_reliability_figure, _rotation_figure, _ensemble_size_figure)):
+  for name, draw in zip(PLOTS, (_reliability_figure, _rotation_figure, _noise_figure, _ensemble_size_figure)):
     draw(results).savefig(os.path.join(output_dir, name), dpi=100)

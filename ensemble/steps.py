@@ -6,6 +6,7 @@ mapped axes as `axis_name`, so `lax.pmean` over them averages the members'
 probabilities into the ensemble prediction wherever the members live.
 """
 
+import dataclasses
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -14,55 +15,117 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
+from ensemble import augment as augment_lib
+
 AxisName = str | Sequence[str]
-TrainState = train_state.TrainState
 Metrics = dict[str, jnp.ndarray]
 
 
-def create_optimizer(config) -> optax.GradientTransformation:
-  return optax.sgd(config.learning_rate, config.momentum)
+class TrainState(train_state.TrainState):
+  """One member's state: flax's TrainState plus what makes the member its own network.
+
+  `batch_stats` holds BatchNorm's running averages ({} for models without
+  BatchNorm). `key` is the member's random key as raw key data (a plain uint32
+  array that checkpoints store like any other): each step's augmentation and
+  dropout keys are folded from it and the step, so they depend on the seed, the
+  member index and the step only, and an exact resume draws the same ones.
+  """
+  batch_stats: Any
+  key: jax.Array
 
 
-def create_member_state(key: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
-                        input_shape: Sequence[int]) -> TrainState:
-  params = model.init(key, jnp.ones((1, *input_shape), jnp.float32))['params']
-  return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+@dataclasses.dataclass(frozen=True, eq=False)
+class Member:
+  """What every member is: its model, its optimizer, and how its images are prepared.
+
+  One object describes all members; they differ only in their `TrainState`.
+  Images arrive as uint8 pixels (or floats in [0, 1]) and are normalised with
+  the training split's per-channel `mean` and `std` on the device.
+  """
+  model: nn.Module
+  tx: optax.GradientTransformation
+  image_shape: tuple[int, ...]
+  mean: tuple[float, ...] = (0.0,)
+  std: tuple[float, ...] = (1.0,)
+  augment: str = 'none'
+
+  def prepare(self, images: jnp.ndarray, key: jax.Array | None = None) -> jnp.ndarray:
+    """Pixels -> the model's input; with a `key`, augmented first (training only)."""
+    images = augment_lib.to_unit_range(images)
+    transform = augment_lib.AUGMENTATIONS[self.augment]
+    if key is not None and transform is not None:
+      images = transform(key, images)
+    return augment_lib.normalize(images, self.mean, self.std)
+
+  def init(self, key: jax.Array) -> TrainState:
+    """A fresh member from its key: the parameters from one half, the member's own `key` from the other."""
+    init_key, own_key = jax.random.split(key)
+    variables = self.model.init(init_key, jnp.zeros((1, *self.image_shape), jnp.float32), train=False)
+    return TrainState.create(apply_fn=self.model.apply, params=variables['params'], tx=self.tx,
+                             batch_stats=variables.get('batch_stats', {}), key=jax.random.key_data(own_key))
+
+  def apply(self, state: TrainState, params, images: jnp.ndarray, *, train: bool,
+            key: jax.Array | None = None) -> tuple[jnp.ndarray, Any]:
+    """(logits, batch statistics): updated from this batch in training, the running averages otherwise."""
+    variables = {'params': params}
+    rngs = {} if key is None else {'dropout': key}
+    if not state.batch_stats:
+      return state.apply_fn(variables, images, train=train, rngs=rngs), state.batch_stats
+    variables['batch_stats'] = state.batch_stats
+    if not train:
+      return state.apply_fn(variables, images, train=False), state.batch_stats
+    logits, updates = state.apply_fn(variables, images, train=True, rngs=rngs, mutable=['batch_stats'])
+    return logits, updates['batch_stats']
+
+  def train_step(self, state: TrainState, images: jnp.ndarray, labels: jnp.ndarray) -> tuple[TrainState, Metrics]:
+    """One optimizer step of one member on its batch, augmented with the member's own key for this step.
+
+    Members train independently (that is what makes a deep ensemble), so there
+    is no collective here: the ensemble only meets at prediction time.
+    """
+    step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
+    augment_key, dropout_key = jax.random.split(step_key)
+    inputs = self.prepare(images, augment_key)
+
+    def loss_fn(params):
+      logits, batch_stats = self.apply(state, params, inputs, train=True, key=dropout_key)
+      return cross_entropy(logits, labels).mean(), (logits, batch_stats)
+
+    (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
+    state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
+    return state, {'loss': loss, 'accuracy': accuracy}
+
+  def predict(self, state: TrainState, images: jnp.ndarray) -> jnp.ndarray:
+    """One member's logits at test time (BatchNorm's running averages): shared by evaluation and the eval step."""
+    logits, _ = self.apply(state, state.params, self.prepare(images), train=False)
+    return logits
+
+  def eval_step(self, state: TrainState, images: jnp.ndarray, labels: jnp.ndarray, *,
+                axis_name: AxisName) -> Metrics:
+    """Per-example losses and hits of this member and of the whole ensemble."""
+    return eval_outputs(self.predict(state, images), labels, axis_name=axis_name)
+
+  def abstract_ensemble_state(self, ensemble_size: int) -> Any:
+    """Shapes and dtypes of the stacked (K, ...) ensemble state, computed without allocating it."""
+    return jax.eval_shape(jax.vmap(self.init), jax.eval_shape(lambda: member_keys(0, ensemble_size)))
 
 
 def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
-def predict(state: TrainState, images: jnp.ndarray) -> jnp.ndarray:
-  """One member's logits: the forward pass that evaluation and the eval step share."""
-  return state.apply_fn({'params': state.params}, images)
-
-
-def train_step(state: TrainState, images: jnp.ndarray, labels: jnp.ndarray) -> tuple[TrainState, Metrics]:
-  """One SGD step of one member on its batch.
-
-  Members train independently (that is what makes a deep ensemble), so there is
-  no collective here: the ensemble only meets at prediction time.
-  """
-  def loss_fn(params):
-    logits = state.apply_fn({'params': params}, images)
-    return cross_entropy(logits, labels).mean(), logits
-
-  (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-  accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
-  return state.apply_gradients(grads=grads), {'loss': loss, 'accuracy': accuracy}
-
-
 def train_steps(state: TrainState, images: jnp.ndarray, labels: jnp.ndarray,
-                indices: jnp.ndarray, step_fn=train_step, unroll: bool = False) -> tuple[TrainState, Metrics]:
+                indices: jnp.ndarray, step_fn, unroll: bool = False) -> tuple[TrainState, Metrics]:
   """`len(indices)` train steps in one program, on batches gathered from a resident training set.
 
   The fast path: the training set stays on the device, so the chunk's batches
   cost one on-device gather instead of host-to-device copies, and one dispatch
-  and one host sync serve many steps. Each step is `step_fn` (`train_step`, or
-  the data-parallel step of `parallel.fsdp`), so results match the plain path.
-  The gather happens before the loop: a dataset referenced inside the scan body
-  rides in the loop state, and XLA on CPU copied it every iteration (14x slower).
+  and one host sync serve many steps. Each step is `step_fn` (a member's
+  `train_step`, or the data-parallel step of `parallel.fsdp`), so results match
+  the plain path. The gather happens before the loop: a dataset referenced
+  inside the scan body rides in the loop state, and XLA on CPU copied it every
+  iteration (14x slower).
 
   `unroll` traces the steps one after another instead of as a `lax.scan`
   loop; backends set it on CPU (see `backends.unrolls`).
@@ -88,14 +151,8 @@ def ensemble_probs(probs: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray:
   return jax.lax.pmean(probs, axis_name)
 
 
-def eval_step(state: TrainState, images: jnp.ndarray, labels: jnp.ndarray, *,
-              axis_name: AxisName) -> Metrics:
-  """Per-example losses and hits of this member and of the whole ensemble."""
-  return eval_outputs(predict(state, images), labels, axis_name=axis_name)
-
-
 def eval_outputs(logits: jnp.ndarray, labels: jnp.ndarray, *, axis_name: AxisName) -> Metrics:
-  """`eval_step` from this member's logits: backends that compute the logits their own way use it."""
+  """A member's eval step from its logits: backends that compute the logits their own way use it."""
   probs = jax.nn.softmax(logits)
   ensemble = ensemble_probs(probs, axis_name)
   ensemble_label_prob = jnp.take_along_axis(ensemble, labels[:, None], axis=-1)[:, 0]
@@ -108,12 +165,5 @@ def eval_outputs(logits: jnp.ndarray, labels: jnp.ndarray, *, axis_name: AxisNam
 
 
 def member_keys(seed: int, ensemble_size: int) -> jax.Array:
-  """Member i's init key depends on the seed and the ensemble size only, not on the devices."""
+  """Member i's key: `split` is counter-based, so it depends on the seed and i only, not on K or the devices."""
   return jax.random.split(jax.random.key(seed), ensemble_size)
-
-
-def abstract_ensemble_state(model: nn.Module, tx: optax.GradientTransformation,
-                            ensemble_size: int, input_shape: Sequence[int]) -> Any:
-  """Shapes and dtypes of the stacked (K, ...) ensemble state, computed without allocating it."""
-  init = jax.vmap(lambda key: create_member_state(key, model, tx, input_shape))
-  return jax.eval_shape(init, jax.eval_shape(lambda: member_keys(0, ensemble_size)))

@@ -17,6 +17,11 @@ import numpy as np
 import pytest
 
 from configs import default
+from ensemble import config as config_lib, steps
+
+# The tests' MNIST-shaped members: 28x28x1 pixels scaled to [0, 1] and not standardised (mean 0, std 1),
+# so a member's forward pass is its model's own.
+MNIST_INFO = config_lib.data_info((28, 28, 1), 10, (0.0,), (1.0,))
 
 SHARED_MNIST = os.path.abspath(os.path.join(os.path.dirname(__file__), '..', '..', 'shared', 'mnist'))
 
@@ -69,6 +74,13 @@ def small_config(data_dir: str, **overrides):
   config.heldout_fraction = 0.0
   config.update(overrides)
   return config
+
+
+def make_member(config=None, data_info=MNIST_INFO, **overrides) -> steps.Member:
+  """The member that `config` (default: configs/default.py) with `overrides` describes."""
+  config = (config or default.get_config()).copy_and_resolve_references()
+  config.update(overrides)
+  return config_lib.member(config, data_info)
 
 
 @pytest.fixture

@@ -1,19 +1,18 @@
 """The backends: placement only, so both must compute the same ensemble."""
 
+import functools
+
 import jax
 import numpy as np
-import optax
 import pytest
 
-from conftest import synthetic_mnist
+from conftest import make_member, synthetic_mnist
 from ensemble import backends, models, steps
-from ensemble.trainer import INPUT_SHAPE
 
 
-def _backend(name, ensemble_size=8, num_devices=8, member_data='shared', learning_rate=0.1):
-  return backends.create(name, model=models.CNN(), tx=optax.sgd(learning_rate, 0.9),
-                         devices=jax.devices()[:num_devices], ensemble_size=ensemble_size,
-                         member_data=member_data, input_shape=INPUT_SHAPE)
+def _backend(name, ensemble_size=8, num_devices=8, member_data='shared', **overrides):
+  return backends.create(name, member=make_member(**overrides), devices=jax.devices()[:num_devices],
+                         ensemble_size=ensemble_size, member_data=member_data)
 
 
 def _batches(num_steps, batch=16, ensemble_size=8, member_data='shared'):
@@ -63,7 +62,7 @@ def test_ensemble_prediction_is_the_mean_of_member_probabilities(name):
   out = backend.to_host(backend.eval_step(state, images[0], labels[0]))
   params = _params(backend.to_canonical(state))
   member_probs = np.stack([
-      jax.nn.softmax(models.CNN().apply({'params': jax.tree.map(lambda p, i=i: p[i], params)}, images[0]))
+      jax.nn.softmax(models.cnn.CNN().apply({'params': jax.tree.map(lambda p, i=i: p[i], params)}, images[0]))
       for i in range(16)])
   ensemble = member_probs.mean(0)
   expected_nll = -np.log(ensemble[np.arange(16), labels[0]])
@@ -105,14 +104,13 @@ def test_pmap_canonical_round_trip_keeps_every_member_on_its_device():
 
 def test_members_mapped_one_after_another_match_vmap():
   """On CPU a device's members are traced one after another (backends.map_members), elsewhere vmapped."""
-  tx = optax.sgd(0.1, 0.9)
-  keys = jax.random.split(jax.random.key(0), 2)
-  state = jax.vmap(lambda key: steps.create_member_state(key, models.CNN(), tx, INPUT_SHAPE))(keys)
+  member = make_member()
+  state = jax.vmap(member.init)(jax.random.split(jax.random.key(0), 2))
   images, labels = _batches(1)
   args, in_axes = (state, images[0], labels[0]), (0, None, None)
   (mapped_state, mapped), (vmapped_state, vmapped) = (
-      jax.jit(backends.map_members(steps.train_step, in_axes, jax.devices()))(*args),
-      jax.jit(jax.vmap(steps.train_step, in_axes=in_axes))(*args))
+      jax.jit(backends.map_members(member.train_step, in_axes, jax.devices()))(*args),
+      jax.jit(jax.vmap(member.train_step, in_axes=in_axes))(*args))
   assert mapped['loss'].shape == (2,)
   np.testing.assert_allclose(mapped['loss'], vmapped['loss'], rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
@@ -124,8 +122,10 @@ def test_unrolled_steps_match_the_loop():
   images, labels = _batches(3)
   dataset = (images.reshape(-1, 28, 28, 1), labels.reshape(-1))
   indices = np.arange(len(dataset[1])).reshape(labels.shape)
-  state = steps.create_member_state(jax.random.key(0), models.CNN(), optax.sgd(0.1, 0.9), INPUT_SHAPE)
-  run = lambda unroll: jax.jit(steps.train_steps, static_argnames='unroll')(state, *dataset, indices, unroll=unroll)
+  member = make_member()
+  state = member.init(jax.random.key(0))
+  run = lambda unroll: jax.jit(functools.partial(steps.train_steps, step_fn=member.train_step, unroll=unroll))(
+      state, *dataset, indices)
   (looped, looped_metrics), (unrolled, unrolled_metrics) = run(False), run(True)
   assert unrolled_metrics['loss'].shape == (3,)
   np.testing.assert_allclose(unrolled_metrics['loss'], looped_metrics['loss'], rtol=1e-5)

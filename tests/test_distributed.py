@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from conftest import small_config, synthetic_mnist, write_mnist
-from ensemble import backends, checkpoint, data, distributed, models, steps, trainer, writers
+from ensemble import backends, checkpoint, config as config_lib, data, distributed, trainer, writers
 from ensemble.errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,9 +65,9 @@ def _metrics(workdir: str) -> list[dict]:
 
 def _checkpoint_params(workdir: str, epoch: int):
   config = small_config('')
-  abstract = backends.abstract_member_state(models.create_model(config.model), steps.create_optimizer(config),
-                                            config.ensemble_size, trainer.INPUT_SHAPE, jax.devices())
   ckpt = checkpoint.Checkpointer(workdir)
+  member = config_lib.member(config, ckpt.meta(epoch)['data'])
+  abstract = backends.abstract_member_state(member, config.ensemble_size, jax.devices())
   state = ckpt.restore(epoch, abstract, {'model': config.model, 'ensemble_size': config.ensemble_size})
   ckpt.close()
   return jax.tree.map(np.asarray, state.params)

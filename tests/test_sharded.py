@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import default as default_config, dp as dp_config, fsdp as fsdp_config, mlp as mlp_config
-from conftest import synthetic_mnist
-from ensemble import backends, models, steps, trainer, writers
+from conftest import make_member, synthetic_mnist
+from ensemble import backends, models, trainer, writers
 from ensemble.backends import sharded
 from ensemble.errors import UsageError
 
@@ -40,10 +40,8 @@ def _classifier_config(backend, **overrides):
 
 
 def _backend(config, num_devices=8):
-  return backends.create(config.backend, model=models.create_model(config.model, config),
-                         tx=steps.create_optimizer(config), devices=jax.devices()[:num_devices],
-                         ensemble_size=1, member_data='shared', input_shape=trainer.INPUT_SHAPE,
-                         config=config)
+  return backends.create(config.backend, member=make_member(config), devices=jax.devices()[:num_devices],
+                         ensemble_size=1, member_data='shared', config=config)
 
 
 def _split(num_examples):
@@ -82,7 +80,7 @@ def test_mlp_follows_the_one_device_trajectory_on_every_mesh(use_scan, mesh_shap
 
 def _annotations(config, mesh):
   """The model's own boxes, read straight from its init: what each parameter asks for."""
-  model = models.create_model(config.model, config)
+  model = models.create(config, 10, (28, 28, 1))
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
     boxed = jax.eval_shape(model.init, jax.random.key(0), np.ones((1, 28, 28, 1), np.float32))['params']
   return boxed

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from ensemble import backends, checkpoint, config as config_lib, data, models, steps, trainer, writers
+from ensemble import backends, checkpoint, config as config_lib, data, trainer, writers
 from ensemble.errors import UsageError
 
 
@@ -54,12 +54,11 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(make_config, tm
 def _restore_and_evaluate(config, workdir, backend_name, num_devices):
   """Restores the latest checkpoint onto `num_devices` devices and evaluates it there."""
   config, devices = config_lib.resolve(config.copy_and_resolve_references(), jax.devices()[:num_devices])
-  model, tx = models.create_model(config.model), steps.create_optimizer(config)
-  backend = backends.create(backend_name, model=model, tx=tx, devices=devices, ensemble_size=8,
-                            member_data='shared', input_shape=trainer.INPUT_SHAPE)
   ckpt = checkpoint.Checkpointer(workdir)
+  member = config_lib.member(config, ckpt.meta(ckpt.latest_epoch())['data'])
+  backend = backends.create(backend_name, member=member, devices=devices, ensemble_size=8, member_data='shared')
   state = ckpt.restore(ckpt.latest_epoch(), backend.abstract_state(), {'model': 'cnn', 'ensemble_size': 8})
-  test = trainer.evaluate(backend, backend.from_canonical(state), data.load(config.data_dir)['test'],
+  test = trainer.evaluate(backend, backend.from_canonical(state), data.load(data_dir=config.data_dir).test,
                           config.eval_batch_size)
   return state, test
 

@@ -8,7 +8,7 @@ which backend wrote them.
 """
 
 import functools
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -34,38 +34,66 @@ def member_sharding(devices: Sequence[jax.Device]) -> NamedSharding:
   return NamedSharding(ensemble_mesh(devices), P(ENSEMBLE_AXIS))
 
 
-def abstract_member_state(model, tx, ensemble_size: int, input_shape: Sequence[int],
-                          devices: Sequence[jax.Device]):
+def abstract_member_state(member: steps.Member, ensemble_size: int, devices: Sequence[jax.Device]):
   """The canonical ensemble state as shapes, dtypes and shardings: a restore target."""
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=member_sharding(devices)),
-      steps.abstract_ensemble_state(model, tx, ensemble_size, input_shape))
+      member.abstract_ensemble_state(ensemble_size))
 
 
-def create(name: str, *, config=None, **kwargs):
-  """Builds a backend. Every backend offers:
+class Backend(Protocol):
+  """What the trainer, the evaluator and the benchmark need from a backend; every backend implements it.
 
-    init(seed) -> state            abstract_state() -> canonical restore target
-    train_step(state, images, labels) -> (state, metrics)
-    put_dataset(split) -> resident data;  train_steps(state, resident, indices) -> (state, metrics)
-    eval_step(state, images, labels) -> per-example outputs of the whole batch
-    to_host(tree) -> numpy, member axis first, gathered from all processes
-    to_canonical(state), from_canonical(state)
-
-  `images` and `labels` are the rows of a batch that this process feeds
-  (`distributed.process_rows` of `backend.devices`): whole batches unless the
-  devices span several processes.
-
-  The mesh backends also read their mesh and step options from `config`.
+  A backend decides where the members live and how `steps.Member`'s functions
+  are mapped over them; it never decides what they compute. `images` and
+  `labels` are the rows of a batch that this process feeds
+  (`distributed.process_rows` of `devices`): whole batches unless the devices
+  span several processes.
   """
+  devices: list[jax.Device]
+
+  def init(self, seed: int) -> Any:
+    """Every member's fresh state, in the backend's own layout."""
+
+  def abstract_state(self) -> Any:
+    """The canonical state as `jax.ShapeDtypeStruct`s with shardings: the restore target."""
+
+  def train_step(self, state: Any, images: np.ndarray, labels: np.ndarray) -> tuple[Any, steps.Metrics]:
+    """One step of every member; metrics per member."""
+
+  def put_dataset(self, split: dict[str, np.ndarray]) -> Any:
+    """The training split resident on the devices, for `train_steps`."""
+
+  def train_steps(self, state: Any, dataset: Any, indices: np.ndarray) -> tuple[Any, steps.Metrics]:
+    """The fast path: `len(indices)` steps on batches of the resident `dataset` in one program."""
+
+  def eval_step(self, state: Any, images: np.ndarray, labels: np.ndarray) -> steps.Metrics:
+    """Per-example outputs of every member and of the ensemble, over the whole batch."""
+
+  def to_host(self, tree: Any) -> Any:
+    """Device outputs as numpy, member axis first, gathered from all processes."""
+
+  def to_canonical(self, state: Any) -> Any:
+    """The backend's layout -> the canonical (K, ...) layout that checkpoints store."""
+
+  def from_canonical(self, state: Any) -> Any:
+    """The canonical layout -> the backend's own."""
+
+
+def _registry() -> dict[str, Any]:
   # Imported here so that `NAMES` stays importable without building any backend.
   from ensemble.backends import jit, pmap, sharded  # pylint: disable=g-import-not-at-top
-  backends = {'pmap': pmap.PmapBackend, 'jit': jit.JitBackend, **sharded.BACKENDS}
+  return {'pmap': pmap.PmapBackend, 'jit': jit.JitBackend, **sharded.BACKENDS}
+
+
+def create(name: str, *, member: steps.Member, devices: Sequence[jax.Device], ensemble_size: int,
+           member_data: str = 'shared', config=None) -> Backend:
+  """The backend `name` for `ensemble_size` members on `devices`; the mesh backends also read `config`."""
+  backends = _registry()
   if name not in backends:
     raise UsageError(f'unknown backend {name!r}: set --config.backend to one of {list(NAMES)}')
-  if name in MESH_MODELS:
-    kwargs['config'] = config
-  return backends[name](**kwargs)
+  return backends[name](member=member, devices=devices, ensemble_size=ensemble_size, member_data=member_data,
+                        config=config)
 
 
 def unrolls(devices: Sequence[jax.Device]) -> bool:
@@ -92,13 +120,13 @@ def map_members(fn, in_axes: Sequence[int | None], devices: Sequence[jax.Device]
   return mapped
 
 
-def evaluate_members(devices: Sequence[jax.Device]):
-  """`steps.eval_step` for the members a device holds, inside pmap or shard_map over 'ensemble'.
+def evaluate_members(member: steps.Member, devices: Sequence[jax.Device]):
+  """`member.eval_step` for the members a device holds, inside pmap or shard_map over 'ensemble'.
 
   The forward passes go through `map_members`; only the cheap ensemble mean
   needs the members as a named (vmapped) axis, which with 'ensemble' spans all.
   """
-  predict = map_members(steps.predict, (0, None), devices)
+  predict = map_members(member.predict, (0, None), devices)
   outputs = jax.vmap(functools.partial(steps.eval_outputs, axis_name=(ENSEMBLE_AXIS, MEMBER_AXIS)),
                      in_axes=(0, None), axis_name=MEMBER_AXIS)
   return lambda state, images, labels: outputs(predict(state, images), labels)

@@ -27,11 +27,12 @@ from ensemble.backends import (ENSEMBLE_AXIS, abstract_member_state, ensemble_me
 class JitBackend:
   """One jitted program per step over a 1-D 'ensemble' mesh, members mapped with shard_map + map_members."""
 
-  def __init__(self, *, model, tx, devices: Sequence[jax.Device], ensemble_size: int,
-               member_data: str, input_shape: Sequence[int]):
+  def __init__(self, *, member: steps.Member, devices: Sequence[jax.Device], ensemble_size: int,
+               member_data: str, config=None):
+    del config  # everything it needs is in `member`
     self.devices = list(devices)
     self.ensemble_size = ensemble_size
-    self._abstract = functools.partial(abstract_member_state, model, tx, ensemble_size, input_shape, devices)
+    self._abstract = functools.partial(abstract_member_state, member, ensemble_size, devices)
     mesh = ensemble_mesh(self.devices)
     members, whole = P(ENSEMBLE_AXIS), P()
     self._replicated = NamedSharding(mesh, whole)
@@ -56,18 +57,17 @@ class JitBackend:
       return jax.jit(mapped, in_shardings=named(in_specs), out_shardings=named(out_specs),
                      donate_argnums=donate)
 
-    create = functools.partial(steps.create_member_state, model=model, tx=tx, input_shape=input_shape)
-    self._init = compile_mapped(jax.vmap(create), members, members)
-    train = map_members(steps.train_step, (0, data_axis, data_axis), self.devices)
+    self._init = compile_mapped(jax.vmap(member.init), members, members)
+    train = map_members(member.train_step, (0, data_axis, data_axis), self.devices)
     self._train = compile_mapped(
         gather(train) if self._shared_data else train, (members, data_spec, data_spec), (members, members),
         donate=0)
-    many = functools.partial(steps.train_steps, unroll=unrolls(self.devices))
+    many = functools.partial(steps.train_steps, step_fn=member.train_step, unroll=unrolls(self.devices))
     self._train_steps = compile_mapped(
         map_members(many, (0, None, None, data_axis), self.devices),
         (members, whole, whole, index_spec), (members, members), donate=0)
     self._eval = compile_mapped(
-        gather(evaluate_members(self.devices)),
+        gather(evaluate_members(member, self.devices)),
         (members, batch_spec, batch_spec), members)
 
   def init(self, seed: int) -> steps.TrainState:

@@ -24,11 +24,12 @@ from ensemble.backends import (ENSEMBLE_AXIS, abstract_member_state, gathering_b
 class PmapBackend:
   """One pmapped program per step; the devices each run their own members."""
 
-  def __init__(self, *, model, tx, devices: Sequence[jax.Device], ensemble_size: int,
-               member_data: str, input_shape: Sequence[int]):
+  def __init__(self, *, member: steps.Member, devices: Sequence[jax.Device], ensemble_size: int,
+               member_data: str, config=None):
+    del config  # everything it needs is in `member`
     self.devices = list(devices)
     self.ensemble_size = ensemble_size
-    self._abstract = functools.partial(abstract_member_state, model, tx, ensemble_size, input_shape, devices)
+    self._abstract = functools.partial(abstract_member_state, member, ensemble_size, devices)
     self.members_per_device = ensemble_size // len(self.devices)
     self._local_devices = [d for d in self.devices if d.process_index == jax.process_index()]
     self._shared_data = member_data == 'shared'
@@ -38,14 +39,13 @@ class PmapBackend:
     self._pmapped = NamedSharding(Mesh(np.asarray(self.devices), ('devices',)), P('devices'))
     data_axis = None if self._shared_data else 0
     pmap = functools.partial(jax.pmap, axis_name=ENSEMBLE_AXIS, devices=self.devices)
-    create = functools.partial(steps.create_member_state, model=model, tx=tx, input_shape=input_shape)
-    self._init = pmap(jax.vmap(create))
-    train = map_members(steps.train_step, (0, data_axis, data_axis), self.devices)
+    self._init = pmap(jax.vmap(member.init))
+    train = map_members(member.train_step, (0, data_axis, data_axis), self.devices)
     self._train = pmap(whole(train) if self._shared_data else train, donate_argnums=0)
-    many = functools.partial(steps.train_steps, unroll=unrolls(self.devices))
+    many = functools.partial(steps.train_steps, step_fn=member.train_step, unroll=unrolls(self.devices))
     self._train_steps = pmap(map_members(many, (0, None, None, data_axis), self.devices),
                              donate_argnums=0)
-    self._eval = pmap(whole(evaluate_members(self.devices)))
+    self._eval = pmap(whole(evaluate_members(member, self.devices)))
 
   def _by_device(self, x: np.ndarray) -> np.ndarray:
     """This process's rows -> (its devices, rows per device, ...)."""

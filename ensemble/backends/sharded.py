@@ -14,6 +14,7 @@ leading member axis of size 1, and its ensemble metrics apply unchanged.
 """
 
 import contextlib
+import dataclasses
 import functools
 import math
 from typing import Any, Sequence
@@ -28,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ensemble import steps
 from ensemble.backends import ENSEMBLE_AXIS, jit
 from ensemble.errors import UsageError
-from ensemble.parallel import DATA_AXIS, MESH_AXES, fsdp, mlp
+from ensemble.parallel import DATA_AXIS, MESH_AXES, fsdp, logical
 
 
 def make_mesh(mesh_shape: Sequence[int], devices: Sequence[jax.Device]) -> Mesh:
@@ -62,7 +63,7 @@ def _abstract(state: Any, shardings: Any) -> Any:
 
 
 def _ensemble_of_one(eval_step):
-  """`steps.eval_step` over a member axis of size 1, so the outputs are (1, batch) like an ensemble's."""
+  """`member.eval_step` over a member axis of size 1, so the outputs are (1, batch) like an ensemble's."""
   evaluate = functools.partial(eval_step, axis_name=ENSEMBLE_AXIS)
   return jax.vmap(evaluate, in_axes=(None, None, None), axis_size=1, axis_name=ENSEMBLE_AXIS)
 
@@ -71,21 +72,19 @@ def _with_member_axis(metrics: steps.Metrics) -> steps.Metrics:
   return {name: value[None] for name, value in metrics.items()}
 
 
-def _train_step(state, images, labels):
-  state, metrics = steps.train_step(state, images, labels)
-  return state, _with_member_axis(metrics)
-
-
-def _train_steps(state, images, labels, indices):
-  state, metrics = steps.train_steps(state, images, labels, indices)
-  return state, _with_member_axis(metrics)
+def _as_ensemble_of_one(step_fn):
+  """A train step whose metrics carry a member axis of size 1, like an ensemble's."""
+  def step(*args):
+    state, metrics = step_fn(*args)
+    return state, _with_member_axis(metrics)
+  return step
 
 
 class _MeshBackend:
   """What the mesh backends share: the mesh, batches split over 'data', the trainer's interface."""
 
   def __init__(self, *, devices: Sequence[jax.Device], config, ensemble_size: int, member_data: str):
-    del ensemble_size, member_data  # one model, shared batches: config.resolve checked both
+    del ensemble_size, member_data  # one model, shared batches, no augmentation: config.resolve checked
     self.devices = list(devices)
     self.mesh = make_mesh(config.mesh_shape, devices)
     data = self.mesh.shape[DATA_AXIS]
@@ -146,11 +145,11 @@ class _MeshBackend:
 class AnnotatedBackend(_MeshBackend):
   """`jax.jit` with each parameter sharded as its annotation asks ('sharded')."""
 
-  def __init__(self, *, model, tx, devices, input_shape, config, **kwargs):
+  def __init__(self, *, member: steps.Member, devices, config, **kwargs):
     super().__init__(devices=devices, config=config, **kwargs)
     if config.logical:
-      self._rules = mlp.check_rules(config.logical_axis_rules)
-    create = functools.partial(steps.create_member_state, model=model, tx=tx, input_shape=input_shape)
+      self._rules = logical.check_rules(config.logical_axis_rules)
+    create = member.init
     with self._context():
       boxed = jax.eval_shape(create, jax.random.key(0))
     specs = nn.get_partition_spec(boxed)
@@ -161,11 +160,13 @@ class AnnotatedBackend(_MeshBackend):
     self._abstract = _abstract(state, shardings)
     # The state is created sharded: no device ever holds all the parameters.
     self._init = jax.jit(lambda key: nn.meta.unbox(create(key)), out_shardings=shardings)
-    self._train = jax.jit(_train_step, in_shardings=(shardings, self._batch, self._batch),
+    self._train = jax.jit(_as_ensemble_of_one(member.train_step), in_shardings=(shardings, self._batch, self._batch),
                           out_shardings=(shardings, self._replicated), donate_argnums=0)
-    self._train_steps = jax.jit(_train_steps, in_shardings=(shardings, *(self._replicated,) * 3),
-                                out_shardings=(shardings, self._replicated), donate_argnums=0)
-    self._eval = jax.jit(_ensemble_of_one(steps.eval_step),
+    self._train_steps = jax.jit(
+        _as_ensemble_of_one(functools.partial(steps.train_steps, step_fn=member.train_step)),
+        in_shardings=(shardings, *(self._replicated,) * 3), out_shardings=(shardings, self._replicated),
+        donate_argnums=0)
+    self._eval = jax.jit(_ensemble_of_one(member.eval_step),
                          in_shardings=(shardings, self._batch, self._batch), out_shardings=self._by_column)
 
   def _check_divisible(self, params, shardings):
@@ -183,7 +184,7 @@ class AnnotatedBackend(_MeshBackend):
 class ShardMapBackend(_MeshBackend):
   """`shard_map` over 'data': replicated parameters ('dp') or sharded ones ('fsdp')."""
 
-  def __init__(self, *, model, tx, devices, input_shape, config, shard_params: bool, **kwargs):
+  def __init__(self, *, member: steps.Member, devices, config, shard_params: bool, **kwargs):
     super().__init__(devices=devices, config=config, **kwargs)
     if self.mesh.shape[DATA_AXIS] != len(devices):
       raise UsageError(f'mesh_shape={tuple(config.mesh_shape)}: dp and fsdp split over the data axis only; '
@@ -194,17 +195,19 @@ class ShardMapBackend(_MeshBackend):
                        f'each device gets per step; set --config.num_minibatches to a divisor of '
                        f'{per_device}')
     if shard_params:
-      model = model.clone(fsdp_axis=DATA_AXIS, min_weight_size=config.min_weight_size)
+      member = dataclasses.replace(
+          member, model=member.model.clone(fsdp_axis=DATA_AXIS, min_weight_size=config.min_weight_size))
     shard = functools.partial(jax.shard_map, mesh=self.mesh, check_vma=False)
-    create = functools.partial(steps.create_member_state, model=model, tx=tx, input_shape=input_shape)
+    create = member.init
     # One device's view of the state: boxes name the axis of every sharded weight.
     local = jax.eval_shape(shard(create, in_specs=P(), out_specs=P()), jax.random.key(0))
     specs = nn.get_partition_spec(local)
     # Inside shard_map a step sees its device's slices, boxed again so the model knows to gather them.
     rebox = functools.partial(fsdp.rebox, local)
 
-    step = functools.partial(fsdp.train_step, axis_name=DATA_AXIS, num_minibatches=config.num_minibatches,
-                             dropout_key=jax.random.key(config.seed))
+    fsdp_step = functools.partial(fsdp.train_step, axis_name=DATA_AXIS, num_minibatches=config.num_minibatches,
+                                  dropout_key=jax.random.key(config.seed))
+    step = lambda state, images, labels: fsdp_step(state, member.prepare(images), labels)
 
     def train(state, images, labels):
       state, metrics = step(rebox(state), images, labels)
@@ -215,7 +218,7 @@ class ShardMapBackend(_MeshBackend):
       return fsdp.unbox(state), _with_member_axis(metrics)
 
     def evaluate(state, images, labels):
-      return _ensemble_of_one(steps.eval_step)(rebox(state), images, labels)
+      return _ensemble_of_one(member.eval_step)(rebox(state), images, labels)
 
     init = shard(lambda key: fsdp.unbox(create(key)), in_specs=P(), out_specs=specs)
     shardings = nn.get_sharding(local, self.mesh)

@@ -1,4 +1,4 @@
-"""An MNIST MLP split over a ('data', 'model') mesh by sharding annotations (Flax's scale-up guide).
+"""An MLP split over a ('data', 'model') mesh by sharding annotations (Flax's scale-up guide).
 
 Every weight says how each of its dimensions is split, and the activations
 between layers are constrained the same way; `jax.jit` turns the annotations
@@ -10,7 +10,7 @@ The annotations come in two spellings, chosen by `logical`:
 - logical axes ('batch', 'hidden', ...; `nn.with_logical_partitioning`,
   `nn.with_logical_constraint`) that `logical_axis_rules` map onto the mesh:
   another layout is a config change, not a model change.
-Under `DEFAULT_RULES` the two give the same shardings.
+Under `parallel.logical.DEFAULT_RULES` the two give the same shardings.
 """
 
 from typing import Sequence
@@ -20,12 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ensemble.errors import UsageError
-from ensemble.parallel import DATA_AXIS, MESH_AXES, MODEL_AXIS
-
-LOGICAL_AXES = ('batch', 'pixels', 'embed', 'hidden', 'classes', 'layer')
-# What the mesh-axis spelling writes out: the batch over 'data', the hidden units over 'model'.
-DEFAULT_RULES = (('batch', DATA_AXIS), ('hidden', MODEL_AXIS))
+from ensemble.parallel import DATA_AXIS, MODEL_AXIS
 
 Names = Sequence[str | None]
 
@@ -65,7 +60,7 @@ class DotReluDot(nn.Module):
 
 
 class MLP(nn.Module):
-  """784 pixels -> depth, `num_layers` DotReluDot blocks of width `depth`, -> 10 classes.
+  """Flattened pixels -> depth, `num_layers` DotReluDot blocks of width `depth`, -> `num_classes`.
 
   The input projection and the head are small and stay replicated; the blocks
   hold most of the weights and are split over 'model'. With `use_scan` the
@@ -85,7 +80,8 @@ class MLP(nn.Module):
         bias_init=_partitioned(nn.initializers.zeros_init(), self.logical, logical_names[1:], (None,)))
 
   @nn.compact
-  def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+  def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+    del train  # no dropout or batch statistics
     x = x.reshape((x.shape[0], -1))
     x = _constrain(x, self.logical, ('batch', 'pixels'), (DATA_AXIS, None))
     x = self._dense(self.depth, ('pixels', 'embed'), 'input')(x)
@@ -98,18 +94,3 @@ class MLP(nn.Module):
       for i in range(self.num_layers):
         x, _ = DotReluDot(self.depth, self.logical, name=f'block_{i}')(x)
     return self._dense(self.num_classes, ('embed', 'classes'), 'head')(x)
-
-
-def check_rules(rules) -> tuple[tuple[str, str | None], ...]:
-  """The rules as a tuple of pairs, or a UsageError naming the first axis nobody knows."""
-  fix = f'logical axes are {list(LOGICAL_AXES)}, mesh axes {list(MESH_AXES)} or None'
-  try:
-    rules = tuple((logical, mesh) for logical, mesh in rules)
-  except (TypeError, ValueError):
-    raise UsageError(f'logical_axis_rules={rules!r} must be (logical axis, mesh axis) pairs; {fix}') from None
-  for logical, mesh in rules:
-    if logical not in LOGICAL_AXES:
-      raise UsageError(f'logical_axis_rules name an unknown logical axis {logical!r}; {fix}')
-    if mesh is not None and mesh not in MESH_AXES:
-      raise UsageError(f'logical_axis_rules map {logical!r} to an unknown mesh axis {mesh!r}; {fix}')
-  return rules

@@ -1,0 +1,58 @@
+"""The models, chosen by `config.model`: each entry builds its module from the config and the data.
+
+Every model takes `(images, train)` and returns logits; the class count comes
+from the data, never from a constant. Adding a model is one module and one
+line in `MODELS`.
+"""
+
+import dataclasses
+from typing import Callable
+
+import flax.linen as nn
+
+from ensemble.errors import UsageError
+from ensemble.models import classifier, cnn, mlp, resnet
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  build: Callable[..., nn.Module]  # (config, num_classes) -> module
+  min_image_size: int = 1  # smallest height and width the model can take
+  why: str = ''
+
+
+def _resnet(config, num_classes: int) -> resnet.ResNet:
+  depth = config.resnet_depth
+  if depth < 8 or (depth - 2) % 6:
+    raise UsageError(f'resnet_depth={depth} is not 6n+2 with n >= 1: set --config.resnet_depth to 8, 14, 20, '
+                     '32, 44, 56 or 110')
+  if config.resnet_width < 1:
+    raise UsageError(f'resnet_width={config.resnet_width} must be a positive width multiplier (1, 2, 4, ...)')
+  return resnet.ResNet(depth=depth, width=config.resnet_width, num_classes=num_classes)
+
+
+MODELS = {
+    'cnn': Entry(lambda config, num_classes: cnn.CNN(num_classes=num_classes), min_image_size=4,
+                 why='its two 2x2 poolings need at least 4x4 pixels'),
+    'resnet': Entry(_resnet),
+    'mlp': Entry(lambda config, num_classes: mlp.MLP(config.num_layers, config.depth, use_scan=config.use_scan,
+                                                     logical=config.logical, num_classes=num_classes)),
+    'classifier': Entry(lambda config, num_classes: classifier.Classifier(
+        config.num_layers, config.depth, dropout_rate=config.dropout_rate, num_classes=num_classes)),
+}
+
+
+def check_name(name: str):
+  if name not in MODELS:
+    raise UsageError(f'unknown model {name!r}: set --config.model to one of {sorted(MODELS)}')
+
+
+def create(config, num_classes: int, image_shape: tuple[int, ...]) -> nn.Module:
+  """The model `config.model` for images of `image_shape` (H, W, C) and `num_classes` classes."""
+  check_name(config.model)
+  entry = MODELS[config.model]
+  height, width = image_shape[:2]
+  if min(height, width) < entry.min_image_size:
+    raise UsageError(f'model {config.model!r} does not fit {height}x{width} images: {entry.why}; '
+                     'choose another --config.model, e.g. resnet')
+  return entry.build(config, num_classes)
