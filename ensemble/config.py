@@ -5,7 +5,8 @@ from typing import Any, Sequence
 import jax
 import ml_collections
 
-from ensemble import augment, backends, distributed, models, optim, steps
+from ensemble import backends, distributed, models, optim, steps
+from ensemble.data import augment
 from ensemble.errors import UsageError
 
 MEMBER_DATA = ('shared', 'shuffled')

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from ensemble import augment as augment_lib
+from ensemble.data import augment as augment_lib
 
 AxisName = str | Sequence[str]
 Metrics = dict[str, jnp.ndarray]

@@ -1,3 +1,4 @@
+import functools
 import gzip
 import os
 
@@ -6,16 +7,50 @@ import pytest
 
 from conftest import SHARED_MNIST, write_idx, write_mnist
 from ensemble import data
+from ensemble.data import base
 from ensemble.errors import UsageError
 
 
+def _expect_error(message, *args, **kwargs) -> str:
+  """Loads, expecting a one-line DataError that matches `message`; returns the message."""
+  with pytest.raises(data.DataError, match=message) as error:
+    data.load(*args, **kwargs)
+  assert isinstance(error.value, UsageError) and '\n' not in str(error.value)
+  return str(error.value)
+
+
+# IDX folders.
+
 @pytest.mark.parametrize('gz', [True, False])
-def test_reads_idx_gzipped_or_not(tmp_path, gz):
-  splits = data.load_idx(write_mnist(str(tmp_path), num_train=40, num_test=30, gz=gz))
-  assert splits['train']['image'].shape == (40, 28, 28, 1)
-  assert splits['train']['image'].dtype == np.float32
-  assert 0.0 <= splits['train']['image'].min() and splits['train']['image'].max() == 1.0
-  assert splits['test']['label'].shape == (30,) and splits['test']['label'].dtype == np.int32
+def test_reads_idx_gzipped_or_not_as_uint8(tmp_path, gz):
+  directory = write_mnist(str(tmp_path), num_train=40, num_test=30, gz=gz)
+  dataset = data.load(data_dir=directory)
+  train_images = gzip.open if gz else open
+  with train_images(os.path.join(directory, 'train-images-idx3-ubyte' + ('.gz' if gz else '')), 'rb') as f:
+    written = np.frombuffer(f.read()[16:], np.uint8).reshape(40, 28, 28, 1)
+  assert dataset.train['image'].dtype == np.uint8 and np.array_equal(dataset.train['image'], written)
+  assert dataset.test['image'].shape == (30, 28, 28, 1) and dataset.image_shape == (28, 28, 1)
+  assert dataset.test['label'].shape == (30,) and dataset.test['label'].dtype == np.int32
+  assert dataset.num_classes == dataset.train['label'].max() + 1
+  assert dataset.source == f'{directory} (IDX)'
+
+
+def _write_idx_dataset(directory, train, test):
+  os.makedirs(directory, exist_ok=True)
+  for prefix, (images, labels) in (('train', train), ('t10k', test)):
+    write_idx(os.path.join(directory, f'{prefix}-images-idx3-ubyte.gz'), images)
+    write_idx(os.path.join(directory, f'{prefix}-labels-idx1-ubyte.gz'), labels)
+  return directory
+
+
+def test_idx_of_any_image_size(tmp_path):
+  rng = np.random.default_rng(0)
+  train = rng.integers(0, 256, (12, 20, 24), dtype=np.uint8), np.arange(12) % 5
+  test = rng.integers(0, 256, (7, 20, 24), dtype=np.uint8), np.arange(7) % 3
+  dataset = data.load(data_dir=_write_idx_dataset(str(tmp_path / 'idx'), train, test))
+  assert dataset.image_shape == (20, 24, 1) and dataset.num_classes == 5
+  assert np.array_equal(dataset.train['image'][..., 0], train[0])
+  assert np.array_equal(dataset.test['label'], test[1])
 
 
 def _corrupt(directory, name, writer):
@@ -33,22 +68,232 @@ def _corrupt(directory, name, writer):
         b'\x00\x00\x08\x03' + (30).to_bytes(4, 'big') + (28).to_bytes(4, 'big') * 2 + b'\x00' * 100),
      'truncated file'),
     ('t10k-labels-idx1-ubyte', lambda p: write_idx(p, np.zeros(29)), '30 images but 29 labels'),
-    ('train-images-idx3-ubyte', lambda p: write_idx(p, np.zeros((40, 32, 32))), 'wrong image size'),
+    ('train-images-idx3-ubyte', lambda p: write_idx(p, np.zeros((40, 32, 32))),
+     'holds 32x32x1 images but .* holds 28x28x1; train and test images must have the same shape'),
+    ('t10k-labels-idx1-ubyte', lambda p: write_idx(p, np.full(30, 10)), r'label 10 is outside 0\.\.9'),
     ('train-labels-idx1-ubyte', lambda p: open(p, 'wb').write(b'not gzip at all'), 'cannot be read'),
 ])
-def test_bad_files_name_the_file_and_the_problem(tmp_path, name, writer, message):
+def test_bad_idx_files_name_the_file_and_the_problem(tmp_path, name, writer, message):
   directory = write_mnist(str(tmp_path), num_train=40, num_test=30)
   _corrupt(directory, name, writer or (lambda p: None))
-  with pytest.raises(data.DataError, match=message) as error:
-    data.load_idx(directory)
-  assert name in str(error.value) and '\n' not in str(error.value)
-  assert isinstance(error.value, UsageError)
+  assert name in _expect_error(message, data_dir=directory)
 
 
-def test_missing_folder(tmp_path):
-  with pytest.raises(data.DataError, match='not a folder'):
-    data.load_idx(str(tmp_path / 'nope'))
+def test_data_dir_that_is_neither_a_folder_nor_an_npz(tmp_path):
+  _expect_error('--config.data_dir=.*nope: no such folder or .npz file', data_dir=str(tmp_path / 'nope'))
+  (tmp_path / 'images.csv').write_text('1,2,3')
+  assert 'images.csv' in _expect_error('neither a folder nor a .npz file', data_dir=str(tmp_path / 'images.csv'))
 
+
+def test_split_names_are_refused_with_data_dir(mnist_dir):
+  _expect_error(r'train\[:90%\].*tensorflow-datasets only', data_dir=mnist_dir, train_split='train[:90%]')
+
+
+# .npz files.
+
+def _npz(path, **arrays):
+  rng = np.random.default_rng(1)
+  defaults = {'x_train': rng.integers(0, 256, (10, 6, 5), dtype=np.uint8), 'y_train': np.arange(10) % 4,
+              'x_test': rng.integers(0, 256, (8, 6, 5), dtype=np.uint8), 'y_test': np.arange(8) % 4}
+  arrays = {k: v for k, v in {**defaults, **arrays}.items() if v is not None}
+  np.savez(path, **arrays)
+  return str(path)
+
+
+@pytest.mark.parametrize('layout', ['uint8 HxW', 'uint8 HxWxC', 'float32 in [0, 1]', 'float64 in [0, 1]'])
+def test_npz_images_and_labels(tmp_path, layout):
+  rng = np.random.default_rng(2)
+  channels = 1 if layout == 'uint8 HxW' else 3
+  train = rng.integers(0, 256, (10, 6, 5, channels), dtype=np.uint8)
+  test = rng.integers(0, 256, (8, 6, 5, channels), dtype=np.uint8)
+  stored = {
+      'uint8 HxW': lambda x: x[..., 0],
+      'uint8 HxWxC': lambda x: x,
+      'float32 in [0, 1]': lambda x: x.astype(np.float32) / 255,
+      'float64 in [0, 1]': lambda x: x / 255.0,
+  }[layout]
+  # Labels as Keras's CIFAR arrays come: int64 (N, 1).
+  path = _npz(tmp_path / 'd.npz', x_train=stored(train), x_test=stored(test),
+              y_train=(np.arange(10) % 7)[:, None].astype(np.int64))
+  dataset = data.load(data_dir=path)
+  assert dataset.train['image'].dtype == np.uint8 and dataset.test['image'].dtype == np.uint8
+  assert np.array_equal(dataset.train['image'], train) and np.array_equal(dataset.test['image'], test)
+  assert dataset.image_shape == (6, 5, channels) and dataset.num_classes == 7
+  assert dataset.train['label'].dtype == np.int32 and np.array_equal(dataset.train['label'], np.arange(10) % 7)
+  assert dataset.source == path
+
+
+def test_float_images_are_rounded_in_chunks(tmp_path, monkeypatch):
+  monkeypatch.setattr(base, '_CHUNK_BYTES', 64)  # one 6x5 float64 image (240 bytes) per chunk
+  x = np.linspace(0, 1, 10 * 30).reshape(10, 6, 5)
+  dataset = data.load(data_dir=_npz(tmp_path / 'd.npz', x_train=x, x_test=x[:8]))
+  assert np.array_equal(dataset.train['image'][..., 0], np.rint(x * 255).astype(np.uint8))
+
+
+@pytest.mark.parametrize('arrays, message', [
+    ({'y_test': None}, r'no array y_test \(it holds x_train, y_train, x_test\)'),
+    ({'y_train': np.arange(9) % 4}, r'x_train / .*y_train: 10 images but 9 labels'),
+    ({'y_train': np.arange(10) - 1}, 'y_train: negative label -1'),
+    ({'y_test': np.arange(8) % 5}, r'y_test: label 4 is outside 0\.\.3'),  # C from the training labels
+    ({'y_train': np.arange(10) % 4 + 0.0}, 'y_train: labels of dtype float64, expected integers'),
+    ({'y_train': np.eye(4)[np.arange(10) % 4]}, r'y_train: labels of shape \(10, 4\)'),
+    ({'x_train': np.full((10, 6, 5), 255.0)}, r'x_train: float images must lie in \[0, 1\] but span \[255, 255\]'),
+    ({'x_test': np.full((8, 6, 5), -0.5)}, r'x_test: float images must lie in \[0, 1\]'),
+    ({'x_test': np.full((8, 6, 5), np.nan)}, 'x_test: float images contain NaN'),
+    ({'x_train': np.zeros((10, 6, 5), np.int64)}, 'x_train: images of dtype int64'),
+    ({'x_test': np.zeros((8, 5, 6), np.uint8)}, 'x_train holds 6x5x1 images but .*x_test holds 5x6x1'),
+    ({'x_train': np.zeros((10, 6, 5, 3, 1), np.uint8)}, 'x_train: .* each example must be 2-D or 3-D'),
+    ({'x_test': np.zeros((8, 30), np.uint8)}, 'x_test: .* each example must be 2-D or 3-D'),
+    ({'x_train': np.zeros((10, 3, 6, 5), np.uint8)}, 'x_train: shape .* looks channels-first'),
+    ({'x_test': np.zeros((0, 6, 5), np.uint8), 'y_test': np.zeros(0, np.int64)}, 'x_test: no examples'),
+])
+def test_bad_npz_names_the_array_and_the_fix(tmp_path, arrays, message):
+  path = _npz(tmp_path / 'bad.npz', **arrays)
+  assert path in _expect_error(message, data_dir=path)
+
+
+def test_npz_that_cannot_be_read(tmp_path):
+  _expect_error('no such file', data_dir=str(tmp_path / 'absent.npz'))
+  (tmp_path / 'text.npz').write_text('not a zip')
+  _expect_error('cannot be read as .npz', data_dir=str(tmp_path / 'text.npz'))
+  # Object arrays need pickle, which a data file must not get to run.
+  path = _npz(tmp_path / 'objects.npz', y_train=np.array([1, 'a', None] * 3 + [2], dtype=object))
+  _expect_error('cannot be read as .npz.*allow_pickle', data_dir=path)
+
+
+# tensorflow-datasets.
+
+@pytest.mark.parametrize('name, image_shape', [('mnist', (28, 28, 1)), ('cifar10', (32, 32, 3))])
+def test_tfds_under_mock_data(name, image_shape):
+  tfds = pytest.importorskip('tensorflow_datasets')
+  with tfds.testing.mock_data(num_examples=24):
+    dataset = data.load(name)
+  assert dataset.train['image'].shape == (24, *image_shape) and dataset.test['image'].shape == (24, *image_shape)
+  assert dataset.train['image'].dtype == np.uint8 and dataset.image_shape == image_shape
+  assert dataset.train['label'].dtype == np.int32 and dataset.test['label'].shape == (24,)
+  assert dataset.num_classes == 10 and dataset.source == f'tfds {name}'
+
+
+@functools.cache
+def _tiny_builder_class():
+  """A real (not mocked) dataset, prepared from memory: tfds knows its splits, as for a downloaded one."""
+  tfds = pytest.importorskip('tensorflow_datasets')
+
+  class EnsembleTinyImages(tfds.core.GeneratorBasedBuilder):
+    VERSION = tfds.core.Version('1.0.0')
+
+    def _info(self):
+      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+          'image': tfds.features.Image(shape=(6, 5, 3)), 'label': tfds.features.ClassLabel(num_classes=4)}))
+
+    def _split_generators(self, dl_manager):
+      return {'train': self._generate_examples(12), 'test': self._generate_examples(8)}
+
+    def _generate_examples(self, n):
+      for i in range(n):
+        yield i, {'image': np.full((6, 5, 3), 10 * i, np.uint8), 'label': i % 3}
+
+  return EnsembleTinyImages
+
+
+@pytest.fixture(scope='module')
+def tiny_tfds_dir(tmp_path_factory):
+  directory = str(tmp_path_factory.mktemp('tfds'))
+  _tiny_builder_class()(data_dir=directory).download_and_prepare()
+  return directory
+
+
+@pytest.fixture
+def tiny_tfds(tiny_tfds_dir, monkeypatch):
+  tfds = pytest.importorskip('tensorflow_datasets')
+  monkeypatch.setattr(tfds.core.constants, 'DATA_DIR', tiny_tfds_dir)
+  return 'ensemble_tiny_images'
+
+
+def test_tfds_prepared_dataset_with_sliced_splits(tiny_tfds):
+  dataset = data.load(tiny_tfds, train_split='train[:50%]', test_split='test+train[:2]')
+  assert dataset.train['image'].shape == (6, 6, 5, 3) and dataset.test['image'].shape == (10, 6, 5, 3)
+  assert dataset.num_classes == 4  # from the features: label 3 never occurs
+  assert dataset.source == 'tfds ensemble_tiny_images (train[:50%], test+train[:2])'
+  whole = data.load(tiny_tfds)
+  assert sorted(whole.train['image'][:, 0, 0, 0]) == [10 * i for i in range(12)]
+  assert np.array_equal(whole.train['label'], whole.train['image'][:, 0, 0, 0] // 10 % 3)
+
+
+@pytest.mark.parametrize('splits, message', [
+    ({'train_split': 'tst'}, "--config.train_split=tst: not a split of ensemble_tiny_images .*splits are train, test"),
+    ({'test_split': 'test[:0]'}, r'--config.test_split=test\[:0\]: selects no examples'),
+    ({'train_split': 'train[:x]'}, r'--config.train_split=train\[:x\]: not a split'),
+])
+def test_tfds_bad_split_lists_the_splits(tiny_tfds, splits, message):
+  _expect_error(message, tiny_tfds, **splits)
+
+
+@pytest.mark.parametrize('name, message', [
+    ('cifar1', r'--config.dataset=cifar1: no such tensorflow-datasets dataset \(did you mean cifar10.*data_dir'),
+    ('imdb_reviews', 'not an image-classification dataset .*features: label, text'),
+    ('tf_flowers', r'images of shape \(None, None, 3\), not one fixed'),
+    ('emnist/nope', 'emnist/nope: tensorflow-datasets cannot build it'),
+])
+def test_tfds_unknown_or_unsuitable_dataset(name, message):
+  pytest.importorskip('tensorflow_datasets')
+  _expect_error(message, name)
+
+
+@pytest.fixture
+def empty_tfds_dir(monkeypatch, tmp_path):
+  tfds = pytest.importorskip('tensorflow_datasets')
+  monkeypatch.setenv('TFDS_DATA_DIR', str(tmp_path))
+  monkeypatch.setattr(tfds.core.constants, 'DATA_DIR', str(tmp_path))
+  return tfds
+
+
+@pytest.mark.parametrize('name, host', [('cifar10', 'www.cs.toronto.edu'), ('mnist', 'storage.googleapis.com')])
+def test_tfds_offline_fails_fast_with_the_data_dir_hint(empty_tfds_dir, monkeypatch, name, host):
+  probed = []
+
+  def unreachable(host, port):
+    probed.append(host)
+    return False
+  monkeypatch.setattr(data.tfds, '_reachable', unreachable)
+  monkeypatch.setattr(empty_tfds_dir.core.DatasetBuilder, 'download_and_prepare',
+                      lambda *a, **k: pytest.fail('tried to download offline'))
+  message = _expect_error(f'tfds {name}: not prepared .* {host} cannot be reached.*--config.data_dir', name)
+  assert probed == [host] and 'tfds build' in message
+
+
+def test_tfds_failed_download_is_one_line(empty_tfds_dir, monkeypatch):
+  monkeypatch.setattr(data.tfds, '_reachable', lambda host, port: True)
+
+  def fail(*args, **kwargs):
+    raise OSError('connection reset\nand a long traceback-like tail')
+  monkeypatch.setattr(empty_tfds_dir.core.DatasetBuilder, 'download_and_prepare', fail)
+  _expect_error(r'tfds cifar10: download and preparation failed \(OSError: connection reset\);.*--config.data_dir',
+                'cifar10')
+
+
+# channel_stats and the Dataset contract.
+
+@pytest.mark.parametrize('channels', [1, 3])
+def test_channel_stats_match_numpy(monkeypatch, channels):
+  monkeypatch.setattr(data, '_STATS_CHUNK_BYTES', 100)  # several chunks
+  images = np.random.default_rng(3).integers(0, 256, (7, 4, 5, channels), dtype=np.uint8)
+  mean, std = data.channel_stats(images)
+  x = images / 255.0
+  assert len(mean) == len(std) == channels
+  np.testing.assert_allclose(mean, x.mean(axis=(0, 1, 2)), rtol=1e-12)
+  np.testing.assert_allclose(std, x.std(axis=(0, 1, 2)), rtol=1e-12)
+  with pytest.raises(ValueError, match='uint8'):
+    data.channel_stats(x)
+
+
+def test_dataset_refuses_float_images():
+  split = {'image': np.zeros((2, 3, 3, 1), np.float32), 'label': np.zeros(2, np.int32)}
+  with pytest.raises(ValueError, match='uint8'):
+    data.Dataset(train=split, test=split, source='test', num_classes=2)
+
+
+# Batches (plain numpy on indices, whatever the images' dtype).
 
 def test_shuffle_order_is_a_function_of_seed_and_epoch():
   a = data.epoch_order(100, seed=0, epoch=1)
@@ -70,32 +315,23 @@ def test_batch_indices_shared_and_shuffled():
 
 
 def test_eval_batches_cover_each_example_once():
-  split = {'image': np.arange(10, dtype=np.float32), 'label': np.arange(10)}
+  split = {'image': np.arange(10, dtype=np.uint8), 'label': np.arange(10)}
   seen = [label[mask] for _, label, mask in data.eval_batches(split, 4)]
   assert np.array_equal(np.concatenate(seen), np.arange(10))
 
 
-def test_tfds_path_under_mock_data():
-  tfds = pytest.importorskip('tensorflow_datasets')
-  with tfds.testing.mock_data(num_examples=24):
-    splits = data.load_tfds()
-  assert splits['train']['image'].shape == (24, 28, 28, 1)
-  assert splits['train']['image'].dtype == np.float32 and splits['train']['image'].max() <= 1.0
-  assert splits['test']['label'].shape == (24,)
-
-
-def test_tfds_offline_says_how_to_use_idx_files(monkeypatch, tmp_path):
-  tfds = pytest.importorskip('tensorflow_datasets')
-  monkeypatch.setenv('TFDS_DATA_DIR', str(tmp_path))
-  monkeypatch.setattr(tfds.core.constants, 'DATA_DIR', str(tmp_path), raising=False)
-  monkeypatch.setattr(data, '_reachable', lambda url: False)
-  with pytest.raises(data.DataError, match='cannot be reached.*--config.data_dir'):
-    data.load(None)
+def test_batches_keep_uint8(mnist_dir):
+  train, heldout = data.hold_out(data.load(data_dir=mnist_dir).train, 0.25)
+  assert len(heldout['label']) == 64 and train['image'].dtype == np.uint8
+  images, labels = next(data.train_batches(train, 32, seed=0, epoch=1, ensemble_size=8, member_data='shared'))
+  assert images.shape == (32, 28, 28, 1) and images.dtype == np.uint8 and labels.dtype == np.int32
 
 
 @pytest.mark.skipif(not os.path.isdir(SHARED_MNIST), reason='../shared/mnist is not present')
 def test_real_mnist_from_shared():
-  splits = data.load_idx(SHARED_MNIST)
-  assert splits['train']['image'].shape == (60000, 28, 28, 1)
-  assert splits['test']['image'].shape == (10000, 28, 28, 1)
-  assert np.bincount(splits['test']['label']).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+  dataset = data.load(data_dir=SHARED_MNIST)
+  assert dataset.train['image'].shape == (60000, 28, 28, 1) and dataset.train['image'].dtype == np.uint8
+  assert dataset.test['image'].shape == (10000, 28, 28, 1) and dataset.num_classes == 10
+  assert np.bincount(dataset.test['label']).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+  mean, std = data.channel_stats(dataset.train['image'])
+  assert abs(mean[0] - 0.1307) < 1e-4 and abs(std[0] - 0.3081) < 1e-4  # the figures every MNIST recipe uses

@@ -1,0 +1,75 @@
+"""Image-classification data as uint8 numpy arrays on the host: from tensorflow-datasets, an IDX folder or a .npz.
+
+`load` picks the source from `data_dir`; `batches` turns a split into the
+batches every backend reads.
+"""
+
+import dataclasses
+import os
+from typing import Callable
+
+import numpy as np
+
+from ensemble.data import idx, npz, tfds
+from ensemble.data.base import DataError, Dataset, Split
+from ensemble.data.batches import (eval_batches, epoch_order, hold_out, steps_per_epoch, train_batch_indices,
+                                   train_batches)
+
+__all__ = ['DataError', 'Dataset', 'Split', 'SOURCES', 'channel_stats', 'load', 'eval_batches', 'epoch_order',
+           'hold_out', 'steps_per_epoch', 'train_batch_indices', 'train_batches']
+
+_STATS_CHUNK_BYTES = 1 << 24
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  accepts: Callable[[str], bool]  # given data_dir
+  load: Callable[[str, str, str, str], Dataset]  # (dataset, data_dir, train_split, test_split)
+
+
+# Tried in order: the first whose `accepts(data_dir)` holds loads the data.
+SOURCES = {
+    'tfds': Source(lambda data_dir: not data_dir, lambda dataset, _, train, test: tfds.load(dataset, train, test)),
+    'idx': Source(os.path.isdir, lambda _, data_dir, *__: idx.load(data_dir)),
+    'npz': Source(lambda data_dir: data_dir.endswith('.npz'), lambda _, data_dir, *__: npz.load(data_dir)),
+}
+
+
+def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
+         test_split: str = 'test') -> Dataset:
+  """Loads a dataset: tensorflow-datasets' `dataset` when `data_dir` is empty, else the folder or file it names."""
+  data_dir = os.path.expanduser(data_dir or '')
+  if data_dir and (train_split, test_split) != ('train', 'test'):
+    # A folder or file has one fixed train and test part; ignoring the split names would train on the wrong data.
+    raise DataError(f'--config.train_split={train_split} / --config.test_split={test_split}: split names apply to '
+                    f'tensorflow-datasets only, {data_dir} has fixed train and test parts; leave them at train, test')
+  for source in SOURCES.values():
+    if source.accepts(data_dir):
+      return source.load(dataset, data_dir, train_split, test_split)
+  problem = 'neither a folder nor a .npz file' if os.path.exists(data_dir) else 'no such folder or .npz file'
+  raise DataError(f'--config.data_dir={data_dir}: {problem}; name a folder of IDX files or a .npz file '
+                  '(x_train, y_train, x_test, y_test), or leave it empty for tensorflow-datasets')
+
+
+def channel_stats(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
+  """Per-channel mean and standard deviation of uint8 images, in [0, 1] units (x / 255).
+
+  The device normalises every batch with them. Counting each channel's 256
+  values chunk by chunk makes both exact (float64 on 256 counts only) and
+  never copies a whole split to float: CIFAR-10's training split would be
+  1.2 GB as float64.
+  """
+  if images.dtype != np.uint8 or images.ndim != 4 or not len(images):
+    raise ValueError(f'channel_stats needs uint8 images (N, H, W, C) with N > 0, got {images.dtype} {images.shape}')
+  channels = images.shape[-1]
+  counts = np.zeros((channels, 256), np.int64)
+  rows = max(1, _STATS_CHUNK_BYTES // images[:1].nbytes)
+  for start in range(0, len(images), rows):
+    chunk = images[start:start + rows]
+    for c in range(channels):
+      counts[c] += np.bincount(chunk[..., c].ravel(), minlength=256)
+  values = np.arange(256, dtype=np.float64) / 255.0
+  total = counts.sum(axis=1)
+  mean = counts @ values / total
+  var = (counts * (values[None, :] - mean[:, None]) ** 2).sum(axis=1) / total
+  return tuple(float(m) for m in mean), tuple(float(s) for s in np.sqrt(var))

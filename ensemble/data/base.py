@@ -1,0 +1,147 @@
+"""What every source returns, and the checks that turn a source's arrays into it.
+
+Kept apart from `ensemble.data` so that the source modules can import it
+without importing the package that imports them.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from ensemble.errors import UsageError
+
+Split = dict[str, np.ndarray]  # {'image': uint8 (N, H, W, C), 'label': int32 (N,)}
+
+# Float images are converted this many bytes of input at a time, so a large split never needs a second float copy.
+_CHUNK_BYTES = 1 << 24
+
+
+class DataError(UsageError):
+  """A data file or dataset that is missing or malformed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  """Train and test splits, with what a model needs to know about them.
+
+  Images stay uint8 on the host (a quarter of float32's bytes; CIFAR-10's
+  training split is 150 MB so, 600 MB as float32); the device converts and
+  normalises each batch.
+  """
+  train: Split
+  test: Split
+  source: str  # what it came from, for logs and reports
+  num_classes: int
+
+  def __post_init__(self):
+    # A loader that breaks the layout would otherwise fail far away, inside a jitted step.
+    for name, split in (('train', self.train), ('test', self.test)):
+      images, labels = split['image'], split['label']
+      if images.dtype != np.uint8 or images.ndim != 4:
+        raise ValueError(f'Dataset.{name}: images must be uint8 (N, H, W, C), got {images.dtype} {images.shape}')
+      if labels.dtype != np.int32 or labels.shape != images.shape[:1]:
+        raise ValueError(f'Dataset.{name}: labels must be int32 ({len(images)},), got {labels.dtype} {labels.shape}')
+    if self.train['image'].shape[1:] != self.test['image'].shape[1:]:
+      raise ValueError(f'Dataset: train images {self.train["image"].shape[1:]} but test images '
+                       f'{self.test["image"].shape[1:]}')
+
+  @property
+  def image_shape(self) -> tuple[int, int, int]:
+    """(H, W, C), the same for both splits."""
+    return tuple(int(d) for d in self.train['image'].shape[1:])
+
+
+def first_line(error: BaseException) -> str:
+  """An exception's message cut to one line: the CLI prints a DataError as a single `error:` line."""
+  lines = str(error).strip().splitlines()
+  return f'{type(error).__name__}: {lines[0]}' if lines else type(error).__name__
+
+
+def _check_image_layout(images: np.ndarray, name: str):
+  if images.ndim not in (3, 4):
+    raise DataError(f'{name}: array of shape {images.shape}, expected images (N, H, W) or (N, H, W, C); '
+                    'each example must be 2-D or 3-D')
+  if images.ndim == 4 and images.shape[1] in (1, 3, 4) and images.shape[3] > 4:
+    raise DataError(f'{name}: shape {images.shape} looks channels-first; store images as (N, H, W, C), '
+                    'e.g. x.transpose(0, 2, 3, 1)')
+
+
+def _float_to_uint8(images: np.ndarray, name: str) -> np.ndarray:
+  """Rounds x*255 chunk by chunk: floats are accepted in [0, 1] only, where this is lossless for 8-bit sources."""
+  low, high = float(images.min()), float(images.max())  # NaN propagates into both
+  if np.isnan(low) or np.isnan(high):
+    raise DataError(f'{name}: float images contain NaN; store uint8 (0..255) or float in [0, 1]')
+  if low < 0.0 or high > 1.0:
+    raise DataError(f'{name}: float images must lie in [0, 1] but span [{low:g}, {high:g}]; '
+                    'scale them to [0, 1] (x / 255 for 0..255 values) or store uint8')
+  out = np.empty(images.shape, np.uint8)
+  rows = max(1, _CHUNK_BYTES // max(1, images[:1].nbytes))
+  for start in range(0, len(images), rows):
+    out[start:start + rows] = np.rint(images[start:start + rows] * 255)
+  return out
+
+
+def _as_images(images: np.ndarray, name: str) -> np.ndarray:
+  """uint8 (N, H, W, C): (N, H, W) gains C=1 (a view), uint8 is kept as is, [0, 1] floats are rounded."""
+  images = images[..., None] if images.ndim == 3 else images
+  if images.dtype == np.uint8:
+    return images
+  if np.issubdtype(images.dtype, np.floating):
+    return _float_to_uint8(images, name)
+  raise DataError(f'{name}: images of dtype {images.dtype}; store them as uint8 (0..255) or as float in [0, 1]')
+
+
+def _as_labels(labels: np.ndarray, name: str) -> np.ndarray:
+  """int32 (N,) class indices; (N, 1), as Keras's CIFAR arrays come, is flattened."""
+  if labels.ndim == 2 and labels.shape[1] == 1:
+    labels = labels[:, 0]
+  if labels.ndim != 1:
+    raise DataError(f'{name}: labels of shape {labels.shape}, expected (N,) integer class indices '
+                    '(for one-hot labels store y.argmax(-1))')
+  if not np.issubdtype(labels.dtype, np.integer):
+    raise DataError(f'{name}: labels of dtype {labels.dtype}, expected integers 0..C-1; '
+                    'store class indices, e.g. y.astype(np.int32)')
+  if len(labels) and labels.min() < 0:
+    raise DataError(f'{name}: negative label {labels.min()}; labels must be class indices 0..C-1')
+  if len(labels) and labels.max() > np.iinfo(np.int32).max:
+    raise DataError(f'{name}: label {labels.max()} does not fit int32; labels must be class indices 0..C-1')
+  return labels.astype(np.int32, copy=False)
+
+
+def make_split(images: np.ndarray, labels: np.ndarray, images_name: str, labels_name: str) -> Split:
+  """Checks one split's arrays and brings them to the Split layout.
+
+  `images_name` and `labels_name` say where the arrays came from (a file, or a
+  file and a field): every error names them.
+  """
+  _check_image_layout(images, images_name)
+  if len(images) != len(labels):
+    raise DataError(f'{images_name} / {labels_name}: {len(images)} images but {len(labels)} labels; '
+                    'images and labels must come from the same split, in the same order')
+  if not len(images):
+    raise DataError(f'{images_name}: no examples; each split needs at least one image')
+  labels = _as_labels(labels, labels_name)
+  return {'image': _as_images(images, images_name), 'label': labels}
+
+
+def make_dataset(train: Split, test: Split, source: str, names: dict[str, tuple[str, str]],
+                 num_classes: int | None = None) -> Dataset:
+  """Checks that the splits agree; without `num_classes`, it is the largest training label + 1.
+
+  `names` maps 'train' and 'test' to their (images, labels) names, for the errors.
+  """
+  train_shape, test_shape = train['image'].shape[1:], test['image'].shape[1:]
+  if train_shape != test_shape:
+    raise DataError(f'{names["train"][0]} holds {"x".join(map(str, train_shape))} images but {names["test"][0]} '
+                    f'holds {"x".join(map(str, test_shape))}; train and test images must have the same shape')
+  if num_classes is None:
+    num_classes = int(train['label'].max()) + 1
+    where = 'the training labels define classes'
+  else:
+    where = f'{source} has {num_classes} classes'
+  for split_name, split in (('train', train), ('test', test)):
+    largest = int(split['label'].max())
+    if largest >= num_classes:
+      raise DataError(f'{names[split_name][1]}: label {largest} is outside 0..{num_classes - 1} ({where}); '
+                      'labels must be class indices 0..C-1, and every class must appear in training')
+  return Dataset(train=train, test=test, source=source, num_classes=num_classes)

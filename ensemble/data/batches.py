@@ -1,0 +1,66 @@
+"""Batches of a split, as numpy indices on the host.
+
+The data order depends only on the seed, the epoch and the member, never on the
+backend or the device count, so member i sees the same batches however the
+ensemble is placed. Nothing here looks at the images' dtype or shape.
+"""
+
+from typing import Iterator
+
+import numpy as np
+
+from ensemble.data.base import Split
+
+
+def hold_out(split: Split, fraction: float) -> tuple[Split, Split]:
+  """(the rest, the last `fraction` of the examples): a fixed slice, the same for training and evaluation."""
+  start = len(split['label']) - int(round(fraction * len(split['label'])))
+  return {k: v[:start] for k, v in split.items()}, {k: v[start:] for k, v in split.items()}
+
+
+def epoch_order(num_examples: int, seed: int, epoch: int, member: int | None = None) -> np.ndarray:
+  """A permutation that is a function of (seed, epoch[, member]) alone."""
+  entropy = [seed, epoch] if member is None else [seed, epoch, member]
+  return np.random.default_rng(entropy).permutation(num_examples)
+
+
+def steps_per_epoch(num_examples: int, batch_size: int) -> int:
+  return num_examples // batch_size
+
+
+def train_batch_indices(num_examples: int, batch_size: int, seed: int, epoch: int,
+                        ensemble_size: int, member_data: str) -> np.ndarray:
+  """Example indices of one epoch, (steps, batch) when members share batches, else (steps, K, batch).
+
+  The last partial batch is dropped, so every step has the same shape (one compilation).
+  """
+  steps = steps_per_epoch(num_examples, batch_size)
+  if member_data == 'shared':
+    return epoch_order(num_examples, seed, epoch)[:steps * batch_size].reshape(steps, batch_size)
+  orders = np.stack([epoch_order(num_examples, seed, epoch, member)[:steps * batch_size]
+                     for member in range(ensemble_size)])
+  return orders.reshape(ensemble_size, steps, batch_size).transpose(1, 0, 2)
+
+
+def train_batches(split: Split, batch_size: int, seed: int, epoch: int, ensemble_size: int,
+                  member_data: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+  indices = train_batch_indices(len(split['label']), batch_size, seed, epoch, ensemble_size, member_data)
+  for idx in indices:
+    yield split['image'][idx], split['label'][idx]
+
+
+def eval_batches(split: Split, batch_size: int,
+                 rows: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+  """The whole split once, in order; the last batch is padded and `mask` marks real examples.
+
+  With `rows`, the images and labels are only those rows of each batch (a
+  process's share), while `mask` still covers the whole batch: every member
+  predicts every example.
+  """
+  n = len(split['label'])
+  for start in range(0, n, batch_size):
+    idx = np.arange(start, start + batch_size)
+    mask = idx < n
+    idx = np.where(mask, idx, 0)
+    idx = idx if rows is None else idx[rows]
+    yield split['image'][idx], split['label'][idx], mask

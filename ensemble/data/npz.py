@@ -1,0 +1,31 @@
+"""One .npz file with x_train, y_train, x_test, y_test: what `np.savez` of Keras's `load_data()` arrays gives."""
+
+import os
+import zipfile
+
+import numpy as np
+
+from ensemble.data import base
+
+KEYS = ('x_train', 'y_train', 'x_test', 'y_test')
+_FIX = 'save one with np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)'
+
+
+def load(path: str) -> base.Dataset:
+  """Reads the four arrays; images HxW or HxWxC, uint8 or float in [0, 1]; labels integer class indices."""
+  if not os.path.isfile(path):
+    raise base.DataError(f'{path}: no such file; data_dir must name a .npz file with {", ".join(KEYS)}')
+  try:
+    # No pickles: a data file should not be able to run code.
+    with np.load(path, allow_pickle=False) as npz:
+      missing = [key for key in KEYS if key not in npz.files]
+      if missing:
+        held = ', '.join(npz.files) or 'no arrays'
+        raise base.DataError(f'{path}: no array {missing[0]} (it holds {held}); {_FIX}')
+      arrays = {key: npz[key] for key in KEYS}
+  except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+    raise base.DataError(f'{path}: cannot be read as .npz ({base.first_line(e)}); {_FIX}') from e
+  names = {split: (f'{path}: x_{split}', f'{path}: y_{split}') for split in ('train', 'test')}
+  splits = {split: base.make_split(arrays[f'x_{split}'], arrays[f'y_{split}'], *names[split])
+            for split in ('train', 'test')}
+  return base.make_dataset(splits['train'], splits['test'], path, names)
