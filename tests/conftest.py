@@ -72,6 +72,8 @@ def small_config(data_dir: str, **overrides):
   config.eval_batch_size = 64
   config.ensemble_size = 8
   config.heldout_fraction = 0.0
+  # Half the default rate: on 8 steps an epoch of this tiny set, standardised inputs make 0.1 overshoot.
+  config.learning_rate = 0.05
   config.update(overrides)
   return config
 

@@ -147,3 +147,29 @@ def test_fast_path_matches_the_plain_path(name, member_data):
   np.testing.assert_allclose(losses, plain_losses.T, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                _params(backend.to_canonical(state)), _params(plain_state))
+
+
+RESNET = dict(model='resnet', resnet_depth=8, augment='crop_flip')
+
+
+@functools.cache
+def _pmap_resnet_on_eight_devices():
+  return _train_with_stats(_backend('pmap', **RESNET))
+
+
+def _train_with_stats(backend):
+  state, losses = _train(backend, 8, 2)
+  return jax.tree.map(np.asarray, (state.params, state.batch_stats)), losses
+
+
+@pytest.mark.parametrize('name, num_devices', [('jit', 8), ('jit', 4), ('pmap', 4)])
+def test_augmented_resnet_members_do_not_depend_on_backend_or_device_count(name, num_devices):
+  """Each member's augmentation and BatchNorm statistics are its own, wherever it runs."""
+  (ref_params, ref_stats), ref_losses = _pmap_resnet_on_eight_devices()
+  (params, stats), losses = _train_with_stats(_backend(name, num_devices=num_devices, **RESNET))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  for ours, reference in ((params, ref_params), (stats, ref_stats)):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), ours, reference)
+  # The members really differ in their running averages: each saw its own views with its own weights.
+  mean = ref_stats['BatchNorm_0']['mean']
+  assert all(not np.allclose(mean[0], mean[i]) for i in range(1, 8))

@@ -34,7 +34,7 @@ def test_cli_trains_and_resumes(mnist_dir, tmp_path):
     (['--config.backend=tpu'],
      "error: unknown backend 'tpu': set --config.backend to one of ['pmap', 'jit', 'sharded', 'dp', 'fsdp']"),
     (['--config.ensemble_size=3'], 'error: ensemble_size=3 cannot be placed on 2 devices'),
-    (['--config.data_dir=/nonexistent'], 'error: /nonexistent: not a folder'),
+    (['--config.data_dir=/nonexistent'], 'error: /nonexistent: no such folder or .npz file'),
 ])
 def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, args, message):
   result = _train('--workdir', str(tmp_path / 'run'), '--cpu_devices=2', *args)

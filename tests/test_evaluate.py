@@ -39,10 +39,10 @@ def test_script_writes_a_report_that_agrees_with_training(workdir, tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'Restored epoch 1' in result.stderr and 'rotation  90 deg' in result.stderr  # progress
   assert 'checkpoint_manager.py' not in result.stderr  # orbax's INFO lines are filtered out
-  assert sorted(os.listdir(out)) == ['ensemble_size.png', 'metrics.json', 'reliability.png', 'report.md',
-                                     'rotation.png']
+  assert sorted(os.listdir(out)) == ['ensemble_size.png', 'gaussian_noise.png', 'metrics.json', 'reliability.png',
+                                     'report.md', 'rotation.png']
   assert not os.path.exists(os.path.join(workdir, 'eval'))
-  for png in ('ensemble_size.png', 'reliability.png', 'rotation.png'):
+  for png in ('ensemble_size.png', 'gaussian_noise.png', 'reliability.png', 'rotation.png'):
     assert (out / png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and (out / png).stat().st_size > 10_000
 
   results = json.loads((out / 'metrics.json').read_text())
@@ -73,6 +73,11 @@ def test_script_writes_a_report_that_agrees_with_training(workdir, tmp_path):
   assert sorted(rotation) == [0, 90]
   assert rotation[0]['ensemble']['nll'] == pytest.approx(ensemble['nll'])
   assert rotation[90]['ensemble']['accuracy'] < rotation[0]['ensemble']['accuracy'] - 0.2
+  noise = results['gaussian_noise']
+  assert [row['severity'] for row in noise] == [1, 2, 3, 4, 5]
+  assert [row['std'] for row in noise] == [0.04, 0.06, 0.08, 0.09, 0.10]
+  # Noise costs confidence on the right class: the NLL rises from the clean set's to the worst severity's.
+  assert noise[-1]['ensemble']['nll'] > ensemble['nll']
 
   temperature = results['temperature_scaling']
   # The last 10% of the 256 training examples, which the trainer left out: 230 examples, 7 steps of 32.
@@ -84,6 +89,7 @@ def test_script_writes_a_report_that_agrees_with_training(workdir, tmp_path):
   report = (out / 'report.md').read_text()
   assert f'| **ensemble** | {ensemble["accuracy"]:.4f} | {ensemble["nll"]:.4f} |' in report
   assert '| 90 |' in report and '![rotation](rotation.png)' in report
+  assert '## Test set with Gaussian noise' in report and '| 5 | 0.1000 |' in report
 
 
 def _with_config(workdir, tmp_path, **changes):
@@ -107,7 +113,7 @@ def _untrained(workdir, tmp_path):
     (functools.partial(_with_config, ensemble_size=4),
      'error: {tmp}/copy/config.json does not describe its checkpoint: checkpoint '
      '{tmp}/copy/checkpoints/1 holds ensemble_size=8 but the config asks for ensemble_size=4'),
-    (lambda w, t: ['--workdir', w, '--data_dir=/nonexistent'], 'error: /nonexistent: not a folder'),
+    (lambda w, t: ['--workdir', w, '--data_dir=/nonexistent'], 'error: /nonexistent: no such folder or .npz file'),
     (lambda w, t: ['--workdir', w, '--step=3'], 'error: --step=3: no such checkpoint in {workdir}/checkpoints; '
                                                  'choose one of [1]'),
     (lambda w, t: ['--workdir', w, '--angles=0,ninety'], 'error: --angles=0,ninety: give whole degrees'),

@@ -1,5 +1,6 @@
 """The training loop end to end, in process: metrics, resume, checkpoints across backends."""
 
+import functools
 import json
 import os
 
@@ -37,12 +38,20 @@ def test_metrics_jsonl_and_checkpoints(make_config, tmp_path):
   assert json.load(open(os.path.join(workdir, 'config.json')))['ensemble_size'] == 8
 
 
-def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(make_config, tmp_path):
-  straight, _ = trainer.train_and_evaluate(make_config(num_epochs=3), str(tmp_path / 'a'))
-  trainer.train_and_evaluate(make_config(num_epochs=1), str(tmp_path / 'b'))
-  resumed, _ = trainer.train_and_evaluate(make_config(num_epochs=3), str(tmp_path / 'b'))
-  # Same placement, same programs: the resumed run must match to the last bit.
+# A ResNet with BatchNorm, per-member augmentation, AdamW and weight decay. (A schedule spans num_epochs, so a
+# run resumed with more epochs than it started with follows another schedule; tests/test_optim.py covers them.)
+RESNET = dict(model='resnet', resnet_depth=8, augment='crop_flip', optimizer='adamw', learning_rate=1e-3,
+              weight_decay=5e-4, member_data='shuffled')
+
+
+@pytest.mark.parametrize('recipe', [{}, RESNET], ids=['cnn', 'resnet'])
+def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(make_config, tmp_path, recipe):
+  straight, _ = trainer.train_and_evaluate(make_config(num_epochs=3, **recipe), str(tmp_path / 'a'))
+  trainer.train_and_evaluate(make_config(num_epochs=1, **recipe), str(tmp_path / 'b'))
+  resumed, _ = trainer.train_and_evaluate(make_config(num_epochs=3, **recipe), str(tmp_path / 'b'))
+  # Same placement, same programs: the resumed run must match to the last bit, batch statistics and keys too.
   jax.tree.map(np.testing.assert_array_equal, _params(resumed), _params(straight))
+  jax.tree.map(np.testing.assert_array_equal, (resumed.batch_stats, resumed.key), (straight.batch_stats, straight.key))
   a = writers.read_jsonl(str(tmp_path / 'a' / 'metrics.jsonl'))
   b = writers.read_jsonl(str(tmp_path / 'b' / 'metrics.jsonl'))
   assert [line['epoch'] for line in b] == [1, 2, 3]
@@ -57,19 +66,22 @@ def _restore_and_evaluate(config, workdir, backend_name, num_devices):
   ckpt = checkpoint.Checkpointer(workdir)
   member = config_lib.member(config, ckpt.meta(ckpt.latest_epoch())['data'])
   backend = backends.create(backend_name, member=member, devices=devices, ensemble_size=8, member_data='shared')
-  state = ckpt.restore(ckpt.latest_epoch(), backend.abstract_state(), {'model': 'cnn', 'ensemble_size': 8})
+  state = ckpt.restore(ckpt.latest_epoch(), backend.abstract_state(), {'model': config.model, 'ensemble_size': 8})
   test = trainer.evaluate(backend, backend.from_canonical(state), data.load(data_dir=config.data_dir).test,
                           config.eval_batch_size)
   return state, test
 
 
-@pytest.mark.parametrize('backend, num_devices', [('jit', 4), ('pmap', 1)])
-def test_checkpoint_moves_between_backends_and_device_counts(make_config, tmp_path, backend, num_devices):
+@pytest.mark.parametrize('backend, num_devices, recipe', [('jit', 4, {}), ('pmap', 1, {}), ('jit', 2, RESNET)],
+                         ids=['cnn-jit4', 'cnn-pmap1', 'resnet-jit2'])
+def test_checkpoint_moves_between_backends_and_device_counts(make_config, tmp_path, backend, num_devices, recipe):
   """pmap on 8 devices writes a checkpoint; another backend on fewer devices restores and continues it."""
+  make_config = functools.partial(make_config, **recipe)
   workdir = str(tmp_path / 'run')
   saved, summary = trainer.train_and_evaluate(make_config(), workdir)
   restored, test = _restore_and_evaluate(make_config(), workdir, backend, num_devices)
   jax.tree.map(np.testing.assert_array_equal, _params(restored), _params(saved))
+  jax.tree.map(np.testing.assert_array_equal, restored.batch_stats, saved.batch_stats)
   np.testing.assert_allclose(test['loss'], summary['test_loss'], rtol=1e-5)
   np.testing.assert_allclose(test['member_accuracy'],
                              [summary[f'member_test_accuracy/{i}'] for i in range(8)], rtol=1e-5)

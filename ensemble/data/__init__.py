@@ -47,8 +47,8 @@ def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
     if source.accepts(data_dir):
       return source.load(dataset, data_dir, train_split, test_split)
   problem = 'neither a folder nor a .npz file' if os.path.exists(data_dir) else 'no such folder or .npz file'
-  raise DataError(f'--config.data_dir={data_dir}: {problem}; name a folder of IDX files or a .npz file '
-                  '(x_train, y_train, x_test, y_test), or leave it empty for tensorflow-datasets')
+  raise DataError(f'{data_dir}: {problem}; data_dir must name a folder of IDX files or a .npz file '
+                  '(x_train, y_train, x_test, y_test), or be empty for tensorflow-datasets')
 
 
 def channel_stats(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
