@@ -15,8 +15,9 @@ import os
 import sys
 from typing import Any, Sequence
 
-# Silence TensorFlow's C++ start-up chatter if tensorflow-datasets loads the data.
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+from ensemble import console
+
+console.quiet_libraries()  # before TensorFlow (if tensorflow-datasets loads the data) and JAX load
 
 from absl import app, flags, logging  # pylint: disable=g-import-not-at-top,g-multiple-import
 import jax  # pylint: disable=g-import-not-at-top
@@ -169,7 +170,7 @@ def score_rotations(predict: Predictor, test: data.Split, angles: Sequence[int])
   """Accuracy, NLL and ECE of the ensemble and of the mean member on the rotated test set."""
   pick = lambda scores: {name: scores[name] for name in ('accuracy', 'nll', 'ece')}
   rows = []
-  for angle in angles:
+  for angle in console.track(angles, 'rotations', unit='angle'):
     member_probs = predict({'image': rotate(test['image'], angle), 'label': test['label']})
     ensemble = calibration.scores(member_probs.mean(0), test['label'])
     members = [calibration.scores(p, test['label']) for p in member_probs]
@@ -253,6 +254,7 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.get_absl_logger().addFilter(cli.QuietLibraries())
   try:
+    console.setup('ensemble.evaluate')
     cli.keep_freed_memory_on_cpu()
     evaluate(FLAGS.workdir, data_dir=FLAGS.data_dir, step=FLAGS.step, output_dir=FLAGS.output_dir,
              angles=_parse_angles(FLAGS.angles))
