@@ -9,13 +9,16 @@ from ensemble import host_memory
 
 
 class QuietLibraries:
-  """A filter for absl's logger that drops orbax's INFO lines (dozens per checkpoint) and keeps its warnings.
+  """A filter for absl's logger that drops library INFO lines and keeps their warnings.
 
+  orbax logs dozens per checkpoint; clu's ReportProgress logs "Setting work unit
+  notes" from clu/platform, which `ensemble.console`'s progress replaces.
   Records carry Python's levels (WARNING is 30), not absl's (WARNING is 1).
   """
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.WARNING or '/orbax/' not in record.pathname
+    return record.levelno >= logging.WARNING or not any(
+        library in record.pathname for library in ('/orbax/', '/clu/platform/'))
 
 
 def keep_freed_memory_on_cpu():

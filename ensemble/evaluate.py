@@ -17,8 +17,9 @@ import os
 import sys
 from typing import Any, Sequence
 
-# Silence TensorFlow's C++ start-up chatter if tensorflow-datasets loads the data.
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+from ensemble import console
+
+console.quiet_libraries()  # before TensorFlow (if tensorflow-datasets loads the data) and JAX load
 
 from absl import app, flags, logging  # pylint: disable=g-import-not-at-top,g-multiple-import
 import jax  # pylint: disable=g-import-not-at-top
@@ -191,7 +192,7 @@ def score_shift(predict: Predictor, test: data.Split, levels: dict[str, Any], sh
   """
   pick = lambda scores: {name: scores[name] for name in ('accuracy', 'nll', 'ece')}
   rows = []
-  for label, level in levels.items():
+  for label, level in console.track(list(levels.items()), 'shifted test sets', unit='set'):
     member_probs = predict({'image': shifted(test['image'], **level), 'label': test['label']})
     ensemble = calibration.scores(member_probs.mean(0), test['label'])
     members = [calibration.scores(p, test['label']) for p in member_probs]
@@ -294,6 +295,7 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.get_absl_logger().addFilter(cli.QuietLibraries())
   try:
+    console.setup('ensemble.evaluate')
     cli.keep_freed_memory_on_cpu()
     evaluate(FLAGS.workdir, data_dir=FLAGS.data_dir, step=FLAGS.step, output_dir=FLAGS.output_dir,
              angles=_parse_angles(FLAGS.angles))

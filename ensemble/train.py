@@ -7,11 +7,11 @@ On several hosts, run it once per host with the same flags plus
 --coordinator_address=HOST0:PORT --num_processes=N --process_id=I (README).
 """
 
-import os
 import sys
 
-# Silence TensorFlow's C++ start-up chatter; it is only here for clu's TensorBoard writer.
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+from ensemble import console
+
+console.quiet_libraries()  # before TensorFlow and JAX load
 
 from absl import app, flags, logging  # pylint: disable=g-import-not-at-top,g-multiple-import
 import jax  # pylint: disable=g-import-not-at-top
@@ -47,12 +47,14 @@ def main(argv):
   if FLAGS.cpu_devices:
     jax.config.update('jax_num_cpu_devices', FLAGS.cpu_devices)
   try:
+    console.setup('ensemble.train')
     distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                            initialization_timeout=FLAGS.initialization_timeout,
                            heartbeat_timeout=FLAGS.heartbeat_timeout)
     logging.info('Process %d of %d; JAX devices: %s', jax.process_index(), jax.process_count(), jax.devices())
     cli.keep_freed_memory_on_cpu()
-    trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    _, summary = trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    console.log_training_summary(FLAGS.workdir, summary)
   except UsageError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)

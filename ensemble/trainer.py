@@ -11,6 +11,7 @@ from absl import logging
 from clu import periodic_actions
 
 from ensemble import backends, checkpoint, config as config_lib, data, distributed, metrics, writers
+from ensemble import console
 from ensemble.errors import UsageError
 
 
@@ -84,6 +85,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple
     indices = data.train_batch_indices(num_train, config.batch_size, config.seed, epoch,
                                        config.ensemble_size, config.member_data)
     train_outputs = []
+    progress = console.Progress(steps_per_epoch, f'epoch {epoch}/{config.num_epochs}',
+                                items_per_step=config.batch_size * config.ensemble_size)
     for start in range(0, len(indices), steps_per_dispatch):
       chunk = indices[start:start + steps_per_dispatch]
       with jax.profiler.StepTraceAnnotation('train', step_num=step):
@@ -94,6 +97,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple
       train_outputs.append(jax.block_until_ready(chunk_metrics))
       step += len(chunk)
       report_progress(step)
+      progress.update(len(chunk), chunk_metrics)
     train_outputs = jax.tree.map(
         lambda *xs: np.concatenate([x.reshape(config.ensemble_size, -1) for x in xs], axis=1),
         *backend.to_host(train_outputs))
@@ -104,9 +108,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple
     ckpt.save(epoch, backend.to_canonical(state), ckpt_meta)
     writer.epoch.write_scalars(step, summary)
     writer.epoch.flush()
-    logging.info('epoch %d: train_loss %.4f, test_loss %.4f, test_accuracy %.4f, members %s',
-                 epoch, summary['train_loss'], summary['test_loss'], summary['test_accuracy'],
-                 np.round(test['member_accuracy'], 4).tolist())
+    console.log_epoch(summary, config.num_epochs, progress.close())
   writer.epoch.close()
   ckpt.close()
   return backend.to_canonical(state), summary

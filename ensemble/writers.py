@@ -1,4 +1,4 @@
-"""Metric writers: clu's TensorBoard + logging writers, and a JSON-lines file."""
+"""Metric writers: clu's TensorBoard writer and a JSON-lines file; the console shows its own digest."""
 
 import json
 import os
@@ -68,15 +68,19 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
 
 
 class Writers(NamedTuple):
-  epoch: metric_writers.MetricWriter  # per-epoch summaries: TensorBoard, logs and metrics.jsonl
-  progress: metric_writers.MetricWriter  # steps/s and ETA: TensorBoard and logs only
+  epoch: metric_writers.MetricWriter  # per-epoch summaries: TensorBoard and metrics.jsonl
+  progress: metric_writers.MetricWriter  # steps/s and uptime: TensorBoard only
 
 
 def create_writers(workdir: str, is_main_process: bool = True) -> Writers:
-  """Only process 0 writes files; the others log."""
+  """Only process 0 writes files; the others write nothing.
+
+  No clu `LoggingWriter`: it logged every scalar, member by member, on one
+  line. `ensemble.console` logs one line per epoch instead.
+  """
   if not is_main_process:
-    logs = metric_writers.create_default_writer(just_logging=True)
-    return Writers(epoch=logs, progress=logs)
-  events = metric_writers.create_default_writer(workdir, asynchronous=False)
+    nothing = metric_writers.MultiWriter([])
+    return Writers(epoch=nothing, progress=nothing)
+  events = metric_writers.SummaryWriter(workdir)
   return Writers(epoch=metric_writers.MultiWriter([events, JsonlWriter(os.path.join(workdir, 'metrics.jsonl'))]),
                  progress=events)

@@ -1,0 +1,308 @@
+"""What a person sees while `ensemble.train` and `ensemble.evaluate` run.
+
+The console carries what a person can act on: a progress bar on a terminal
+(plain log lines at a steady interval elsewhere), one line per epoch, and a
+summary that says where the results are and what to run next. Per-member
+figures stay in metrics.jsonl and TensorBoard.
+
+Everything except the bar goes through absl logging, so `--verbosity`,
+`--log_dir`, `--alsologtostderr` and `--stderrthreshold` work on it as absl
+users expect.
+
+This module must not import jax or TensorFlow at the top: the CLIs import it
+first so that `quiet_libraries` runs before those libraries load.
+"""
+
+import json
+import logging as py_logging
+import os
+import shlex
+import sys
+import time
+from typing import Any, Iterable, Iterator, Mapping, TextIO
+
+import numpy as np
+from absl import flags, logging
+from tqdm import tqdm
+
+from ensemble.errors import UsageError
+
+FLAGS = flags.FLAGS
+
+# The console module is imported first by the CLIs, so this is close enough to the command's start.
+_STARTED = time.monotonic()
+
+# Python loggers whose INFO lines report nothing a person can act on; their warnings still show.
+# jax._src.xla_bridge: "Unable to initialize backend 'tpu'" (or 'cuda') on every machine without one.
+QUIET_LOGGERS = ('jax._src.xla_bridge',)
+
+# How often, in seconds, progress is drawn on a terminal and logged elsewhere (clu's ReportProgress logs every 60 s).
+BAR_EVERY_SECS = 0.5
+LOG_EVERY_SECS = 60.0
+
+
+def quiet_libraries():
+  """Silences the start-up notices of TensorFlow and XLA's C++ code; call it before either is imported.
+
+  Only the CLIs call it: importing `ensemble` must not change a caller's environment.
+  A value the user has set wins.
+
+  - TensorFlow (loaded for clu's TensorBoard writer and tensorflow-datasets)
+    logs "oneDNN custom operations are on" when it loads, ahead of absl's "All
+    log messages before absl::InitializeLog() is called" preface, and
+    TF_CPP_MIN_LOG_LEVEL does not reach that line. TensorFlow computes nothing
+    here (JAX does, and jaxlib does not read this variable), so its oneDNN
+    kernels are turned off, and with them the notice.
+  - TF_CPP_MIN_LOG_LEVEL=1 drops the C++ INFO lines of TensorFlow and XLA
+    ("This TensorFlow binary is optimized to use...", "PjRt-IFRT device
+    count", GPU start-up) and keeps their warnings and errors.
+  """
+  os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
+
+
+def setup(program_name: str):
+  """Applies the logging flags once they are parsed; call it first in `main`, before JAX picks its backend.
+
+  absl's `app.run` leaves `--log_dir` unused; here it sends the log to a file
+  there, as absl's C++ logging does (stderr then gets `--stderrthreshold` and
+  up, or everything with `--alsologtostderr`). At `--verbosity=1` (debug) and
+  for loggers named in `--logger_levels`, the libraries' INFO lines stay.
+  """
+  if FLAGS.verbosity < logging.DEBUG:
+    for name in QUIET_LOGGERS:
+      if name not in FLAGS.logger_levels:
+        py_logging.getLogger(name).setLevel(py_logging.WARNING)
+  if FLAGS.log_dir and not FLAGS.logtostderr:
+    try:
+      os.makedirs(FLAGS.log_dir, exist_ok=True)
+      logging.get_absl_handler().use_absl_log_file(program_name, FLAGS.log_dir)
+    except OSError as e:
+      raise UsageError(f'--log_dir={FLAGS.log_dir}: cannot write logs there ({e.strerror or e}); '
+                       'choose a writable folder') from None
+
+
+def _is_main_process() -> bool:
+  import jax  # pylint: disable=g-import-not-at-top  # here, not at the top: see the module docstring
+  return jax.process_index() == 0
+
+
+def _duration(seconds: float) -> str:
+  if seconds < 60:
+    return f'{seconds:#.4g} s'
+  minutes, seconds = divmod(round(seconds), 60)
+  if minutes < 60:
+    return f'{minutes}m {seconds:02d}s'
+  return f'{minutes // 60}h {minutes % 60:02d}m'
+
+
+def _figure(value: float) -> str:
+  return f'{value:#.4g}'
+
+
+def _local_values(array: Any) -> list[np.ndarray]:
+  """The values this process holds, fetched without a collective: a multi-process run shows its own members."""
+  shards = getattr(array, 'addressable_shards', None)
+  if shards is None:
+    return [np.asarray(array)]
+  return [np.asarray(shard.data) for shard in shards]
+
+
+class _Bar(tqdm):
+  """tqdm whose postfix is computed when the bar is drawn, so the loss is fetched from the devices only then."""
+  monitor_interval = 0  # no monitor thread: drawing fetches device arrays and stays on the caller's thread
+
+  def __init__(self, *args, describe, **kwargs):
+    self._describe = describe
+    super().__init__(*args, **kwargs)
+
+  @property
+  def format_dict(self):
+    values = super().format_dict
+    rate = values['rate']
+    if rate is None and values['elapsed'] and values['n'] > values['initial']:
+      rate = (values['n'] - values['initial']) / values['elapsed']  # as tqdm shows it before its average warms up
+    values['postfix'] = self._describe(rate)
+    return values
+
+
+class _AboveTheBar(py_logging.Handler):
+  """Hands records to another handler with the bar cleared and redrawn below, so log lines do not tear it."""
+
+  def __init__(self, inner: py_logging.Handler, file: TextIO):
+    super().__init__(inner.level)
+    self.inner, self._file = inner, file
+
+  def handle(self, record):
+    with _Bar.external_write_mode(file=self._file):
+      return self.inner.handle(record)
+
+  def emit(self, record):
+    self.handle(record)
+
+
+class Progress:
+  """Progress through `total` steps of a long pass: a live bar on a terminal, a log line every minute elsewhere.
+
+  Shared by training (a bar per epoch), evaluation (the rotations) and any
+  later pass over many batches. Shows on process 0 only, and not below
+  `--verbosity=0`. `items_per_step` adds a throughput in items (member-images:
+  batch size times members); metrics passed to `update` with a 'loss' add the
+  running mean loss, fetched only when progress is shown.
+  """
+
+  def __init__(self, total: int, desc: str, *, unit: str = 'step', items_per_step: int = 0,
+               items: str = 'member-images', every_secs: float | None = None, file: TextIO | None = None,
+               show: bool | None = None):
+    self.total, self.desc, self.unit = total, desc, unit
+    self._items_per_step, self._items = items_per_step, items
+    self._file = sys.stderr if file is None else file
+    self._show = _is_main_process() if show is None else show
+    self._started = time.monotonic()
+    self._n = 0
+    self._pending_losses: list[Any] = []
+    self._loss_sum, self._loss_count = 0.0, 0
+    self._bar = None
+    self._wrapped: list[tuple[py_logging.Handler, _AboveTheBar]] = []
+    if not self._show:
+      return
+    if getattr(self._file, 'isatty', lambda: False)() and logging.level_info():
+      self._bar = _Bar(total=total, desc=desc, file=self._file, leave=False, dynamic_ncols=True,
+                       mininterval=BAR_EVERY_SECS if every_secs is None else every_secs,
+                       bar_format='{desc}: {percentage:3.0f}%|{bar}| {n}/{total} ' + unit + 's '
+                                  '[{elapsed}<{remaining}{postfix}]',
+                       describe=self._describe)
+      root = py_logging.getLogger()
+      self._wrapped = [(handler, _AboveTheBar(handler, self._file)) for handler in root.handlers]
+      root.handlers = [wrapper for _, wrapper in self._wrapped]
+    else:
+      self._every_secs = LOG_EVERY_SECS if every_secs is None else every_secs
+      self._last_log = (self._started, 0)
+
+  def update(self, n: int = 1, metrics: Mapping[str, Any] | None = None):
+    """Counts `n` more steps done; `metrics` (device arrays are fine) may carry their 'loss'."""
+    self._n += n
+    if not self._show:
+      return
+    if metrics is not None and 'loss' in metrics:
+      self._pending_losses.append(metrics['loss'])
+    if self._bar is not None:
+      self._bar.update(n)
+      if self._n >= self.total:
+        self._bar.refresh()  # the finished pass stays in view while what follows it (evaluation) runs
+      return
+    now = time.monotonic()
+    then, n_then = self._last_log
+    if now - then >= self._every_secs and self._n > n_then:
+      self._last_log = (now, self._n)
+      rate = (self._n - n_then) / max(now - then, 1e-9)
+      eta = (self.total - self._n) / rate
+      logging.info('%s: %d/%d %ss (%.0f%%), %s, ETA %s', self.desc, self._n, self.total, self.unit,
+                   100 * self._n / self.total, self._describe(rate), tqdm.format_interval(eta))
+
+  def _running_loss(self) -> float | None:
+    for loss in self._pending_losses:
+      for values in _local_values(loss):
+        self._loss_sum += float(values.sum())
+        self._loss_count += values.size
+    self._pending_losses = []
+    return self._loss_sum / self._loss_count if self._loss_count else None
+
+  def _describe(self, rate: float | None) -> str:
+    if not rate:
+      parts = [f'? {self.unit}s/s']
+    elif rate >= 1:
+      parts = [f'{rate:.3g} {self.unit}s/s']
+    else:
+      parts = [f'{1 / rate:.3g} s/{self.unit}']
+    if self._items_per_step:
+      parts.append(f'{tqdm.format_sizeof(rate * self._items_per_step) if rate else "?"} {self._items}/s')
+    loss = self._running_loss()
+    if loss is not None:
+      parts.append(f'loss {_figure(loss)}')
+    return ', '.join(parts)
+
+  def close(self) -> float:
+    """Removes the bar and returns the seconds since the pass began."""
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None
+      root = py_logging.getLogger()
+      root.handlers = [next((inner for inner, wrapper in self._wrapped if wrapper is h), h) for h in root.handlers]
+      self._wrapped = []
+    return time.monotonic() - self._started
+
+  def __enter__(self) -> 'Progress':
+    return self
+
+  def __exit__(self, *exc_info):
+    self.close()
+
+
+def track(iterable: Iterable[Any], desc: str, **kwargs) -> Iterator[Any]:
+  """Yields the items of `iterable`, showing a `Progress` over them (keyword arguments as for `Progress`)."""
+  items = list(iterable)
+  progress = Progress(len(items), desc, **kwargs)
+  try:
+    for item in items:
+      yield item
+      progress.update()
+  finally:
+    progress.close()
+
+
+def _member_accuracies(record: Mapping[str, Any]) -> list[float]:
+  """Member accuracies from an epoch summary (`member_test_accuracy/i` keys) or a metrics.jsonl line (a list)."""
+  if 'member_test_accuracy' in record:
+    return list(record['member_test_accuracy'])
+  prefix = 'member_test_accuracy/'
+  indexed = {int(k[len(prefix):]): v for k, v in record.items() if k.startswith(prefix)}
+  return [indexed[i] for i in sorted(indexed)]
+
+
+def _figures(record: Mapping[str, Any]) -> str:
+  members = _member_accuracies(record)
+  if len(members) <= 1:
+    return f'accuracy {_figure(record["test_accuracy"])}, NLL {_figure(record["test_loss"])}'
+  return (f'ensemble accuracy {_figure(record["test_accuracy"])}, NLL {_figure(record["test_loss"])}; '
+          f'member accuracy mean {_figure(np.mean(members))}, best {_figure(max(members))}')
+
+
+def log_epoch(summary: Mapping[str, Any], num_epochs: int, seconds: float):
+  """One line per epoch, the figures a person compares across epochs; the members' own go to metrics.jsonl."""
+  logging.info('epoch %d/%d: %s; train loss %s; %s', summary['epoch'], num_epochs, _figures(summary),
+               _figure(summary['train_loss']), _duration(seconds))
+
+
+def _last_record(path: str) -> dict[str, Any] | None:
+  try:
+    with open(path, encoding='utf-8') as f:
+      lines = [line for line in f if line.strip()]
+    return json.loads(lines[-1]) if lines else None
+  except (OSError, ValueError):
+    return None
+
+
+def log_training_summary(workdir: str, summary: Mapping[str, Any] | None = None):
+  """Where a finished run's results are and what to run next, on process 0.
+
+  `summary` is the last epoch's (`trainer.train_and_evaluate` returns it);
+  when this run trained nothing (resumed at its last epoch), the last line of
+  metrics.jsonl speaks for it.
+  """
+  if not _is_main_process():
+    return
+  workdir = os.path.abspath(workdir)
+  metrics_path = os.path.join(workdir, 'metrics.jsonl')
+  record = summary or _last_record(metrics_path)
+  result = f' (epoch {int(record["epoch"])}): {_figures(record)}' if record else ''
+  quoted = shlex.quote(workdir)
+  logging.info('\n'.join([
+      f'Done in {_duration(time.monotonic() - _STARTED)}{result}.',
+      f'  checkpoints:        {os.path.join(workdir, "checkpoints")}',
+      f'  metrics:            {metrics_path}',
+      f'  TensorBoard events: {workdir}',
+      'Next:',
+      f'  tensorboard --logdir {quoted}',
+      f'  python -m ensemble.evaluate --workdir {quoted}',
+  ]))
