@@ -43,7 +43,7 @@ def resolve(config: ml_collections.ConfigDict,
             available: Sequence[jax.Device]) -> tuple[ml_collections.ConfigDict, list[jax.Device]]:
   """Returns a validated copy of `config` with `ensemble_size` filled in, and the devices to use."""
   config = ml_collections.ConfigDict(config.to_dict())
-  models.check_name(config.model)
+  models.check(config)
   _require(config.augment in augment.AUGMENTATIONS,
            f'unknown augment {config.augment!r}: set --config.augment to one of {list(augment.AUGMENTATIONS)}')
   _require(config.backend in backends.NAMES,

@@ -185,14 +185,16 @@ def score_test_set(member_probs: np.ndarray, labels: np.ndarray) -> dict[str, An
   }
 
 
-def score_shift(predict: Predictor, test: data.Split, levels: dict[str, Any], shifted) -> list[dict[str, Any]]:
+def score_shift(predict: Predictor, test: data.Split, levels: dict[str, Any], shifted, *,
+                desc: str, unit: str) -> list[dict[str, Any]]:
   """Accuracy, NLL and ECE of the ensemble and of the mean member on `shifted(images, **level)` per level.
 
-  `levels` maps each row's label (logged, e.g. 'rotation  90 deg') to its level, a dict that the row keeps.
+  `levels` maps each row's label (logged, e.g. 'rotation  90 deg') to its level, a dict that the row keeps;
+  `desc` and `unit` name the pass and its steps on the progress bar.
   """
   pick = lambda scores: {name: scores[name] for name in ('accuracy', 'nll', 'ece')}
   rows = []
-  for label, level in console.track(list(levels.items()), 'shifted test sets', unit='set'):
+  for label, level in console.track(list(levels.items()), desc, unit=unit):
     member_probs = predict({'image': shifted(test['image'], **level), 'label': test['label']})
     ensemble = calibration.scores(member_probs.mean(0), test['label'])
     members = [calibration.scores(p, test['label']) for p in member_probs]
@@ -204,14 +206,16 @@ def score_shift(predict: Predictor, test: data.Split, levels: dict[str, Any], sh
 
 def score_rotations(predict: Predictor, test: data.Split, angles: Sequence[int]) -> list[dict[str, Any]]:
   """The test set rotated by each angle (Ovadia et al. 2019)."""
-  return score_shift(predict, test, {f'rotation {a:3d} deg': {'angle': a} for a in angles}, rotate)
+  return score_shift(predict, test, {f'rotation {a:3d} deg': {'angle': a} for a in angles}, rotate,
+                     desc='rotations', unit='angle')
 
 
 def score_noise(predict: Predictor, test: data.Split) -> list[dict[str, Any]]:
   """The test set with CIFAR-10-C's Gaussian noise at severities 1 to 5."""
   levels = {f'gaussian noise severity {s} (std {std})': {'severity': s, 'std': std}
             for s, std in enumerate(NOISE_STDS, start=1)}
-  return score_shift(predict, test, levels, lambda images, severity, std: add_gaussian_noise(images, std))
+  return score_shift(predict, test, levels, lambda images, severity, std: add_gaussian_noise(images, std),
+                     desc='gaussian noise', unit='severity')
 
 
 def heldout_split(train: data.Split, config: ml_collections.ConfigDict) -> tuple[data.Split, bool]:

@@ -129,3 +129,18 @@ def test_survives_a_thousand_steps_on_eight_devices(make_config, tmp_path):
   state, summary = trainer.train_and_evaluate(config, str(tmp_path / 'run'))
   assert int(np.asarray(state.step)[0]) == 8 * 128
   assert np.isfinite(summary['train_loss'])
+
+
+def test_a_cifar_shaped_tfds_dataset_trains_a_resnet_with_crop_and_flip(tmp_path):
+  """tensorflow-datasets' CIFAR-10 under mock_data: 32x32x3 images and 10 classes reach the model and the head."""
+  tfds = pytest.importorskip('tensorflow_datasets')
+  from conftest import small_config  # pylint: disable=g-import-not-at-top
+  config = small_config('', dataset='cifar10', model='resnet', resnet_depth=8, augment='crop_flip',
+                        batch_size=16, eval_batch_size=16)
+  with tfds.testing.mock_data(num_examples=32):
+    state, summary = trainer.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert state.params['Conv_0']['kernel'].shape == (8, 3, 3, 3, 16)
+  assert state.params['Dense_0']['kernel'].shape == (8, 64, 10)
+  assert np.isfinite(summary['test_loss']) and int(np.asarray(state.step)[0]) == 2
+  meta = checkpoint.Checkpointer(str(tmp_path / 'run')).meta(1)
+  assert meta['data']['image_shape'] == [32, 32, 3] and len(meta['data']['mean']) == 3

@@ -17,24 +17,25 @@ from ensemble.models import classifier, cnn, mlp, resnet
 @dataclasses.dataclass(frozen=True)
 class Entry:
   build: Callable[..., nn.Module]  # (config, num_classes) -> module
+  check: Callable[..., None] = lambda config: None  # refuses bad options before any data is read
   min_image_size: int = 1  # smallest height and width the model can take
   why: str = ''
 
 
-def _resnet(config, num_classes: int) -> resnet.ResNet:
+def _check_resnet(config):
   depth = config.resnet_depth
   if depth < 8 or (depth - 2) % 6:
     raise UsageError(f'resnet_depth={depth} is not 6n+2 with n >= 1: set --config.resnet_depth to 8, 14, 20, '
                      '32, 44, 56 or 110')
   if config.resnet_width < 1:
     raise UsageError(f'resnet_width={config.resnet_width} must be a positive width multiplier (1, 2, 4, ...)')
-  return resnet.ResNet(depth=depth, width=config.resnet_width, num_classes=num_classes)
 
 
 MODELS = {
     'cnn': Entry(lambda config, num_classes: cnn.CNN(num_classes=num_classes), min_image_size=4,
                  why='its two 2x2 poolings need at least 4x4 pixels'),
-    'resnet': Entry(_resnet),
+    'resnet': Entry(lambda config, num_classes: resnet.ResNet(config.resnet_depth, config.resnet_width, num_classes),
+                    check=_check_resnet),
     'mlp': Entry(lambda config, num_classes: mlp.MLP(config.num_layers, config.depth, use_scan=config.use_scan,
                                                      logical=config.logical, num_classes=num_classes)),
     'classifier': Entry(lambda config, num_classes: classifier.Classifier(
@@ -42,14 +43,16 @@ MODELS = {
 }
 
 
-def check_name(name: str):
-  if name not in MODELS:
-    raise UsageError(f'unknown model {name!r}: set --config.model to one of {sorted(MODELS)}')
+def check(config):
+  """Refuses an unknown model or bad model options; what does not depend on the data."""
+  if config.model not in MODELS:
+    raise UsageError(f'unknown model {config.model!r}: set --config.model to one of {sorted(MODELS)}')
+  MODELS[config.model].check(config)
 
 
 def create(config, num_classes: int, image_shape: tuple[int, ...]) -> nn.Module:
   """The model `config.model` for images of `image_shape` (H, W, C) and `num_classes` classes."""
-  check_name(config.model)
+  check(config)
   entry = MODELS[config.model]
   height, width = image_shape[:2]
   if min(height, width) < entry.min_image_size:
