@@ -22,7 +22,10 @@ def get_config():
   # rules, instead of naming mesh axes in the model. The default rules give the same layout.
   config.logical = False
   config.logical_axis_rules = (('batch', 'data'), ('hidden', 'model'))
-  # Half the CNN's: without residual connections the blocks train unsteadily at 0.1.
-  config.learning_rate = 0.05
+  # Adam with a cosine decay: on standardised MNIST pixels, 98.3% test accuracy in 3 epochs, where SGD at a
+  # constant 0.05 ended at 96.2% (README, "One model over a device mesh").
+  config.optimizer = 'adamw'
+  config.learning_rate = 1e-3
+  config.schedule = 'cosine'
   config.num_epochs = 3
   return config

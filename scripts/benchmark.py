@@ -1,13 +1,19 @@
 """Training and evaluation throughput of the ensemble backends against the classic recipe.
 
   python scripts/benchmark.py --cpu_devices=8 --data_dir=../shared/mnist [--json=BENCH.json]
+  python scripts/benchmark.py --cpu_devices=8 --model=resnet   # ResNet-20 on arrays of CIFAR-10's shape
 
 Measures, in one process on one machine: member-images/s of training (K members x batch x
 steps / seconds, steady state after compilation, median of --repeats timings) for the
 reference recipe (scripts/reference_recipe.py, one member per device) and for the trainer's
 paths: pmap and jit, each plain (a host batch per step) and fast (resident data, several steps
 per dispatch). Also the ratio of each to the reference, achieved FLOP/s as a fraction of a
-matmul peak measured in the same run, evaluation throughput and compile time.
+matmul peak measured in the same run (the step's FLOPs from XLA's cost analysis of the compiled
+program), evaluation throughput and compile time.
+
+`--model=resnet` times ResNet-20 members with crop-and-flip augmentation (configs/cifar10.py's
+member) on random uint8 arrays of CIFAR-10's shape: no download, and speed does not depend on
+the pixels. The classic recipe is a CNN recipe, so that table has no reference rows.
 
 On CPU the reference runs first, as the classic recipe runs; then the script keeps freed host
 memory as `ensemble.train` does at start-up (ensemble/host_memory.py) and times the reference
@@ -26,31 +32,42 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import reference_recipe  # pylint: disable=g-import-not-at-top,wrong-import-position
-from ensemble import backends, data, host_memory, models  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ensemble import backends, data, host_memory, steps  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ensemble.data import idx  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ensemble.models import cnn, resnet  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-INPUT_SHAPE = (28, 28, 1)  # MNIST until issue 11 takes the shape from the data
+
+def load_data(model: str, data_dir: str, num_train: int) -> data.Dataset:
+  """MNIST for the CNN; for the ResNet, random uint8 arrays of CIFAR-10's shape (speed ignores the pixels)."""
+  if model == 'cnn':
+    return idx.load(data_dir)
+  rng = np.random.default_rng(0)
+  split = lambda n: {'image': rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
+                     'label': rng.integers(0, 10, n).astype(np.int32)}
+  return data.Dataset(split(num_train), split(1000), 'random arrays of CIFAR-10 shape', num_classes=10)
 
 
-def cnn_train_flops_per_image() -> int:
-  """Forward + backward FLOPs of one image through the CNN, counted layer by layer.
+def make_member(model: str, dataset: data.Dataset) -> steps.Member:
+  """The member of configs/default.py (CNN) or configs/cifar10.py (ResNet-20 with crop and flip), SGD 0.1."""
+  module = cnn.CNN(dataset.num_classes) if model == 'cnn' else resnet.ResNet(20, 1, dataset.num_classes)
+  return steps.Member(module, optax.sgd(0.1, 0.9), dataset.image_shape, *data.channel_stats(dataset.train['image']),
+                      augment='none' if model == 'cnn' else 'crop_flip')
 
-  A layer's forward costs 2 x MACs; backward costs the same again for the weight
-  gradient and again for the input gradient, except at the first layer, whose
-  input (the image) needs no gradient. Pooling, ReLU and softmax are negligible.
-  """
-  layers = [  # (MACs, is_first_layer)
-      (28 * 28 * 32 * 3 * 3 * 1, True),     # conv 32 3x3 on 28x28x1
-      (14 * 14 * 64 * 3 * 3 * 32, False),   # conv 64 3x3 on 14x14x32
-      (7 * 7 * 64 * 256, False),            # dense 3136 -> 256
-      (256 * 10, False),                    # dense 256 -> 10
-  ]
-  return sum(2 * macs * (2 if first else 3) for macs, first in layers)
+
+def train_flops_per_image(member: steps.Member, batch: int = 64) -> float:
+  """FLOPs of one member's train step per image, from XLA's cost analysis of the compiled step."""
+  state = member.init(jax.random.key(0))
+  images = jnp.zeros((batch, *member.image_shape), jnp.uint8)
+  cost = jax.jit(member.train_step).lower(state, images, jnp.zeros((batch,), jnp.int32)).compile().cost_analysis()
+  return (cost[0] if isinstance(cost, list) else cost)['flops'] / batch
 
 
 def matmul_peak(devices, size: int, repeats: int) -> float:
@@ -81,6 +98,8 @@ def _time(run, steps: int, repeats: int) -> tuple[float, float]:
 
 
 def bench_reference(split, devices, batch: int, steps: int, repeats: int) -> dict:
+  """The guide's recipe as it runs: float32 images in [0, 1] on the host, one member per device."""
+  split = {'image': split['image'].astype(np.float32) / 255.0, 'label': split['label']}
   state = reference_recipe.create_train_state(
       jax.random.split(jax.random.key(0), len(devices)), 0.1, 0.9)
 
@@ -92,9 +111,8 @@ def bench_reference(split, devices, batch: int, steps: int, repeats: int) -> dic
           'member_images_per_s': len(devices) * batch * steps / seconds}
 
 
-def bench_backend(name, fast, split, test, devices, k, batch, steps, repeats, steps_per_dispatch) -> dict:
-  backend = backends.create(name, model=models.CNN(), tx=optax.sgd(0.1, 0.9), devices=devices,
-                            ensemble_size=k, member_data='shared', input_shape=INPUT_SHAPE)
+def bench_backend(name, fast, member, split, test, devices, k, batch, steps, repeats, steps_per_dispatch) -> dict:
+  backend = backends.create(name, member=member, devices=devices, ensemble_size=k, member_data='shared')
   state = backend.init(0)
   resident = backend.put_dataset(split) if fast else None
   chunk = steps_per_dispatch if fast else 1
@@ -128,9 +146,12 @@ def bench_backend(name, fast, split, test, devices, k, batch, steps, repeats, st
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--cpu_devices', type=int, default=None, help='simulate N CPU devices')
+  parser.add_argument('--model', choices=('cnn', 'resnet'), default='cnn',
+                      help='cnn: the MNIST CNN on --data_dir; resnet: ResNet-20 on random CIFAR-10-shaped arrays')
   parser.add_argument('--data_dir', default=os.path.join(os.path.dirname(__file__), '..', '..', 'shared', 'mnist'))
-  parser.add_argument('--ensemble_sizes', default='8,16,32')
-  parser.add_argument('--batch_sizes', default='64,128')
+  parser.add_argument('--num_train', type=int, default=10_000, help='resnet: training arrays to make')
+  parser.add_argument('--ensemble_sizes', default=None, help='default: 8,16,32 (cnn), 8 (resnet)')
+  parser.add_argument('--batch_sizes', default=None, help='default: 64,128 (cnn), 128 (resnet)')
   parser.add_argument('--paths', default='pmap,jit,pmap-fast,jit-fast')
   parser.add_argument('--steps', type=int, default=16, help='training steps per timing')
   parser.add_argument('--repeats', type=int, default=3)
@@ -140,33 +161,37 @@ def main():
   if args.cpu_devices:
     jax.config.update('jax_num_cpu_devices', args.cpu_devices)
   devices = jax.devices()
-  dataset = data.load_idx(args.data_dir)
-  split, test = dataset['train'], dataset['test']
+  dataset = load_data(args.model, args.data_dir, args.num_train)
+  split, test = dataset.train, dataset.test
+  member = make_member(args.model, dataset)
+  ensemble_sizes = args.ensemble_sizes or ('8,16,32' if args.model == 'cnn' else '8')
+  batch_sizes = [int(b) for b in (args.batch_sizes or ('64,128' if args.model == 'cnn' else '128')).split(',')]
   platform = f'{devices[0].platform} x{len(devices)} ({devices[0].device_kind}), {os.cpu_count()} host cores'
-  print(f'# {platform}, jax {jax.__version__}', flush=True)
+  print(f'# {platform}, jax {jax.__version__}; {args.model} on {dataset.source}', flush=True)
 
   peak = matmul_peak(devices, 2048 if devices[0].platform == 'cpu' else 8192, args.repeats)
-  flops_per_image = cnn_train_flops_per_image()
-  print(f'# matmul peak {peak / 1e9:.1f} GFLOP/s; CNN train FLOPs/image {flops_per_image / 1e6:.2f} M', flush=True)
+  flops_per_image = train_flops_per_image(member)
+  print(f'# matmul peak {peak / 1e9:.1f} GFLOP/s; {args.model} train FLOPs/image {flops_per_image / 1e6:.2f} M',
+        flush=True)
 
   results = []
-  batch_sizes = [int(b) for b in args.batch_sizes.split(',')]
-  for batch in batch_sizes:
+  with_reference = args.model == 'cnn'  # the classic recipe is the guide's CNN
+  for batch in batch_sizes if with_reference else []:
     results.append(bench_reference(split, devices, batch, args.steps, args.repeats))
     print(results[-1], flush=True)
   # What `ensemble.train` does at start-up on CPU (ensemble/host_memory.py); the reference
   # again with it shows how much of the trainer's lead comes from the allocator.
-  if devices[0].platform == 'cpu' and host_memory.keep_freed_memory():
+  if devices[0].platform == 'cpu' and host_memory.keep_freed_memory() and with_reference:
     for batch in batch_sizes:
       results.append(bench_reference(split, devices, batch, args.steps, args.repeats))
       results[-1]['path'] = 'reference, freed memory kept'
       print(results[-1], flush=True)
-  for k in [int(k) for k in args.ensemble_sizes.split(',')]:
+  for k in [int(k) for k in ensemble_sizes.split(',')]:
     if k % len(devices):
       continue
     for batch in batch_sizes:
       for path in args.paths.split(','):
-        results.append(bench_backend(path.removesuffix('-fast'), path.endswith('-fast'), split, test,
+        results.append(bench_backend(path.removesuffix('-fast'), path.endswith('-fast'), member, split, test,
                                      devices, k, batch, args.steps, args.repeats, args.steps_per_dispatch))
         print(results[-1], flush=True)
 
@@ -174,13 +199,15 @@ def main():
   print('\n| path | K | batch | member-images/s | vs reference | % of matmul peak | eval images/s | compile s |')
   print('| --- | --- | --- | --- | --- | --- | --- | --- |')
   for r in results:
-    r['vs_reference'] = r['member_images_per_s'] / reference[r['batch']]
+    r['vs_reference'] = r['member_images_per_s'] / reference[r['batch']] if reference else None
+    ratio = f"{r['vs_reference']:.2f}x" if reference else ''
     r['peak_fraction'] = r['member_images_per_s'] * flops_per_image / peak
     eval_rate = f"{r['eval_images_per_s']:.0f}" if 'eval_images_per_s' in r else ''
     print(f"| {r['path']} | {r['K']} | {r['batch']} | {r['member_images_per_s']:.0f} | "
-          f"{r['vs_reference']:.2f}x | {100 * r['peak_fraction']:.1f}% | {eval_rate} | {r['compile_s']:.1f} |")
+          f"{ratio} | {100 * r['peak_fraction']:.1f}% | {eval_rate} | {r['compile_s']:.1f} |")
   with open(args.json, 'w', encoding='utf-8') as f:
-    json.dump({'platform': platform, 'jax': jax.__version__, 'matmul_peak_flops': peak,
+    json.dump({'platform': platform, 'jax': jax.__version__, 'model': args.model, 'data': dataset.source,
+               'matmul_peak_flops': peak,
                'train_flops_per_image': flops_per_image, 'steps_per_dispatch': args.steps_per_dispatch,
                'results': results}, f, indent=2)
   print(f'\nwrote {args.json}')
