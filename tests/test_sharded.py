@@ -98,7 +98,8 @@ def test_each_parameter_is_sharded_as_its_annotation_asks(logical, use_scan):
   for path, box in flat_boxes:
     assert isinstance(box, nn.LogicallyPartitioned if logical else nn.Partitioned)
     names = nn.logical_to_mesh_axes(box.names, config.logical_axis_rules) if logical else P(*box.names)
-    for tree in (state.params, state.opt_state[0].trace):  # the weight and its momentum
+    adam = state.opt_state[0]
+    for tree in (state.params, adam.mu, adam.nu):  # the weight and its two moments
       leaf = tree
       for key in path:
         leaf = leaf[key.key]
@@ -127,7 +128,8 @@ def test_logical_and_mesh_annotations_give_the_same_shardings(use_scan):
       ('batch', 'data'), ('embed', 'model')))))
   block = "['blocks']" if use_scan else "['block_0']"
   assert moved[f".params{block}['W2']"] == P(*((None,) if use_scan else ()), None, 'model')
-  assert moved[f".opt_state[0].trace{block}['W2']"] == P(*((None,) if use_scan else ()), None, 'model')
+  for moment in ('mu', 'nu'):
+    assert moved[f".opt_state[0].{moment}{block}['W2']"] == P(*((None,) if use_scan else ()), None, 'model')
 
 
 def _split_by_size(tree, min_size):
@@ -144,10 +146,10 @@ def test_fsdp_follows_dp_with_an_eighth_of_its_large_weights_per_device():
                _params(fsdp_state), _params(dp_state))
 
   device = jax.devices()[0]
-  for part in ('params', 'opt_state'):  # the weights, and their momentum
+  for part, copies in (('params', 1), ('opt_state', 2)):  # the weights, and Adam's two moments of each
     dp_large, dp_small = _split_by_size(getattr(dp_state, part), 1024)
     fsdp_large, fsdp_small = _split_by_size(getattr(fsdp_state, part), 1024)
-    assert len(fsdp_large) == 2  # the hidden kernels; the head's (64, 10) and the biases are smaller
+    assert len(fsdp_large) == 2 * copies  # the hidden kernels; the head's (64, 10) and the biases are smaller
     assert sharded.bytes_on_device(dp_large, device) == sum(x.nbytes for x in dp_large)
     assert sharded.bytes_on_device(fsdp_large, device) * 8 == sharded.bytes_on_device(dp_large, device)
     assert sharded.bytes_on_device(fsdp_small, device) == sum(x.nbytes for x in fsdp_small)
@@ -175,10 +177,14 @@ def test_fast_path_matches_the_plain_path(config):
     (_classifier_config('fsdp', dropout_rate=0.0), dict(backend='dp', num_devices=4)),
 ])
 def test_a_sharded_checkpoint_resumes_on_another_mesh(mnist_dir, tmp_path, first, then):
-  """Trained one epoch on one mesh, resumed on another: the same run as one that never stopped."""
+  """Trained one epoch on one mesh, resumed on another: the same run as one that never stopped.
+
+  The first run is told 1 epoch and the resumed one 2, so the rate must not depend on num_epochs: a cosine
+  schedule spans the epochs a run is given.
+  """
   def config(**overrides):
     config = first.copy_and_resolve_references()
-    config.update(data_dir=mnist_dir, **overrides)
+    config.update(data_dir=mnist_dir, schedule='constant', **overrides)
     return config
 
   trainer.train_and_evaluate(config(num_epochs=1), str(tmp_path / 'resumed'))
