@@ -1,6 +1,7 @@
 """What the command-line programs share."""
 
 import logging
+import sys
 
 from absl import logging as absl_logging
 import jax
@@ -12,10 +13,32 @@ class QuietLibraries:
   """A filter for absl's logger that drops orbax's INFO lines (dozens per checkpoint) and keeps its warnings.
 
   Records carry Python's levels (WARNING is 30), not absl's (WARNING is 1).
+  orbax also logs the traceback of a write that failed, then raises the same
+  error to its caller, which reports it: one line when the file system
+  refused the write, a traceback for a bug. The logged copy goes.
   """
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.WARNING or '/orbax/' not in record.pathname
+    if '/orbax/' not in record.pathname:
+      return True
+    return record.levelno >= logging.WARNING and not record.exc_info
+
+
+def ignore_closed_event_loops():
+  """Drops the 'Event loop is closed' errors that a failed checkpoint write leaves behind.
+
+  When one TensorStore write fails, orbax closes its event loop; the writes
+  still in flight then finish into it, and each raises one of these in a
+  TensorStore thread, printed as dozens of tracebacks ahead of the one-line
+  error that says what happened. Every other unraisable error is printed.
+  """
+  default = sys.unraisablehook
+
+  def hook(unraisable):
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'):
+      default(unraisable)
+  sys.unraisablehook = hook
 
 
 def keep_freed_memory_on_cpu():

@@ -1,6 +1,7 @@
 """Checks a config against the machine before anything runs, and fills in its defaults."""
 
-from typing import Sequence
+import math
+from typing import Any, Sequence
 
 import jax
 import ml_collections
@@ -9,6 +10,11 @@ from ensemble import backends, distributed
 from ensemble.errors import UsageError
 
 MEMBER_DATA = ('shared', 'shuffled')
+# What decides which examples each member trains on, in which order, and which are held out for
+# `ensemble.evaluate`: a resume must keep these as the workdir was started with them. Add new dataset
+# fields here.
+DATA_SETTINGS = ('data_dir', 'heldout_fraction', 'seed', 'batch_size', 'member_data')
+MAX_SEED = 2**32 - 1  # jax.random.key folds larger seeds onto the same keys
 
 
 def _require(ok: bool, message: str):
@@ -63,8 +69,24 @@ def resolve(config: ml_collections.ConfigDict,
     _require(config[name] > 0, f'{name}={config[name]} must be positive')
   _require(config.steps_per_dispatch >= 0,
            f'steps_per_dispatch={config.steps_per_dispatch} must be 0 (plain path) or positive (fast path)')
-  _require(config.learning_rate > 0, f'learning_rate={config.learning_rate} must be positive')
+  _require(config.learning_rate > 0 and math.isfinite(config.learning_rate),
+           f'learning_rate={config.learning_rate} must be positive and finite')
   _require(0 <= config.momentum < 1, f'momentum={config.momentum} must be in [0, 1)')
   _require(0 <= config.heldout_fraction < 1, f'heldout_fraction={config.heldout_fraction} must be in [0, 1)')
+  _require(0 <= config.seed <= MAX_SEED, f'seed={config.seed} must be in [0, {MAX_SEED}]: set --config.seed')
   distributed.check_layout(config, devices)
   return config, devices
+
+
+def check_resume(config: ml_collections.ConfigDict, saved: dict[str, Any], path: str):
+  """Refuses to resume a workdir with other data settings than `saved` (its config.json) records.
+
+  Other members' data, or a held-out slice the members were trained on, would
+  make the checkpoints and the evaluation describe a run that never happened.
+  Settings that `saved` lacks (a run from before they existed) are not compared.
+  """
+  changed = [f'{key}={saved[key]!r} (now {config[key]!r})' for key in DATA_SETTINGS
+             if key in saved and saved[key] != config[key]]
+  _require(not changed,
+           f'{path} records {", ".join(changed)}: a resume must keep the data settings ({", ".join(DATA_SETTINGS)}); '
+           'set them as recorded there, or train in a new --workdir')
