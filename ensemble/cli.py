@@ -25,11 +25,11 @@ class QuietLibraries:
 
 
 def ignore_closed_event_loops():
-  """Drops the 'Event loop is closed' errors that a failed checkpoint write leaves behind.
+  """Drops the 'Event loop is closed' errors that a failed checkpoint write or read leaves behind.
 
-  When one TensorStore write fails, orbax closes its event loop; the writes
-  still in flight then finish into it, and each raises one of these in a
-  TensorStore thread, printed as dozens of tracebacks ahead of the one-line
+  When one TensorStore write (or read) fails, orbax closes its event loop; the
+  operations still in flight then finish into it, and each raises one of these
+  in a TensorStore thread, printed as dozens of tracebacks ahead of the one-line
   error that says what happened. Every other unraisable error is printed.
   """
   default = sys.unraisablehook

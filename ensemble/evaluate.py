@@ -79,7 +79,7 @@ def evaluation_devices(ensemble_size: int) -> list[jax.Device]:
 
 def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None,
             devices: Sequence[jax.Device]) -> tuple[steps.TrainState, int]:
-  """The ensemble saved at `step` (default: the latest) in the canonical layout, and its epoch."""
+  """The ensemble saved at `step` (default: the newest intact checkpoint) in the canonical layout, and its epoch."""
   ckpt = checkpoint.Checkpointer(workdir)
   epochs = ckpt.epochs()
   if not epochs:
@@ -281,6 +281,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.get_absl_logger().addFilter(cli.QuietLibraries())
+  cli.ignore_closed_event_loops()  # a damaged checkpoint's failed reads leave them too
   try:
     cli.keep_freed_memory_on_cpu()
     evaluate(FLAGS.workdir, data_dir=FLAGS.data_dir, step=FLAGS.step, output_dir=FLAGS.output_dir,
