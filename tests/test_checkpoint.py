@@ -211,6 +211,7 @@ def _hold(workdir: str) -> subprocess.Popen:
 
 
 def test_a_second_trainer_refuses_a_held_workdir_at_once(trained, run):
+  before = {epoch: _state(run, epoch) for epoch in (1, 2)}
   holder = _hold(run)
   try:
     started = time.monotonic()
@@ -227,6 +228,8 @@ def test_a_second_trainer_refuses_a_held_workdir_at_once(trained, run):
     assert 'Traceback' not in result.stderr
     assert holder.poll() is None  # the first run goes on
     assert sorted(os.listdir(os.path.join(run, 'checkpoints'))) == ['1', '2']
+    for epoch, state in before.items():
+      _assert_same(_state(run, epoch), state)
   finally:
     holder.send_signal(signal.SIGKILL)  # a crash: the kernel drops its lock
     holder.wait()
