@@ -3,7 +3,9 @@
 Plain numpy on the host, in float64, on predicted probabilities: `probs` is
 (N, C) with rows summing to one and `labels` is (N,) integers. Every function
 returns a Python float averaged over the N examples, so members, the ensemble
-and a temperature-scaled ensemble are all scored by the same code.
+and a temperature-scaled ensemble are all scored by the same code. The
+ensemble's NLL comes from the members' log-probabilities (`ensemble_nll`), as
+the trainer computes it (`steps.log_mean_exp`).
 """
 
 import numpy as np
@@ -21,6 +23,23 @@ def nll(probs: np.ndarray, labels: np.ndarray) -> float:
   """Negative log-likelihood of the labels: a proper scoring rule that punishes confident mistakes without bound."""
   label_probs = np.take_along_axis(probs, labels[:, None], axis=-1)[:, 0]
   return float(-np.mean(np.log(np.maximum(label_probs, _TINY))))
+
+
+def log_mean_exp(log_values: np.ndarray, axis: int = 0) -> np.ndarray:
+  """log(mean(exp(log_values))) along `axis`, shifted by the maximum so that nothing underflows to log(0)."""
+  peak = np.max(log_values, axis=axis, keepdims=True)
+  return np.squeeze(peak + np.log(np.mean(np.exp(log_values - peak), axis=axis, keepdims=True)), axis=axis)
+
+
+def ensemble_nll(member_log_probs: np.ndarray, labels: np.ndarray) -> float:
+  """NLL of the mean of the members' probabilities, from their log-probabilities, (K, N, C).
+
+  exp of a log-probability below -745 is 0 even in float64, and `nll` would
+  clip it at 708 nats; in log space a confident mistake costs what it costs,
+  as in the trainer's test loss. K = 1 gives one member's NLL.
+  """
+  label_log_probs = np.take_along_axis(member_log_probs, labels[None, :, None], axis=-1)[..., 0]
+  return float(-np.mean(log_mean_exp(label_log_probs.astype(np.float64), axis=0)))
 
 
 def brier(probs: np.ndarray, labels: np.ndarray) -> float:

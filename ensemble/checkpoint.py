@@ -1,19 +1,44 @@
-"""orbax checkpoints of the ensemble in the canonical (K, ...) member layout.
+"""orbax checkpoints of the ensemble in the canonical (K, ...) member layout, and the workdir's lock.
 
 A checkpoint holds the train state (params, optimizer state, step counters) as
 global arrays with the member axis first, plus a small JSON record of what it
-is. Restoring gives the same layout on whatever devices the current run uses,
-and a checkpoint that does not fit the config is refused before anything in
-the workdir is touched.
+is and the epoch's summary. Restoring gives the same layout on whatever
+devices the current run uses, and a checkpoint that does not fit the config is
+refused before anything in the workdir is touched.
+
+No failure may cost a run a good checkpoint. orbax writes a checkpoint into a
+temporary folder, renames it when complete, and only then removes the ones
+beyond `max_to_keep`, so a save that fails (a full disk, lost permissions)
+leaves the earlier ones as they were. A checkpoint that cannot be read back is
+damaged, not incompatible: the trainer moves it aside into
+`checkpoints_damaged/` (outside the folder orbax manages) and goes back to the
+newest intact one. `WorkdirLock` keeps a second trainer off a workdir that a
+running one writes.
 """
 
+import errno
+import fcntl
+import functools
 import os
+import re
+import shutil
+import socket
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
+from etils import epath
 from flax import serialization, traverse_util
 
+from ensemble import distributed
 from ensemble.errors import UsageError
+
+DAMAGED_DIR = 'checkpoints_damaged'
+LOCK_FILE = 'lock'
+_MAX_FOUND_CHARS = 300  # what a warning quotes of the error that a damaged checkpoint raised
 
 
 def signature(state: Any) -> dict[str, list]:
@@ -22,16 +47,77 @@ def signature(state: Any) -> dict[str, list]:
   return {path: [list(leaf.shape), str(leaf.dtype)] for path, leaf in sorted(flat.items())}
 
 
+class DamagedCheckpoint(Exception):
+  """A checkpoint that cannot be read back (a file cut short, missing or garbled), as opposed to one that
+  does not fit the config (a UsageError): the first is worked around, the second refused."""
+
+  def __init__(self, path: str, found: str):
+    super().__init__(f'checkpoint {path} is damaged ({found})')
+    self.path, self.found = path, found
+
+
+class NoIntactCheckpoint(UsageError):
+  """Every checkpoint of the workdir is damaged: nothing to go back to."""
+
+
+def describe(error: BaseException) -> str:
+  """The innermost cause's first line, e.g. TensorStore's `OUT_OF_RANGE: ...` rather than orbax's wrapper,
+  without the multi-kilobyte TensorStore spec that follows it."""
+  while (error.__cause__ or error.__context__) is not None:
+    error = error.__cause__ or error.__context__
+  lines = str(error).strip().splitlines()
+  text = re.split(r' \[tensorstore_spec|; See full TensorStore details', lines[0])[0] if lines else ''
+  text = f'{type(error).__name__}: {text}' if text else type(error).__name__
+  return text if len(text) <= _MAX_FOUND_CHARS else text[:_MAX_FOUND_CHARS - 3] + '...'
+
+
+def _storage_error(error: BaseException) -> str | None:
+  """Why a write failed, when the file system refused it (disk full, file too large, permission denied);
+  None for anything else, which is a bug and keeps its traceback.
+
+  TensorStore reports the OS error inside a ValueError's text (`[os_error_code='28']`).
+  """
+  while error is not None:
+    if isinstance(error, OSError) and error.errno is not None:
+      return f'{os.strerror(error.errno)} ({errno.errorcode.get(error.errno, error.errno)})'
+    code = re.search(r"os_error_code='?(\d+)", str(error))
+    if code:
+      number = int(code.group(1))
+      return f'{os.strerror(number)} ({errno.errorcode.get(number, number)})'
+    error = error.__cause__ or error.__context__
+  return None
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _finite_members(leaves: list[jax.Array], ensemble_size: int) -> jax.Array:
+  return jnp.stack([jnp.isfinite(x).reshape(ensemble_size, -1).all(1) for x in leaves]).all(0)
+
+
+def nonfinite_members(state: Any, ensemble_size: int) -> list[int]:
+  """The members whose state holds a NaN or an infinity: such a state must never become a checkpoint.
+
+  `state` is canonical, (K, ...) per leaf; a one-model state (the mesh backends, K = 1) has no member axis,
+  which the reshape to (1, -1) covers alike.
+  """
+  leaves = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return np.flatnonzero(~distributed.to_numpy(_finite_members(leaves, ensemble_size))).tolist()
+
+
 class Checkpointer:
   """Saves one checkpoint per epoch under `workdir/checkpoints/<epoch>` and keeps the last few."""
 
   def __init__(self, workdir: str, max_to_keep: int = 3):
-    self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, 'checkpoints')
     self._manager = ocp.CheckpointManager(
         self.directory,
         item_names=('state', 'meta'),
         options=ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=False, enable_async_checkpointing=False))
+    # Restores go through the handlers, not the manager: the manager ends a restore with a barrier
+    # across processes, which a process whose read failed would never reach.
+    self._state_handler = ocp.StandardCheckpointHandler()
+    self._meta_handler = ocp.JsonCheckpointHandler()
 
   def latest_epoch(self) -> int | None:
     return self._manager.latest_step()
@@ -39,22 +125,111 @@ class Checkpointer:
   def epochs(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
+  def path(self, epoch: int) -> str:
+    return os.path.join(self.directory, str(epoch))
+
+  def _read(self, epoch: int, item: str, read) -> Any:
+    """`read(path of the item)`, with any failure to read it reported as a DamagedCheckpoint."""
+    try:
+      return read(epath.Path(self.path(epoch)) / item)
+    except (UsageError, MemoryError):
+      raise
+    except Exception as e:  # orbax and TensorStore raise Exception, ValueError, KeyError, OSError, ...
+      raise DamagedCheckpoint(self.path(epoch), describe(e)) from e
+
+  def _read_meta(self, epoch: int) -> dict[str, Any]:
+    return self._read(epoch, 'meta', self._meta_handler.restore)
+
+  def summary(self, epoch: int) -> tuple[int, dict[str, float]] | None:
+    """(step, scalars) of the epoch summary saved with the checkpoint; None if it has none or cannot be read."""
+    try:
+      saved = self._read_meta(epoch).get('summary')
+    except DamagedCheckpoint:
+      return None
+    return (saved['step'], saved['scalars']) if saved else None
+
   def meta(self, epoch: int) -> dict[str, Any]:
-    """The JSON record saved beside the state: model, ensemble size, data description, ..."""
-    return self._manager.restore(epoch, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+    """The JSON record saved beside the state: model, ensemble size, data description, epoch summary."""
+    return self._read_meta(epoch)
 
   def restore(self, epoch: int, abstract_state: Any, meta: dict[str, Any]) -> Any:
     """Restores the state saved at `epoch` onto the shardings of `abstract_state`'s leaves.
 
     `meta` describes what the current config expects; a checkpoint that differs
-    raises a UsageError naming the difference.
+    raises a UsageError naming the difference, one that cannot be read a
+    DamagedCheckpoint.
     """
-    saved = self.meta(epoch)
+    saved = self._read_meta(epoch)
     self._check_compatible(epoch, saved, {**meta, 'signature': signature(abstract_state)})
     target = serialization.to_state_dict(abstract_state)
-    restored = self._manager.restore(
-        epoch, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))['state']
+    restored = self._read(epoch, 'state', lambda path: self._state_handler.restore(
+        path, args=ocp.args.StandardRestore(target)))
     return serialization.from_state_dict(abstract_state, restored)
+
+  def check_fits(self, abstract_state: Any, meta: dict[str, Any]):
+    """Refuses a config that the workdir's checkpoints do not fit, from their small JSON records alone.
+
+    Cheap, and it writes nothing, so a run can be refused before it takes the
+    workdir's lock; the restore checks every checkpoint it reads again.
+    """
+    expected = {**meta, 'signature': signature(abstract_state)}
+    for epoch in reversed(self.epochs()):
+      try:
+        saved = self._read_meta(epoch)
+      except DamagedCheckpoint:
+        continue  # the restore finds it again, reports it and goes back further
+      self._check_compatible(epoch, saved, expected)
+      return
+
+  def restore_newest_intact(self, abstract_state: Any, meta: dict[str, Any],
+                            move_aside: bool) -> tuple[int, Any]:
+    """(epoch, state) of the newest checkpoint that every process reads back whole; (0, None) if there is none.
+
+    Each damaged checkpoint newer than that costs one warning line; with
+    `move_aside` (the trainer, which holds the workdir's lock) it is moved to
+    `checkpoints_damaged/<epoch>` for a person to look at, so the epochs after
+    the intact one can be saved again. A checkpoint that does not fit the
+    config raises the UsageError of `restore` and stays where it is. With
+    checkpoints but none intact, raises NoIntactCheckpoint and moves nothing.
+    """
+    damaged = []
+    for epoch in reversed(self.epochs()):
+      destination = self._aside_path(epoch)  # named before the processes agree, i.e. before anything moves
+      try:
+        state, found = self.restore(epoch, abstract_state, meta), None
+      except DamagedCheckpoint as e:
+        state, found = None, e.found
+      # Processes read their own shards, so one may fail where another does not; all must go back alike.
+      if distributed.all_processes(found is None):
+        self._set_aside(damaged, epoch, move_aside)
+        return epoch, state
+      damaged.append((epoch, found or 'unreadable on another process', destination))
+    if damaged:
+      epochs = ', '.join(str(epoch) for epoch, _, _ in damaged)
+      raise NoIntactCheckpoint(f'no intact checkpoint in {self.directory}: epochs {epochs} are damaged (epoch '
+                               f'{damaged[0][0]}: {damaged[0][1]}); copy intact ones back from a backup, or train '
+                               'afresh in a new --workdir')
+    return 0, None
+
+  def _aside_path(self, epoch: int) -> str:
+    root, name, n = os.path.join(self.workdir, DAMAGED_DIR), str(epoch), 1
+    while os.path.exists(os.path.join(root, name)):
+      name, n = f'{epoch}.{n}', n + 1
+    return os.path.join(root, name)
+
+  def _set_aside(self, damaged: list[tuple[int, str, str]], intact: int, move_aside: bool):
+    for epoch, found, destination in damaged:
+      problem = f'checkpoint {self.path(epoch)} is damaged ({found})'
+      if not move_aside:
+        logging.warning('%s; left in place, using epoch %d instead', problem, intact)
+        continue
+      logging.warning('%s; moved it to %s and went back to epoch %d', problem, destination, intact)
+      if jax.process_index() == 0:
+        os.makedirs(os.path.dirname(destination), exist_ok=True)
+        os.rename(self.path(epoch), destination)
+    if damaged and move_aside:
+      distributed.barrier('ensemble:damaged_checkpoints_moved')
+      self._manager.reload()  # orbax lists the steps it saw at start-up
 
   def _check_compatible(self, epoch: int, saved: dict[str, Any], expected: dict[str, Any]):
     where = f'checkpoint {self.directory}/{epoch}'
@@ -69,13 +244,114 @@ class Checkpointer:
         raise UsageError(f'{where} holds {path} as {saved_sig.get(path)} but the config builds '
                          f'{expected_sig.get(path)}; {fix}')
 
-  def save(self, epoch: int, state: Any, meta: dict[str, Any]):
-    """Writes atomically (orbax renames a finished temporary folder), so a crash never leaves half a checkpoint."""
-    os.makedirs(self.directory, exist_ok=True)
-    self._manager.save(epoch, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(serialization.to_state_dict(state)),
-        meta=ocp.args.JsonSave({**meta, 'epoch': epoch, 'signature': signature(state)})))
-    self._manager.wait_until_finished()
+  def save(self, epoch: int, state: Any, meta: dict[str, Any], summary: tuple[int, dict[str, float]] | None = None):
+    """Writes atomically (orbax renames a finished temporary folder), so a crash never leaves half a checkpoint.
+
+    `summary`, (step, scalars) of the epoch, is kept beside the state: the
+    metrics.jsonl line that a crash right after the save would lose can be
+    written again on resume. A write that the file system refuses raises a
+    UsageError naming the checkpoint and the cause; the checkpoints before it
+    stay as they were.
+    """
+    record = {**meta, 'epoch': epoch, 'signature': signature(state)}
+    if summary is not None:
+      record['summary'] = {'step': summary[0], 'scalars': summary[1]}
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+      self._manager.save(epoch, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(serialization.to_state_dict(state)), meta=ocp.args.JsonSave(record)))
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      cause = _storage_error(e)
+      if cause is None:
+        raise
+      self._remove_partial(epoch)
+      raise UsageError(f'cannot save checkpoint {self.path(epoch)}: {cause}; free space or restore write access '
+                       f'in {self.directory}, then re-run the same command to resume from the last checkpoint '
+                       f'({self.latest_epoch() or "none yet"})') from None
+
+  def _remove_partial(self, epoch: int):
+    """Frees what a failed save wrote (orbax ignores it, and would replace it on the next save of `epoch`).
+
+    Across processes the others may still be writing into it; there it stays.
+    """
+    if jax.process_count() > 1:
+      return
+    prefix = f'{epoch}.orbax-checkpoint-tmp'  # orbax's TMP_DIR_SUFFIX
+    for name in os.listdir(self.directory):
+      if name.startswith(prefix):
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def close(self):
     self._manager.close()
+    self._state_handler.close()
+    self._meta_handler.close()
+
+
+class WorkdirLock:
+  """An exclusive `fcntl.flock` on `WORKDIR/lock`, which records who holds it.
+
+  The kernel drops the lock when its holder exits, however it exits, so a
+  crashed run never leaves the workdir stuck. The file itself stays: removing
+  it could let two runs lock two different files.
+  """
+
+  def __init__(self, workdir: str):
+    self.path = os.path.join(os.path.abspath(workdir), LOCK_FILE)
+    self._file = None
+
+  def acquire(self) -> str | None:
+    """Takes the lock; returns None, or who holds it (e.g. 'process 1234 on host-a') when another does."""
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    f = open(self.path, 'a+', encoding='utf-8')  # pylint: disable=consider-using-with
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      f.seek(0)
+      holder = f.read().strip() or 'another process'
+      f.close()
+      return holder
+    f.truncate(0)
+    f.write(f'process {os.getpid()} on {socket.gethostname()}\n')
+    f.flush()
+    self._file = f
+    return None
+
+  def release(self):
+    if self._file is not None:
+      self._file.close()  # closing the file drops the flock
+      self._file = None
+
+
+_HELD: dict[str, WorkdirLock] = {}  # the workdirs this process has locked, by absolute path
+
+
+def lock_workdir(workdir: str):
+  """Takes `workdir` for this run, or raises a UsageError naming the process that has it.
+
+  Across processes only process 0 locks (the workdir is shared); the others
+  learn its answer, so every process stops alike.
+  """
+  workdir = os.path.abspath(workdir)
+  holder = ''
+  if jax.process_index() == 0 and workdir in _HELD:
+    holder = f'process {os.getpid()} on {socket.gethostname()} (this one)'
+  elif jax.process_index() == 0:
+    lock = WorkdirLock(workdir)
+    holder = lock.acquire() or ''
+    if not holder:
+      _HELD[workdir] = lock
+  holder = distributed.from_process_0(holder)
+  if holder:
+    raise UsageError(f'{workdir} is in use by {holder} (it holds {os.path.join(workdir, LOCK_FILE)}); wait for '
+                     'that run to end or stop it, or train in another --workdir')
+
+
+def holds_workdir(workdir: str) -> bool:
+  return os.path.abspath(workdir) in _HELD
+
+
+def unlock_workdir(workdir: str):
+  lock = _HELD.pop(os.path.abspath(workdir), None)
+  if lock is not None:
+    lock.release()

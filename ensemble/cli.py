@@ -1,6 +1,7 @@
 """What the command-line programs share."""
 
 import logging
+import sys
 
 from absl import logging as absl_logging
 import jax
@@ -14,11 +15,32 @@ class QuietLibraries:
   orbax logs dozens per checkpoint; clu's ReportProgress logs "Setting work unit
   notes" from clu/platform, which `ensemble.console`'s progress replaces.
   Records carry Python's levels (WARNING is 30), not absl's (WARNING is 1).
+  orbax also logs the traceback of a write that failed, then raises the same
+  error to its caller, which reports it: one line when the file system
+  refused the write, a traceback for a bug. The logged copy goes.
   """
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.WARNING or not any(
-        library in record.pathname for library in ('/orbax/', '/clu/platform/'))
+    if not any(library in record.pathname for library in ('/orbax/', '/clu/platform/')):
+      return True
+    return record.levelno >= logging.WARNING and not record.exc_info
+
+
+def ignore_closed_event_loops():
+  """Drops the 'Event loop is closed' errors that a failed checkpoint write or read leaves behind.
+
+  When one TensorStore write (or read) fails, orbax closes its event loop; the
+  operations still in flight then finish into it, and each raises one of these
+  in a TensorStore thread, printed as dozens of tracebacks ahead of the one-line
+  error that says what happened. Every other unraisable error is printed.
+  """
+  default = sys.unraisablehook
+
+  def hook(unraisable):
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'):
+      default(unraisable)
+  sys.unraisablehook = hook
 
 
 def keep_freed_memory_on_cpu():

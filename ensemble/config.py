@@ -10,6 +10,11 @@ from ensemble.data import augment
 from ensemble.errors import UsageError
 
 MEMBER_DATA = ('shared', 'shuffled')
+# What decides which examples each member trains on, in which order, and which are held out for
+# `ensemble.evaluate`: a resume must keep these as the workdir was started with them. Add new dataset
+# fields here.
+DATA_SETTINGS = ('data_dir', 'heldout_fraction', 'seed', 'batch_size', 'member_data')
+MAX_SEED = 2**32 - 1  # jax.random.key folds larger seeds onto the same keys
 
 
 def _require(ok: bool, message: str):
@@ -72,6 +77,7 @@ def resolve(config: ml_collections.ConfigDict,
            f'steps_per_dispatch={config.steps_per_dispatch} must be 0 (plain path) or positive (fast path)')
   optim.check(config)
   _require(0 <= config.heldout_fraction < 1, f'heldout_fraction={config.heldout_fraction} must be in [0, 1)')
+  _require(0 <= config.seed <= MAX_SEED, f'seed={config.seed} must be in [0, {MAX_SEED}]: set --config.seed')
   distributed.check_layout(config, devices)
   return config, devices
 
@@ -93,3 +99,17 @@ def data_info(image_shape: Sequence[int], num_classes: int, mean: Sequence[float
   """What a member needs to know of its data; checkpoints keep it, so a workdir can predict on its own."""
   return {'image_shape': [int(s) for s in image_shape], 'num_classes': int(num_classes),
           'mean': [float(m) for m in mean], 'std': [float(s) for s in std]}
+
+
+def check_resume(config: ml_collections.ConfigDict, saved: dict[str, Any], path: str):
+  """Refuses to resume a workdir with other data settings than `saved` (its config.json) records.
+
+  Other members' data, or a held-out slice the members were trained on, would
+  make the checkpoints and the evaluation describe a run that never happened.
+  Settings that `saved` lacks (a run from before they existed) are not compared.
+  """
+  changed = [f'{key}={saved[key]!r} (now {config[key]!r})' for key in DATA_SETTINGS
+             if key in saved and saved[key] != config[key]]
+  _require(not changed,
+           f'{path} records {", ".join(changed)}: a resume must keep the data settings ({", ".join(DATA_SETTINGS)}); '
+           'set them as recorded there, or train in a new --workdir')

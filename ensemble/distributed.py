@@ -155,3 +155,28 @@ def check_layout(config: ml_collections.ConfigDict, devices: Sequence[jax.Device
       raise UsageError(f'{name}={config[name]} gives each of the {num_processes} processes '
                        f'{config[name] / num_processes:g} examples per step, which its {local} devices cannot '
                        f'split evenly; set --config.{name} to a multiple of {len(devices)}')
+
+
+def all_processes(ok: bool) -> bool:
+  """Whether `ok` holds on every process: for decisions that each process makes from what it alone saw
+  (whether it could read its shards of a checkpoint) but that all must take alike."""
+  if jax.process_count() == 1:
+    return ok
+  return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+
+
+def from_process_0(text: str, max_bytes: int = 1024) -> str:
+  """Process 0's `text` on every process: for what only process 0 finds out (who holds the workdir's lock)."""
+  if jax.process_count() == 1:
+    return text
+  data = np.zeros(max_bytes, np.uint8)
+  encoded = text.encode()[:max_bytes]
+  data[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+  received = np.asarray(multihost_utils.broadcast_one_to_all(data))
+  return bytes(received).rstrip(b'\0').decode(errors='replace')
+
+
+def barrier(name: str):
+  """Every process waits here for the others: after process 0 changed files that all of them read."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)

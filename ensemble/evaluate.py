@@ -67,6 +67,15 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(config)
 
 
+def refuse_single_model(config: ml_collections.ConfigDict, workdir: str):
+  """The mesh backends train one model split over a mesh, not an ensemble of members: nothing here scores it."""
+  backend = config.get('backend', 'pmap')
+  if backend in backends.MESH_MODELS:
+    raise UsageError(f'{workdir} holds one {config.model} model trained with backend {backend!r}, not an ensemble; '
+                     'ensemble.evaluate scores ensembles trained with backend pmap or jit (its test loss and '
+                     f'accuracy per epoch are in {os.path.join(workdir, "metrics.jsonl")})')
+
+
 def evaluation_devices(ensemble_size: int) -> list[jax.Device]:
   """As many of the available devices as split the members evenly."""
   available = jax.devices()
@@ -76,27 +85,50 @@ def evaluation_devices(ensemble_size: int) -> list[jax.Device]:
 
 def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None,
             devices: Sequence[jax.Device]) -> tuple[steps.Member, steps.TrainState, int]:
-  """The members saved at `step` (default: the latest): what they are, their canonical state, and the epoch."""
+  """The members saved at `step` (default: the newest intact checkpoint): what they are, their state, its epoch.
+
+  The state is in the canonical layout.
+  """
   ckpt = checkpoint.Checkpointer(workdir)
   epochs = ckpt.epochs()
   if not epochs:
     raise UsageError(f'{ckpt.directory}: no checkpoint; train first with python -m ensemble.train '
                      f'--workdir={workdir}')
-  epoch = epochs[-1] if step is None else step
-  if epoch not in epochs:
+  if step is not None and step not in epochs:
     raise UsageError(f'--step={step}: no such checkpoint in {ckpt.directory}; choose one of {epochs}')
-  data_info = ckpt.meta(epoch).get('data')
-  if data_info is None:
-    raise UsageError(f'{ckpt.directory}/{epoch} was written by an older version that did not record its data; '
-                     'retrain it with this version of python -m ensemble.train')
-  member = config_lib.member(config, data_info)
+  member = config_lib.member(config, _recorded_data(ckpt, epochs if step is None else [step]))
   target = backends.abstract_member_state(member, config.ensemble_size, devices)
+  meta = {'model': config.model, 'ensemble_size': config.ensemble_size}
   try:
-    state = ckpt.restore(epoch, target, {'model': config.model, 'ensemble_size': config.ensemble_size})
+    if step is None:  # the newest intact checkpoint; damaged ones are reported and left for the trainer
+      epoch, state = ckpt.restore_newest_intact(target, meta, move_aside=False)
+    else:
+      epoch, state = step, ckpt.restore(step, target, meta)
+  except checkpoint.DamagedCheckpoint as e:
+    raise UsageError(f'--step={step}: {e}; choose another of {epochs}, or leave --step out for the newest '
+                     'intact one') from None
+  except checkpoint.NoIntactCheckpoint:
+    raise
   except UsageError as e:
     raise UsageError(f'{os.path.join(workdir, "config.json")} does not describe its checkpoint: {e}') from None
   ckpt.close()
   return member, state, epoch
+
+
+def _recorded_data(ckpt: checkpoint.Checkpointer, epochs: Sequence[int]) -> dict[str, Any]:
+  """The data description the run recorded, from the newest of `epochs` whose record reads: all record the same."""
+  for epoch in reversed(epochs):
+    try:
+      data_info = ckpt.meta(epoch).get('data')
+    except checkpoint.DamagedCheckpoint:
+      continue
+    if data_info is None:
+      raise UsageError(f'{ckpt.directory}/{epoch} was written by an older version that did not record its data; '
+                       'retrain it with this version of python -m ensemble.train')
+    return data_info
+  raise checkpoint.NoIntactCheckpoint(f'no intact checkpoint in {ckpt.directory}: the records of epochs '
+                                      f'{list(epochs)} cannot be read; copy intact ones back from a backup, or '
+                                      'train afresh in a new --workdir')
 
 
 class Predictor:
@@ -119,10 +151,14 @@ class Predictor:
     self._batch_size = batch_size
 
   def __call__(self, split: data.Split) -> np.ndarray:
-    """(K, N, C) float64: log-probabilities go to the host, so that tiny probabilities keep their digits."""
+    """(K, N, C) float64 probabilities."""
+    return np.exp(self.log_probs(split))
+
+  def log_probs(self, split: data.Split) -> np.ndarray:
+    """(K, N, C) float64 log-probabilities: the ensemble's NLL is computed from them (`calibration.ensemble_nll`)."""
     batches = [np.asarray(self._log_probs(self._state, images))[:, mask]
                for images, _, mask in data.eval_batches(split, self._batch_size)]
-    return np.exp(np.concatenate(batches, axis=1).astype(np.float64))
+    return np.concatenate(batches, axis=1).astype(np.float64)
 
 
 def rotate(images: np.ndarray, angle: float) -> np.ndarray:
@@ -156,11 +192,18 @@ def _reliability(probs: np.ndarray, labels: np.ndarray) -> dict[str, list]:
   return {'count': counts.tolist(), 'confidence': as_list(confidence), 'accuracy': as_list(accuracy)}
 
 
-def score_test_set(member_probs: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
+def _scores(member_log_probs: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+  """`calibration.scores` of the members' mean prediction, (K, N, C) log-probabilities in, NLL in log space."""
+  return {**calibration.scores(np.exp(member_log_probs).mean(0), labels),
+          'nll': calibration.ensemble_nll(member_log_probs, labels)}
+
+
+def score_test_set(member_log_probs: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
   """Members, their average, the gains and the ensemble-size curve on one labelled split."""
+  member_probs = np.exp(member_log_probs)
   ensemble_probs = member_probs.mean(0)
-  members = [calibration.scores(p, labels) for p in member_probs]
-  ensemble = {**calibration.scores(ensemble_probs, labels),
+  members = [_scores(log_probs[None], labels) for log_probs in member_log_probs]
+  ensemble = {**_scores(member_log_probs, labels),
               'entropy': calibration.entropy(ensemble_probs),
               'disagreement': calibration.disagreement(member_probs)}
   mean_member = _mean_member(members)
@@ -176,7 +219,7 @@ def score_test_set(member_probs: np.ndarray, labels: np.ndarray) -> dict[str, An
       'gain_over_best_member': _gain(ensemble, best_member),
       'ensemble_size_curve': [
           {'members': k, 'accuracy': calibration.accuracy(member_probs[:k].mean(0), labels),
-           'nll': calibration.nll(member_probs[:k].mean(0), labels)}
+           'nll': calibration.ensemble_nll(member_log_probs[:k], labels)}
           for k in range(1, len(member_probs) + 1)],
       # The members' curve pools their predictions: per bin, the mean member weighted by its examples.
       'reliability': {
@@ -195,9 +238,9 @@ def score_shift(predict: Predictor, test: data.Split, levels: dict[str, Any], sh
   pick = lambda scores: {name: scores[name] for name in ('accuracy', 'nll', 'ece')}
   rows = []
   for label, level in console.track(list(levels.items()), desc, unit=unit):
-    member_probs = predict({'image': shifted(test['image'], **level), 'label': test['label']})
-    ensemble = calibration.scores(member_probs.mean(0), test['label'])
-    members = [calibration.scores(p, test['label']) for p in member_probs]
+    member_log_probs = predict.log_probs({'image': shifted(test['image'], **level), 'label': test['label']})
+    ensemble = _scores(member_log_probs, test['label'])
+    members = [_scores(log_probs[None], test['label']) for log_probs in member_log_probs]
     rows.append({**level, 'ensemble': pick(ensemble), 'mean_member': pick(_mean_member(members))})
     logging.info('%s: ensemble accuracy %.4f NLL %.4f ECE %.4f', label,
                  ensemble['accuracy'], ensemble['nll'], ensemble['ece'])
@@ -242,6 +285,7 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
              output_dir: str | None = None, angles: Sequence[int] = DEFAULT_ANGLES) -> dict[str, Any]:
   """Scores the checkpoint, writes the report into `output_dir` (default WORKDIR/eval) and returns its numbers."""
   config = load_run_config(workdir)
+  refuse_single_model(config, workdir)
   devices = evaluation_devices(config.ensemble_size)
   member, state, epoch = restore(workdir, config, step, devices)
   logging.info('Restored epoch %d of %s: %d members on %d devices.', epoch, workdir,
@@ -258,10 +302,10 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
 
   test = dataset.test
   logging.info('Predicting the %d test examples.', len(test['label']))
-  member_probs = predict(test)
+  member_log_probs = predict.log_probs(test)
   results = {'workdir': os.path.abspath(workdir), 'epoch': epoch, 'ensemble_size': config.ensemble_size,
              'data': dataset.source, 'test_examples': len(test['label']),
-             **score_test_set(member_probs, test['label'])}
+             **score_test_set(member_log_probs, test['label'])}
   logging.info('test: ensemble accuracy %.4f NLL %.4f ECE %.4f; mean member accuracy %.4f NLL %.4f ECE %.4f',
                *(results[who][name] for who in ('ensemble', 'mean_member') for name in ('accuracy', 'nll', 'ece')))
   logging.info('Rotating the test set by %s degrees.', list(angles))
@@ -272,8 +316,8 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
   if seen_in_training:
     logging.warning('%s held out no training examples (heldout_fraction=0): the temperature is fitted on '
                     'examples the members were trained on and will sharpen the ensemble.', workdir)
-  results['temperature_scaling'] = score_temperature(predict, heldout, seen_in_training, member_probs.mean(0),
-                                                     test['label'])
+  results['temperature_scaling'] = score_temperature(predict, heldout, seen_in_training,
+                                                     np.exp(member_log_probs).mean(0), test['label'])
   logging.info('temperature %.3f: test NLL %.4f -> %.4f', results['temperature_scaling']['temperature'],
                results['temperature_scaling']['before']['nll'], results['temperature_scaling']['after']['nll'])
 
@@ -298,6 +342,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.get_absl_logger().addFilter(cli.QuietLibraries())
+  cli.ignore_closed_event_loops()  # a damaged checkpoint's failed reads leave them too
   try:
     console.setup('ensemble.evaluate')
     cli.keep_freed_memory_on_cpu()

@@ -7,6 +7,8 @@ is added after the optimizer's own update and scaled by the learning rate
 and BatchNorm scales only hurts.
 """
 
+import math
+
 import jax
 import optax
 
@@ -36,8 +38,8 @@ def check(config):
   for field, choices in (('optimizer', OPTIMIZERS), ('schedule', SCHEDULES)):
     if config[field] not in choices:
       raise UsageError(f'unknown {field} {config[field]!r}: set --config.{field} to one of {list(choices)}')
-  if not config.learning_rate > 0:
-    raise UsageError(f'learning_rate={config.learning_rate} must be positive')
+  if not (config.learning_rate > 0 and math.isfinite(config.learning_rate)):
+    raise UsageError(f'learning_rate={config.learning_rate} must be positive and finite')
   if not 0 <= config.momentum < 1:
     raise UsageError(f'momentum={config.momentum} must be in [0, 1)')
   if not config.weight_decay >= 0:

@@ -151,15 +151,27 @@ def ensemble_probs(probs: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray:
   return jax.lax.pmean(probs, axis_name)
 
 
+def log_mean_exp(log_values: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray:
+  """log(mean(exp(log_values))) over the mapped axes, without leaving log space.
+
+  The ensemble's log-probability of a label from its members': shifted by the
+  members' maximum, the largest term is exp(0) = 1, so a confident mistake
+  (every member's probability below float32's smallest) keeps its cost
+  instead of being clipped at float32 tiny (87 nats).
+  """
+  peak = jax.lax.pmax(log_values, axis_name)
+  return peak + jnp.log(jax.lax.pmean(jnp.exp(log_values - peak), axis_name))
+
+
 def eval_outputs(logits: jnp.ndarray, labels: jnp.ndarray, *, axis_name: AxisName) -> Metrics:
   """A member's eval step from its logits: backends that compute the logits their own way use it."""
-  probs = jax.nn.softmax(logits)
-  ensemble = ensemble_probs(probs, axis_name)
-  ensemble_label_prob = jnp.take_along_axis(ensemble, labels[:, None], axis=-1)[:, 0]
+  log_probs = jax.nn.log_softmax(logits)
+  ensemble = ensemble_probs(jnp.exp(log_probs), axis_name)
+  label_log_prob = jnp.take_along_axis(log_probs, labels[:, None], axis=-1)[:, 0]
   return {
       'member_loss': cross_entropy(logits, labels),
       'member_correct': (jnp.argmax(logits, -1) == labels).astype(jnp.float32),
-      'ensemble_loss': -jnp.log(jnp.maximum(ensemble_label_prob, jnp.finfo(jnp.float32).tiny)),
+      'ensemble_loss': -log_mean_exp(label_log_prob, axis_name),
       'ensemble_correct': (jnp.argmax(ensemble, -1) == labels).astype(jnp.float32),
   }
 

@@ -1,5 +1,6 @@
 """The training loop: data -> backend step -> clu metrics -> writers and checkpoints."""
 
+import functools
 import json
 import os
 from typing import Any
@@ -41,6 +42,77 @@ def _epoch_summary(train: dict[str, Any], test: dict[str, Any], epoch: int) -> d
   return {k: float(v) for k, v in summary.items()}
 
 
+def _releases_the_workdir(train):
+  """Gives the workdir's lock back however `train` ends, so that this process can train the workdir again."""
+  @functools.wraps(train)
+  def wrapped(config, workdir):
+    held_before = checkpoint.holds_workdir(workdir)
+    try:
+      return train(config, workdir)
+    finally:
+      if not held_before:
+        checkpoint.unlock_workdir(workdir)
+  return wrapped
+
+
+def _check_resume(config: ml_collections.ConfigDict, workdir: str, ckpt: checkpoint.Checkpointer):
+  """A workdir with checkpoints resumes only with the data settings that its config.json records."""
+  path = os.path.join(workdir, 'config.json')
+  if not ckpt.epochs() or not os.path.exists(path):
+    return
+  with open(path, encoding='utf-8') as f:
+    saved = json.load(f)
+  config_lib.check_resume(config, saved, path)
+  changed = {key: value for key, value in config.to_dict().items() if key in saved and saved[key] != value}
+  if changed:
+    logging.info('Resuming with %s; %s keeps the settings the workdir was started with.', changed, path)
+
+
+def _write_config(config: ml_collections.ConfigDict, workdir: str, resuming: bool):
+  """config.json describes the checkpoints: written when a run starts afresh, never replaced by a resume."""
+  path = os.path.join(workdir, 'config.json')
+  if jax.process_index() != 0 or (resuming and os.path.exists(path)):
+    return
+  with open(path + '.tmp', 'w', encoding='utf-8') as f:
+    json.dump(config.to_dict(), f, indent=2, sort_keys=True)
+  os.replace(path + '.tmp', path)
+
+
+def _missing_summaries(ckpt: checkpoint.Checkpointer, workdir: str, start_epoch: int) -> list[tuple[int, dict]]:
+  """(step, scalars) of the checkpointed epochs that metrics.jsonl lacks, read from their checkpoints.
+
+  A crash between a checkpoint and its line loses the line, and resuming starts
+  after that epoch. Lines of epochs after `start_epoch` (their checkpoints were
+  damaged) are dropped; those epochs are trained again.
+  """
+  if jax.process_index() != 0:
+    return []
+  written = writers.drop_epochs_after(os.path.join(workdir, 'metrics.jsonl'), start_epoch)
+  summaries = [ckpt.summary(epoch) for epoch in ckpt.epochs() if epoch <= start_epoch and epoch not in written]
+  return [summary for summary in summaries if summary is not None]
+
+
+def _stop_if_diverged(losses: np.ndarray, config: ml_collections.ConfigDict, epoch: int, step: int):
+  """Ends the run once a member's training loss is NaN or infinite: its state must not reach a checkpoint.
+
+  `losses` is (K, S): the S steps that ended at `step`, as every process sees them.
+  """
+  finite = np.isfinite(losses.reshape(config.ensemble_size, -1))
+  if finite.all():
+    return
+  first = step - finite.shape[1] + 1 + int(np.argmin(finite.all(0)))
+  members = np.flatnonzero(~finite.all(1)).tolist()
+  _diverged(config, epoch, first, f'members {members} have a non-finite training loss')
+
+
+def _diverged(config: ml_collections.ConfigDict, epoch: int, step: int, what: str):
+  resume = f'resume from epoch {epoch - 1}' if epoch > 1 else 'start again'
+  raise UsageError(f'training diverged in epoch {epoch} at step {step}: {what}; lower --config.learning_rate '
+                   f'(now {config.learning_rate}) or --config.momentum (now {config.momentum}) and re-run to '
+                   f'{resume} (the checkpoints saved so far are kept)')
+
+
+@_releases_the_workdir
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple[Any, dict[str, float]]:
   """Trains (or resumes) the ensemble in `workdir`; returns its canonical state and last summary."""
   config, devices = config_lib.resolve(config, jax.devices())
@@ -59,18 +131,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple
 
   # Everything that can refuse the run does so before the workdir is written.
   ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.checkpoints_to_keep)
-  start_epoch = ckpt.latest_epoch() or 0
+  _check_resume(config, workdir, ckpt)
+  ckpt.check_fits(backend.abstract_state(), ckpt_meta)
+  checkpoint.lock_workdir(workdir)  # the first write; refused while another run holds the workdir
+  # A damaged checkpoint is moved aside and the epochs after the newest intact one are trained again.
+  start_epoch, restored = ckpt.restore_newest_intact(backend.abstract_state(), ckpt_meta, move_aside=True)
   if start_epoch:
-    state = backend.from_canonical(ckpt.restore(start_epoch, backend.abstract_state(), ckpt_meta))
+    state = backend.from_canonical(restored)
     logging.info('Resumed from %s at epoch %d.', ckpt.directory, start_epoch)
   else:
     state = backend.init(config.seed)
 
-  os.makedirs(workdir, exist_ok=True)
-  if jax.process_index() == 0:
-    with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
-      json.dump(config.to_dict(), f, indent=2, sort_keys=True)
+  _write_config(config, workdir, resuming=bool(start_epoch))
+  missing = _missing_summaries(ckpt, workdir, start_epoch)
   writer = writers.create_writers(workdir, is_main_process=jax.process_index() == 0)
+  for summary_step, scalars in missing:
+    writer.epoch.write_scalars(summary_step, scalars)
+  writer.epoch.flush()
   report_progress = periodic_actions.ReportProgress(
       num_train_steps=config.num_epochs * steps_per_epoch, writer=writer.progress)
   logging.info('Training %d members on %d devices with the %s backend, %d steps per epoch; data: %s, '
@@ -93,19 +170,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple
         state, chunk_metrics = backends.train_chunk(backend, state, train_split, resident, chunk)
       # Block on every dispatch: with several simulated CPU devices, a deep queue of
       # in-flight multi-device programs starves XLA's collective rendezvous and
-      # aborts the process; waiting here costs no throughput (DEVELOPERS.md).
-      train_outputs.append(jax.block_until_ready(chunk_metrics))
+      # aborts the process; waiting here costs no throughput (README, "Many devices on a CPU").
+      # Fetching the metrics waits, and lets a diverged member stop the run at once.
+      train_outputs.append(backend.to_host(chunk_metrics))
       step += len(chunk)
+      _stop_if_diverged(train_outputs[-1]['loss'], config, epoch, step)
       report_progress(step)
       progress.update(len(chunk), chunk_metrics)
     train_outputs = jax.tree.map(
-        lambda *xs: np.concatenate([x.reshape(config.ensemble_size, -1) for x in xs], axis=1),
-        *backend.to_host(train_outputs))
+        lambda *xs: np.concatenate([x.reshape(config.ensemble_size, -1) for x in xs], axis=1), *train_outputs)
     train = metrics.TrainMetrics.single_from_model_output(**train_outputs).compute()
     test = evaluate(backend, state, dataset.test, config.eval_batch_size)
     summary = _epoch_summary(train, test, epoch)
-    # Checkpoint first: a crash between the two repeats this epoch on resume rather than losing it.
-    ckpt.save(epoch, backend.to_canonical(state), ckpt_meta)
+    canonical = backend.to_canonical(state)
+    nonfinite = checkpoint.nonfinite_members(canonical, config.ensemble_size)
+    if nonfinite:
+      _diverged(config, epoch, step, f'members {nonfinite} have non-finite parameters')
+    # Checkpoint first, with the summary: a crash before the line is written costs no metric, as the
+    # resume writes it from the checkpoint.
+    ckpt.save(epoch, canonical, ckpt_meta, summary=(step, summary))
     writer.epoch.write_scalars(step, summary)
     writer.epoch.flush()
     console.log_epoch(summary, config.num_epochs, progress.close())

@@ -1,6 +1,7 @@
 """Metric writers: clu's TensorBoard writer and a JSON-lines file; the console shows its own digest."""
 
 import json
+import math
 import os
 from typing import Any, Mapping, NamedTuple
 
@@ -27,12 +28,12 @@ class JsonlWriter(metric_writers.MetricWriter):
     for key, value in scalars.items():
       name, _, index = key.rpartition('/')
       if name and index.isdigit():
-        members.setdefault(name, {})[int(index)] = float(value)
+        members.setdefault(name, {})[int(index)] = _json_number(value)
       else:
-        record[key] = np.asarray(value).item()
+        record[key] = _json_number(value)
     for name, values in members.items():
       record[name] = [values[i] for i in sorted(values)]
-    self._file.write(json.dumps(record) + '\n')
+    self._file.write(json.dumps(record, allow_nan=False) + '\n')
 
   def write_summaries(self, step, values, metadata=None):
     pass
@@ -60,6 +61,40 @@ class JsonlWriter(metric_writers.MetricWriter):
 
   def close(self):
     self._file.close()
+
+
+def _json_number(value: Any) -> Any:
+  value = np.asarray(value).item()
+  return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def drop_epochs_after(path: str, epoch: int) -> set[int]:
+  """Removes the lines of epochs after `epoch` from a metrics.jsonl; returns the epochs of the lines kept.
+
+  A resume that went back past lost checkpoints trains those epochs again and
+  writes their lines anew. A line cut short (a crash or a full disk while
+  writing it) goes too; the resume writes it again from its checkpoint. The
+  file is replaced whole, so a crash leaves the old one or the new one.
+  """
+  if not os.path.exists(path):
+    return set()
+  with open(path, encoding='utf-8') as f:
+    lines = [line for line in f if line.strip()]
+  kept = []
+  for line in lines:
+    try:
+      record = json.loads(line)
+    except ValueError:
+      continue
+    if record.get('epoch', 0) <= epoch:
+      kept.append(record)
+  if len(kept) < len(lines):
+    strict = lambda v: [_json_number(x) for x in v] if isinstance(v, list) else _json_number(v)
+    with open(path + '.tmp', 'w', encoding='utf-8') as f:
+      f.writelines(json.dumps({k: strict(v) for k, v in record.items()}, allow_nan=False) + '\n'
+                   for record in kept)
+    os.replace(path + '.tmp', path)
+  return {record.get('epoch') for record in kept}
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

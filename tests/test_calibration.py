@@ -1,14 +1,16 @@
 """The scores, against values worked out by hand and against a second computation."""
 
+import functools
 import itertools
 import math
 
+import jax
 import numpy as np
 import pytest
 import scipy.special
 import scipy.stats
 
-from ensemble import calibration
+from ensemble import calibration, evaluate, steps
 
 
 def _random_probs(n=500, num_classes=10, seed=0):
@@ -119,3 +121,29 @@ def test_fit_temperature_recovers_a_known_temperature():
   # Scaling after averaging keeps the ranking of classes, so accuracy does not move.
   assert calibration.accuracy(calibration.temperature_scale(probs, temperature), labels) == \
       calibration.accuracy(probs, labels)
+
+
+def test_trainer_and_evaluator_agree_on_the_ensemble_nll_where_probabilities_underflow():
+  """Two members, three examples; on the last two both put on the label a probability that float32 (and, at
+  e^-1000, float64) rounds to 0. The NLL of their mean comes from log-probabilities on both sides."""
+  logits = np.array([[[2.0, 0.0, -1.0], [0.0, -150.0, 0.0], [0.0, -1000.0, 0.0]],
+                     [[1.0, 0.5, 0.0], [0.0, -120.0, 0.0], [0.0, -900.0, 0.0]]])  # (members, examples, classes)
+  labels = np.array([0, 1, 1])
+  log_probs = scipy.special.log_softmax(logits, axis=-1)
+  label_log_probs = np.take_along_axis(log_probs, labels[None, :, None], axis=-1)[..., 0]
+  # log((e^a + e^b) / 2) = max + log1p(e^-|a-b|) - log 2, by hand.
+  expected = -(label_log_probs.max(0) + np.log1p(np.exp(-np.abs(label_log_probs[0] - label_log_probs[1])))
+               - np.log(2))
+  assert expected[2] > 900 and expected[1] > 120  # beyond the clips: 708 nats (float64), 87 nats (float32)
+
+  trainer_side = jax.vmap(functools.partial(steps.eval_outputs, axis_name='members'), in_axes=(0, None),
+                          axis_name='members')(logits.astype(np.float32), labels)['ensemble_loss']
+  np.testing.assert_allclose(trainer_side[0], expected, rtol=1e-6)  # every member holds the ensemble's loss
+
+  evaluator_side = calibration.ensemble_nll(log_probs, labels)
+  np.testing.assert_allclose(evaluator_side, expected.mean(), rtol=1e-12)
+  np.testing.assert_allclose(evaluator_side, np.mean(trainer_side[0]), rtol=1e-6)
+  scored = evaluate.score_test_set(log_probs, labels)
+  assert scored['ensemble']['nll'] == evaluator_side
+  assert scored['ensemble_size_curve'][-1]['nll'] == evaluator_side
+  np.testing.assert_allclose([m['nll'] for m in scored['members']], -label_log_probs.mean(1), rtol=1e-12)

@@ -1,16 +1,19 @@
 """Several processes, one ensemble: 2 processes x 4 CPU devices against 1 process x 8, on 127.0.0.1 only.
 
-Starting processes is the expensive part, so one module-scoped pair of runs
+Starting processes is the expensive part, so one module-scoped set of runs
 serves several tests: the jit backend on the fast path (resident data) with
 shared batches on 2 processes until process 1 is killed after epoch 1, then
-the pmap backend on the plain path with per-member (shuffled) batches on 2
-processes, through the local launcher, resuming that workdir to epoch 2.
-Evaluation feeds both backends split batches. The same sequence on 1 process
-with 8 devices is the reference.
+the default recipe (pmap, plain path, shared batches) on 2 processes, through
+the local launcher, resuming that workdir to epoch 2; and in a workdir of its
+own (a resume keeps the data settings), the pmap backend on the plain path
+with per-member (shuffled) batches for one epoch. Evaluation feeds both
+backends split batches. The same runs on 1 process with 8 devices are the
+reference.
 """
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +24,7 @@ import types
 import jax
 import numpy as np
 import pytest
+from flax import serialization
 
 from conftest import small_config, synthetic_mnist, write_mnist
 from ensemble import backends, checkpoint, config as config_lib, data, distributed, trainer, writers
@@ -32,7 +36,8 @@ HEARTBEAT_TIMEOUT_S = 10
 # Generous for a shared 2-core machine; without the heartbeat the survivor would wait forever.
 EXIT_BOUND_S = 60
 FIRST = {'backend': 'jit', 'steps_per_dispatch': 4}  # epoch 1: fast path, shared batches
-SECOND = {'backend': 'pmap', 'member_data': 'shuffled'}  # epoch 2: plain path, a batch per member
+SECOND = {'backend': 'pmap'}  # epoch 2: the default recipe: pmap, plain path, shared batches
+SHUFFLED = {'backend': 'pmap', 'member_data': 'shuffled'}  # its own workdir: plain path, a batch per member
 
 
 def _free_port() -> int:
@@ -63,14 +68,19 @@ def _metrics(workdir: str) -> list[dict]:
   return writers.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
 
 
-def _checkpoint_params(workdir: str, epoch: int):
+def _checkpoint_state(workdir: str, epoch: int) -> dict:
+  """Every leaf of the checkpoint (params, optimizer state, steps) as numpy."""
   config = small_config('')
   ckpt = checkpoint.Checkpointer(workdir)
   member = config_lib.member(config, ckpt.meta(epoch)['data'])
   abstract = backends.abstract_member_state(member, config.ensemble_size, jax.devices())
   state = ckpt.restore(epoch, abstract, {'model': config.model, 'ensemble_size': config.ensemble_size})
   ckpt.close()
-  return jax.tree.map(np.asarray, state.params)
+  return jax.tree.map(np.asarray, serialization.to_state_dict(state))
+
+
+def _checkpoint_params(workdir: str, epoch: int):
+  return _checkpoint_state(workdir, epoch)['params']
 
 
 def _kill_after_first_epoch(workdir: str, mnist_dir: str, logs: str) -> dict:
@@ -112,14 +122,18 @@ def runs(tmp_path_factory):
   mnist_dir = write_mnist(str(root / 'mnist'))
   two, one = str(root / 'two_processes'), str(root / 'one_process')
   killed = _kill_after_first_epoch(two, mnist_dir, str(root))
-  resumed = subprocess.run(
+  launch = lambda workdir, **config: subprocess.run(
       [sys.executable, LAUNCHER, '--num_processes=2', '--cpu_devices=4', '--',
-       *_train_args(two, mnist_dir, **SECOND, num_epochs=2)],
+       *_train_args(workdir, mnist_dir, **config)],
       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-  # The reference: the same two runs on one process with 8 devices.
+  resumed = launch(two, **SECOND, num_epochs=2)
+  shuffled = launch(str(root / 'two_processes_shuffled'), **SHUFFLED, num_epochs=1)
+  assert shuffled.returncode == 0, shuffled.stdout[-3000:]
+  # The reference: the same runs on one process with 8 devices.
   trainer.train_and_evaluate(small_config(mnist_dir, **FIRST, num_epochs=1), one)
   trainer.train_and_evaluate(small_config(mnist_dir, **SECOND, num_epochs=2), one)
-  return types.SimpleNamespace(two=two, one=one, killed=killed, resumed=resumed)
+  trainer.train_and_evaluate(small_config(mnist_dir, **SHUFFLED, num_epochs=1), str(root / 'one_process_shuffled'))
+  return types.SimpleNamespace(root=root, mnist_dir=mnist_dir, two=two, one=one, killed=killed, resumed=resumed)
 
 
 def test_a_dead_process_stops_the_others_within_the_heartbeat_timeout(runs):
@@ -139,16 +153,21 @@ def test_two_processes_resume_after_a_crash_and_write_metrics_once(runs):
   assert sorted(os.listdir(os.path.join(runs.two, 'checkpoints'))) == ['1', '2']
 
 
-@pytest.mark.parametrize('backend, epoch', [('jit', 1), ('pmap', 2)])
-def test_two_processes_train_the_same_ensemble_as_one(runs, backend, epoch):
-  """Epoch 1 ran on jit, epoch 2 on pmap: each is compared with 1 process x 8 devices after that epoch."""
-  del backend  # the parameter names what the epoch exercised
-  two, one = _metrics(runs.two)[epoch - 1], _metrics(runs.one)[epoch - 1]
-  assert two.keys() == one.keys()
-  for key in one:
-    np.testing.assert_allclose(two[key], one[key], rtol=1e-5, atol=1e-6, err_msg=key)
+@pytest.mark.parametrize('recipe, workdirs, epoch', [
+    ('jit, fast path, shared batches', ('two_processes', 'one_process'), 1),
+    ('default: pmap, plain path, shared batches', ('two_processes', 'one_process'), 2),
+    ('pmap, plain path, shuffled batches', ('two_processes_shuffled', 'one_process_shuffled'), 1),
+])
+def test_two_processes_train_the_same_ensemble_as_one(runs, recipe, workdirs, epoch):
+  """Each recipe's epoch on 2 processes x 4 devices against 1 process x 8, from the same state before it."""
+  del recipe  # the parameter names what the epoch exercised
+  two, one = (str(runs.root / name) for name in workdirs)
+  two_line, one_line = _metrics(two)[epoch - 1], _metrics(one)[epoch - 1]
+  assert two_line.keys() == one_line.keys() and two_line['epoch'] == epoch
+  for key in one_line:
+    np.testing.assert_allclose(two_line[key], one_line[key], rtol=1e-5, atol=1e-6, err_msg=key)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-               _checkpoint_params(runs.two, epoch), _checkpoint_params(runs.one, epoch))
+               _checkpoint_params(two, epoch), _checkpoint_params(one, epoch))
 
 
 @pytest.mark.parametrize('flags, message', [
@@ -199,6 +218,65 @@ def test_a_batch_the_devices_cannot_split_stops_every_process(mnist_dir, tmp_pat
   assert f'[process 0] {message}' in result.stdout.splitlines(), result.stdout[-3000:]
   assert _errors(result.stderr) == [result.stderr.strip()] and 'exited with code 2' in result.stderr
   assert not workdir.exists()
+
+
+def test_a_held_workdir_stops_every_process_with_the_holder_named(mnist_dir, tmp_path):
+  """Only process 0 takes the lock; the others learn its answer and stop alike, at once."""
+  workdir = str(tmp_path / 'run')
+  lock = checkpoint.WorkdirLock(workdir)
+  assert lock.acquire() is None
+  try:
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, LAUNCHER, '--num_processes=2', '--cpu_devices=4', '--',
+                             *_train_args(workdir, mnist_dir)],
+                            cwd=REPO, env=_env(), capture_output=True, text=True, timeout=EXIT_BOUND_S * 2)
+  finally:
+    lock.release()
+  assert result.returncode == 2, result.stdout[-3000:]
+  assert time.monotonic() - started < EXIT_BOUND_S
+  message = (f'error: {workdir} is in use by process {os.getpid()} on {socket.gethostname()} (it holds '
+             f'{workdir}/lock); wait for that run to end or stop it, or train in another --workdir')
+  lines = result.stdout.splitlines()
+  assert f'[process 0] {message}' in lines and f'[process 1] {message}' in lines, result.stdout[-3000:]
+  assert os.listdir(workdir) == ['lock']
+
+
+def test_a_save_that_fails_on_one_process_stops_them_all_and_keeps_the_checkpoints(runs, tmp_path):
+  """Process 1 cannot write files over 1 MB (its disk is full): it stops with the one-line cause, and the
+  coordination service stops process 0, which waits for it in orbax's barrier, within the heartbeat timeout."""
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(runs.two, workdir)
+  before = {epoch: _checkpoint_state(workdir, epoch) for epoch in (1, 2)}
+  limit = ('import resource, runpy; resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY)); '
+           'runpy.run_module("ensemble.train", run_name="__main__", alter_sys=True)')
+  port, processes, logs = _free_port(), [], [str(tmp_path / f'process{i}.log') for i in range(2)]
+  try:
+    for process_id in range(2):
+      start = ['-c', limit] if process_id == 1 else ['-m', 'ensemble.train']
+      command = [sys.executable, '-u', *start, *_train_args(workdir, runs.mnist_dir, **SECOND, num_epochs=3),
+                 '--cpu_devices=4', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
+                 f'--process_id={process_id}', f'--heartbeat_timeout={HEARTBEAT_TIMEOUT_S}']
+      with open(logs[process_id], 'w') as log:
+        processes.append(subprocess.Popen(command, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT))
+    assert processes[1].wait(timeout=300) == 2, open(logs[1]).read()[-3000:]
+    failed = time.monotonic()
+    assert processes[0].wait(timeout=EXIT_BOUND_S * 2) != 0
+    assert time.monotonic() - failed < EXIT_BOUND_S
+  finally:
+    for process in processes:
+      if process.poll() is None:
+        process.kill()
+      process.wait()
+  output = open(logs[1]).read()
+  assert _errors(output) == [f'error: cannot save checkpoint {workdir}/checkpoints/3: File too large (EFBIG); free '
+                             f'space or restore write access in {workdir}/checkpoints, then re-run the same command '
+                             'to resume from the last checkpoint (2)'], output[-3000:]
+  assert 'Traceback' not in output
+  assert 'another task died' in open(logs[0]).read()
+  assert sorted(name for name in os.listdir(os.path.join(workdir, 'checkpoints')) if name.isdigit()) == ['1', '2']
+  for epoch, state in before.items():
+    jax.tree.map(np.testing.assert_array_equal, _checkpoint_state(workdir, epoch), state)
+  assert [line['epoch'] for line in _metrics(workdir)] == [1, 2]
 
 
 # Process 0 (this one) holding devices 0, 1, 4 and 5 of 8 feeds their blocks of a 16-row batch.

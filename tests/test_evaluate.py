@@ -7,13 +7,14 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import ml_collections
 import numpy as np
 import pytest
 from absl import flags
 
 from conftest import small_config, write_mnist
-from ensemble import evaluate, trainer, writers
+from ensemble import calibration, data, evaluate, trainer, writers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,6 +120,10 @@ def _untrained(workdir, tmp_path):
     (lambda w, t: ['--workdir', w, '--angles=0,ninety'], 'error: --angles=0,ninety: give whole degrees'),
     (functools.partial(_with_config, heldout_fraction=0.001), 'error: heldout_fraction=0.001 of 256 training '
                                                                 'examples holds out none'),
+    (functools.partial(_with_config, backend='dp', model='classifier', ensemble_size=1),
+     "error: {tmp}/copy holds one classifier model trained with backend 'dp', not an ensemble; ensemble.evaluate "
+     'scores ensembles trained with backend pmap or jit (its test loss and accuracy per epoch are in '
+     '{tmp}/copy/metrics.jsonl)'),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(workdir, tmp_path, capsys, make_args, message):
   args = [*make_args(workdir, tmp_path), '--output_dir', str(tmp_path / 'eval')]
@@ -152,3 +157,20 @@ def test_the_temperature_is_fitted_on_the_slice_the_trainer_held_out(saved, fit_
   train = {'image': np.zeros((256, 28, 28, 1)), 'label': np.arange(256)}
   heldout, seen_in_training = evaluate.heldout_split(train, ml_collections.ConfigDict(saved))
   assert heldout['label'].tolist() == list(range(256 - fit_examples, 256)) and seen_in_training == seen
+
+
+def test_the_temperature_is_fitted_on_the_held_out_slices_ensemble_mean(workdir, tmp_path):
+  """Not on the test set, not on one member: on the mean of all members over the slice the trainer held out."""
+  results = evaluate.evaluate(workdir, angles=[0], output_dir=str(tmp_path / 'eval'))
+  config = evaluate.load_run_config(workdir)
+  state, _ = evaluate.restore(workdir, config, None, jax.devices())
+  predict = evaluate.Predictor(state, jax.devices(), config.eval_batch_size)
+  dataset = data.load(config.data_dir)
+  _, heldout = data.hold_out(dataset['train'], config.heldout_fraction)
+  heldout_probs = predict(heldout)
+  on_heldout_mean = calibration.fit_temperature(heldout_probs.mean(0), heldout['label'])
+  on_test_mean = calibration.fit_temperature(predict(dataset['test']).mean(0), dataset['test']['label'])
+  on_one_member = calibration.fit_temperature(heldout_probs[0], heldout['label'])
+  assert results['temperature_scaling']['temperature'] == pytest.approx(on_heldout_mean, rel=1e-9)
+  # Far apart, so a fit on the wrong predictions would fail the line above.
+  assert abs(on_test_mean - on_heldout_mean) > 0.01 and abs(on_one_member - on_heldout_mean) > 0.01

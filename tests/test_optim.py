@@ -66,7 +66,7 @@ def test_adamw_matches_optax_adamw_on_kernels():
     ({'weight_decay': -1.0}, 'weight_decay=-1.0 must be 0 or positive'),
     ({'schedule': 'warmup_cosine', 'warmup_epochs': 10}, 'warmup_epochs=10 must be in \\[0, num_epochs=10\\)'),
     ({'warmup_epochs': 1}, 'warmup_epochs=1 needs --config.schedule=warmup_cosine'),
-    ({'learning_rate': 0.0}, 'learning_rate=0.0 must be positive'),
+    ({'learning_rate': 0.0}, 'learning_rate=0.0 must be positive and finite'),
 ])
 def test_bad_optimizer_options_are_one_line_errors(overrides, message):
   with pytest.raises(UsageError, match=message) as error:

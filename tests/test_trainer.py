@@ -115,6 +115,9 @@ def test_a_checkpoint_that_does_not_fit_is_refused_and_nothing_is_overwritten(
     ({'num_devices': 9}, 'num_devices=9 but 8 devices are available'),
     ({'member_data': 'bagged'}, "unknown member_data 'bagged'"),
     ({'batch_size': 10_000}, 'batch_size=10000 exceeds the 256 training examples'),
+    ({'seed': -1}, r'seed=-1 must be in \[0, 4294967295\]'),
+    ({'seed': 2**32}, r'seed=4294967296 must be in \[0, 4294967295\]'),
+    ({'learning_rate': float('inf')}, 'learning_rate=inf must be positive and finite'),
 ])
 def test_bad_config_is_refused_before_the_workdir_is_touched(make_config, tmp_path, override, message):
   workdir = tmp_path / 'run'
@@ -123,8 +126,18 @@ def test_bad_config_is_refused_before_the_workdir_is_touched(make_config, tmp_pa
   assert not workdir.exists()
 
 
+def test_the_fast_path_writes_the_plain_paths_metrics(make_config, tmp_path):
+  """README: `steps_per_dispatch` computes exactly the plain path's steps; 8 steps an epoch: chunks of 3, 3, 2."""
+  trainer.train_and_evaluate(make_config(num_epochs=2), str(tmp_path / 'plain'))
+  trainer.train_and_evaluate(make_config(num_epochs=2, steps_per_dispatch=3), str(tmp_path / 'fast'))
+  plain = writers.read_jsonl(str(tmp_path / 'plain' / 'metrics.jsonl'))
+  fast = writers.read_jsonl(str(tmp_path / 'fast' / 'metrics.jsonl'))
+  assert [line['epoch'] for line in fast] == [1, 2] and [line['step'] for line in fast] == [8, 16]
+  assert fast == plain
+
+
 def test_survives_a_thousand_steps_on_eight_devices(make_config, tmp_path):
-  """DEVELOPERS.md: on 2 cores, unbounded async dispatch over 8 devices aborts within 300 steps."""
+  """README, "Many devices on a CPU": on 2 cores, unbounded async dispatch over 8 devices aborts within 300 steps."""
   config = make_config(backend='jit', num_epochs=8, batch_size=2, eval_batch_size=100)
   state, summary = trainer.train_and_evaluate(config, str(tmp_path / 'run'))
   assert int(np.asarray(state.step)[0]) == 8 * 128

@@ -1,0 +1,277 @@
+"""Faults made on purpose: damaged checkpoints, divergence, a held workdir, a failing save, lost metrics lines.
+
+One workdir trained for two epochs serves every test; each works on its own copy.
+"""
+
+import glob
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import serialization
+
+from conftest import small_config, write_mnist
+from ensemble import backends, checkpoint, config as config_lib, evaluate, models, steps, trainer, writers
+from ensemble.errors import UsageError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory) -> tuple[str, str]:
+  """(mnist_dir, workdir): 8 members, 8 steps per epoch, checkpoints of epochs 1 and 2."""
+  root = tmp_path_factory.mktemp('checkpoint')
+  mnist_dir = write_mnist(str(root / 'mnist'))
+  workdir = str(root / 'run')
+  trainer.train_and_evaluate(small_config(mnist_dir, num_epochs=2), workdir)
+  return mnist_dir, workdir
+
+
+@pytest.fixture
+def run(trained, tmp_path) -> str:
+  """A copy of the trained workdir for one test to damage."""
+  copy = str(tmp_path / 'run')
+  shutil.copytree(trained[1], copy)
+  return copy
+
+
+def _config(trained, **overrides):
+  return small_config(overrides.pop('data_dir', trained[0]), **{'num_epochs': 2, **overrides})
+
+
+def _state(workdir: str, epoch: int) -> dict:
+  """Every leaf of the checkpoint of `epoch` (params, optimizer state, steps) as numpy."""
+  config = small_config('')
+  abstract = backends.abstract_member_state(models.create_model(config.model), steps.create_optimizer(config),
+                                            config.ensemble_size, trainer.INPUT_SHAPE, jax.devices())
+  ckpt = checkpoint.Checkpointer(workdir)
+  state = ckpt.restore(epoch, abstract, {'model': config.model, 'ensemble_size': config.ensemble_size})
+  ckpt.close()
+  return jax.tree.map(np.asarray, serialization.to_state_dict(state))
+
+
+def _assert_same(a: dict, b: dict):
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def _largest_array_file(workdir: str, epoch: int) -> str:
+  files = glob.glob(os.path.join(workdir, 'checkpoints', str(epoch), 'state', 'ocdbt.process_*', 'd', '*'))
+  return max(files, key=os.path.getsize)
+
+
+def _truncate(path: str):
+  os.truncate(path, os.path.getsize(path) // 2)
+
+
+def _strict_json_lines(path: str) -> list[dict]:
+  """metrics.jsonl as a strict reader (jq) sees it: NaN and Infinity are errors."""
+  def refuse(constant):
+    raise ValueError(f'{path} holds {constant}')
+  with open(path, encoding='utf-8') as f:
+    return [json.loads(line, parse_constant=refuse) for line in f]
+
+
+def _warnings(caplog) -> list[str]:
+  return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and 'checkpoint' in r.getMessage()]
+
+
+def test_a_damaged_checkpoint_is_moved_aside_and_its_epochs_trained_again(trained, run, caplog):
+  epoch1, lines = _state(run, 1), writers.read_jsonl(os.path.join(run, 'metrics.jsonl'))
+  config_json = open(os.path.join(run, 'config.json'), 'rb').read()
+  _truncate(_largest_array_file(run, 2))
+  with caplog.at_level(logging.WARNING):
+    trainer.train_and_evaluate(_config(trained, num_epochs=3), run)
+  warnings = _warnings(caplog)
+  assert len(warnings) == 1 and '\n' not in warnings[0], warnings
+  assert warnings[0].startswith(f'checkpoint {run}/checkpoints/2 is damaged (ValueError: OUT_OF_RANGE: Error reading ')
+  assert warnings[0].endswith(f'); moved it to {run}/checkpoints_damaged/2 and went back to epoch 1')
+  assert os.path.isdir(os.path.join(run, 'checkpoints_damaged', '2', 'state'))
+  assert sorted(os.listdir(os.path.join(run, 'checkpoints'))) == ['1', '2', '3']
+  _assert_same(_state(run, 1), epoch1)
+  # Epoch 2 was trained again, to the same numbers, and its line is not written twice.
+  again = writers.read_jsonl(os.path.join(run, 'metrics.jsonl'))
+  assert [line['epoch'] for line in again] == [1, 2, 3]
+  assert again[:2] == lines
+  # The resume changed num_epochs, which may change; config.json still describes the run as started.
+  assert open(os.path.join(run, 'config.json'), 'rb').read() == config_json
+
+
+def test_evaluate_goes_back_past_a_damaged_checkpoint_and_leaves_it(run, tmp_path, caplog):
+  os.remove(_largest_array_file(run, 2))
+  with caplog.at_level(logging.WARNING):
+    results = evaluate.evaluate(run, angles=[0], output_dir=str(tmp_path / 'eval'))
+  assert results['epoch'] == 1
+  warnings = _warnings(caplog)
+  assert len(warnings) == 1 and '\n' not in warnings[0], warnings
+  assert warnings[0].startswith(f'checkpoint {run}/checkpoints/2 is damaged (')
+  assert warnings[0].endswith('); left in place, using epoch 1 instead')
+  assert sorted(os.listdir(os.path.join(run, 'checkpoints'))) == ['1', '2']  # the trainer moves it, holding the lock
+  with pytest.raises(UsageError, match=r'^--step=2: checkpoint .*/checkpoints/2 is damaged \(.*\); choose another '
+                                       r'of \[1, 2\], or leave --step out for the newest intact one$'):
+    evaluate.restore(run, evaluate.load_run_config(run), 2, jax.devices())
+
+
+def test_with_no_intact_checkpoint_left_it_is_one_line_and_nothing_moves(trained, run):
+  for epoch in (1, 2):
+    _truncate(_largest_array_file(run, epoch))
+  with pytest.raises(UsageError, match=rf'^no intact checkpoint in {run}/checkpoints: epochs 2, 1 are damaged \(epoch '
+                                       r'2: ValueError: OUT_OF_RANGE: .*\); copy intact ones back from a backup, or '
+                                       r'train afresh in a new --workdir$') as error:
+    trainer.train_and_evaluate(_config(trained, num_epochs=3), run)
+  assert '\n' not in str(error.value)
+  assert sorted(os.listdir(os.path.join(run, 'checkpoints'))) == ['1', '2']
+  assert not os.path.exists(os.path.join(run, 'checkpoints_damaged'))
+
+
+def test_divergence_stops_the_run_and_keeps_the_good_checkpoints(trained, run):
+  before = {epoch: _state(run, epoch) for epoch in (1, 2)}
+  with pytest.raises(UsageError, match=r'^training diverged in epoch 3 at step (1[7-9]|2[0-4]): members \[[0-9, ]+\] '
+                                       r'have a non-finite training loss; lower --config.learning_rate \(now 50.0\) '
+                                       r'or --config.momentum \(now 0.9\) and re-run to resume from epoch 2 \(the '
+                                       r'checkpoints saved so far are kept\)$'):
+    trainer.train_and_evaluate(_config(trained, num_epochs=4, learning_rate=50.0), run)
+  assert sorted(os.listdir(os.path.join(run, 'checkpoints'))) == ['1', '2']
+  for epoch, state in before.items():
+    _assert_same(_state(run, epoch), state)
+  assert [line['epoch'] for line in _strict_json_lines(os.path.join(run, 'metrics.jsonl'))] == [1, 2]
+
+
+def test_metrics_jsonl_writes_non_finite_values_as_null(tmp_path):
+  path = str(tmp_path / 'metrics.jsonl')
+  writer = writers.JsonlWriter(path)
+  writer.write_scalars(3, {'epoch': 1, 'train_loss': math.nan, 'test_loss': np.float32(np.inf),
+                           'member_test_loss/0': 0.5, 'member_test_loss/1': -math.inf})
+  writer.close()
+  assert _strict_json_lines(path) == [{'step': 3, 'epoch': 1, 'train_loss': None, 'test_loss': None,
+                                       'member_test_loss': [0.5, None]}]
+
+
+def test_a_state_with_a_nan_is_found_member_by_member():
+  state = {'w': np.ones((8, 3, 2), np.float32), 'b': np.zeros((8, 2), np.float32), 'step': np.zeros(8, np.int32)}
+  assert checkpoint.nonfinite_members(state, 8) == []
+  state['w'][5, 1, 0], state['b'][2, 1] = np.nan, -np.inf
+  assert checkpoint.nonfinite_members(state, 8) == [2, 5]
+
+
+def test_a_line_lost_after_its_checkpoint_is_written_on_resume(trained, run):
+  """A crash between the checkpoint of epoch 2 and its metrics.jsonl line: the resume writes the line."""
+  path = os.path.join(run, 'metrics.jsonl')
+  lines = open(path, encoding='utf-8').readlines()
+  with open(path, 'w', encoding='utf-8') as f:
+    f.writelines(lines[:1])
+  trainer.train_and_evaluate(_config(trained), run)  # nothing left to train
+  assert open(path, encoding='utf-8').readlines() == lines
+
+
+_DATA_CHANGES = {
+    'data_dir': lambda mnist_dir: shutil.copytree(mnist_dir, mnist_dir + '_copy'),
+    'heldout_fraction': lambda _: 0.2,
+    'seed': lambda _: 1,
+    'batch_size': lambda _: 16,
+    'member_data': lambda _: 'shuffled',
+}
+
+
+def test_every_data_setting_has_a_resume_test():
+  assert set(_DATA_CHANGES) == set(config_lib.DATA_SETTINGS)
+
+
+@pytest.mark.parametrize('name', sorted(_DATA_CHANGES))
+def test_a_resume_with_other_data_settings_is_refused_and_writes_nothing(trained, run, name):
+  value = _DATA_CHANGES[name](trained[0])
+  saved = json.load(open(os.path.join(run, 'config.json')))
+  before = {path: open(path, 'rb').read() for path in glob.glob(os.path.join(run, '**'), recursive=True)
+            if os.path.isfile(path)}
+  with pytest.raises(UsageError) as error:
+    trainer.train_and_evaluate(_config(trained, num_epochs=3, **{name: value}), run)
+  assert str(error.value) == (f'{run}/config.json records {name}={saved[name]!r} (now {value!r}): a resume must keep '
+                              'the data settings (data_dir, heldout_fraction, seed, batch_size, member_data); set them '
+                              'as recorded there, or train in a new --workdir')
+  after = {path: open(path, 'rb').read() for path in glob.glob(os.path.join(run, '**'), recursive=True)
+           if os.path.isfile(path)}
+  assert after == before
+
+
+def _hold(workdir: str) -> subprocess.Popen:
+  """Another process that takes the workdir's lock and keeps it."""
+  code = ('import sys, time; from ensemble import checkpoint; lock = checkpoint.WorkdirLock(sys.argv[1]); '
+          'assert lock.acquire() is None; print("held", flush=True); time.sleep(600)')
+  holder = subprocess.Popen([sys.executable, '-c', code, workdir], cwd=REPO, stdout=subprocess.PIPE, text=True)
+  assert holder.stdout.readline() == 'held\n'
+  return holder
+
+
+def test_a_second_trainer_refuses_a_held_workdir_at_once(trained, run):
+  before = {epoch: _state(run, epoch) for epoch in (1, 2)}
+  holder = _hold(run)
+  try:
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, '-m', 'ensemble.train', '--config=configs/default.py', f'--workdir={run}', '--cpu_devices=8',
+         f'--config.data_dir={trained[0]}', '--config.num_epochs=3', '--config.batch_size=32',
+         '--config.eval_batch_size=64', '--config.ensemble_size=8', '--config.heldout_fraction=0.0'],
+        cwd=REPO, env={**os.environ, 'XLA_FLAGS': ''}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert time.monotonic() - started < 60
+    errors = [line for line in result.stderr.splitlines() if line.startswith('error:')]
+    assert errors == [f'error: {run} is in use by process {holder.pid} on {os.uname().nodename} (it holds '
+                      f'{run}/lock); wait for that run to end or stop it, or train in another --workdir']
+    assert 'Traceback' not in result.stderr
+    assert holder.poll() is None  # the first run goes on
+    assert sorted(os.listdir(os.path.join(run, 'checkpoints'))) == ['1', '2']
+    for epoch, state in before.items():
+      _assert_same(_state(run, epoch), state)
+  finally:
+    holder.send_signal(signal.SIGKILL)  # a crash: the kernel drops its lock
+    holder.wait()
+  trainer.train_and_evaluate(_config(trained), run)  # the workdir is free again
+
+
+def test_a_trainer_in_this_process_holds_the_workdir_too(trained, run):
+  lock = checkpoint.WorkdirLock(run)
+  assert lock.acquire() is None
+  try:
+    with pytest.raises(UsageError, match=rf'^{run} is in use by process {os.getpid()} on '):
+      trainer.train_and_evaluate(_config(trained), run)
+  finally:
+    lock.release()
+  trainer.train_and_evaluate(_config(trained), run)
+
+
+def _train_with_file_size_limit(limit: int) -> list[str]:
+  """`python -m ensemble.train` in a process whose files cannot grow past `limit` bytes (RLIMIT_FSIZE)."""
+  code = ('import resource, runpy, sys; '
+          f'resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.getrlimit(resource.RLIMIT_FSIZE)[1])); '
+          'runpy.run_module("ensemble.train", run_name="__main__", alter_sys=True)')
+  return [sys.executable, '-c', code]
+
+
+def test_a_save_that_fails_ends_the_run_in_one_line_and_keeps_the_checkpoints(trained, run):
+  """A file-size limit makes every checkpoint write fail with EFBIG, as a full disk fails with ENOSPC."""
+  before = {epoch: _state(run, epoch) for epoch in (1, 2)}
+  result = subprocess.run(
+      [*_train_with_file_size_limit(1 << 20), '--config=configs/default.py', f'--workdir={run}', '--cpu_devices=8',
+       f'--config.data_dir={trained[0]}', '--config.num_epochs=3', '--config.batch_size=32',
+       '--config.eval_batch_size=64', '--config.ensemble_size=8', '--config.heldout_fraction=0.0',
+       '--config.checkpoints_to_keep=2'],
+      cwd=REPO, env={**os.environ, 'XLA_FLAGS': ''}, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 2, result.stderr[-3000:]
+  errors = [line for line in result.stderr.splitlines() if line.startswith('error:')]
+  assert errors == [f'error: cannot save checkpoint {run}/checkpoints/3: File too large (EFBIG); free space or '
+                    f'restore write access in {run}/checkpoints, then re-run the same command to resume from the '
+                    'last checkpoint (2)'], result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr
+  # checkpoints_to_keep=2 did not push epoch 1 out for the failed save, and no half-written folder is left.
+  assert sorted(os.listdir(os.path.join(run, 'checkpoints'))) == ['1', '2']
+  for epoch, state in before.items():
+    _assert_same(_state(run, epoch), state)
+  assert [line['epoch'] for line in _strict_json_lines(os.path.join(run, 'metrics.jsonl'))] == [1, 2]
