@@ -13,7 +13,8 @@ MEMBER_DATA = ('shared', 'shuffled')
 # What decides which examples each member trains on, in which order, and which are held out for
 # `ensemble.evaluate`: a resume must keep these as the workdir was started with them. Add new dataset
 # fields here.
-DATA_SETTINGS = ('data_dir', 'heldout_fraction', 'seed', 'batch_size', 'member_data')
+DATA_SETTINGS = ('dataset', 'train_split', 'test_split', 'data_dir', 'heldout_fraction', 'seed', 'batch_size',
+                 'member_data')
 MAX_SEED = 2**32 - 1  # jax.random.key folds larger seeds onto the same keys
 
 

@@ -116,6 +116,10 @@ def _diverged(config: ml_collections.ConfigDict, epoch: int, step: int, what: st
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple[Any, dict[str, float]]:
   """Trains (or resumes) the ensemble in `workdir`; returns its canonical state and last summary."""
   config, devices = config_lib.resolve(config, jax.devices())
+  # Everything that can refuse the run does so before the workdir is written; a resume with other data
+  # settings before any data is read.
+  ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.checkpoints_to_keep)
+  _check_resume(config, workdir, ckpt)
   dataset = data.load(config.dataset, config.data_dir, config.train_split, config.test_split)
   train_split, _ = data.hold_out(dataset.train, config.heldout_fraction)
   num_train = len(train_split['label'])
@@ -129,9 +133,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple
                             member_data=config.member_data, config=config)
   ckpt_meta = {'model': config.model, 'ensemble_size': config.ensemble_size, 'data': data_info}
 
-  # Everything that can refuse the run does so before the workdir is written.
-  ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.checkpoints_to_keep)
-  _check_resume(config, workdir, ckpt)
   ckpt.check_fits(backend.abstract_state(), ckpt_meta)
   checkpoint.lock_workdir(workdir)  # the first write; refused while another run holds the workdir
   # A damaged checkpoint is moved aside and the epochs after the newest intact one are trained again.

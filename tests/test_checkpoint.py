@@ -173,6 +173,9 @@ def test_a_line_lost_after_its_checkpoint_is_written_on_resume(trained, run):
 
 
 _DATA_CHANGES = {
+    'dataset': lambda _: 'fashion_mnist',
+    'train_split': lambda _: 'train[:50%]',
+    'test_split': lambda _: 'test[:50%]',
     'data_dir': lambda mnist_dir: shutil.copytree(mnist_dir, mnist_dir + '_copy'),
     'heldout_fraction': lambda _: 0.2,
     'seed': lambda _: 1,
@@ -194,7 +197,7 @@ def test_a_resume_with_other_data_settings_is_refused_and_writes_nothing(trained
   with pytest.raises(UsageError) as error:
     trainer.train_and_evaluate(_config(trained, num_epochs=3, **{name: value}), run)
   assert str(error.value) == (f'{run}/config.json records {name}={saved[name]!r} (now {value!r}): a resume must keep '
-                              'the data settings (data_dir, heldout_fraction, seed, batch_size, member_data); set them '
+                              f'the data settings ({", ".join(config_lib.DATA_SETTINGS)}); set them '
                               'as recorded there, or train in a new --workdir')
   after = {path: open(path, 'rb').read() for path in glob.glob(os.path.join(run, '**'), recursive=True)
            if os.path.isfile(path)}
