@@ -16,7 +16,6 @@ import warnings
 from typing import Any, Sequence
 
 import jax
-import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -135,7 +134,7 @@ def to_numpy(tree: Any) -> Any:
   return jax.tree.map(fetch, tree)
 
 
-def check_layout(config: ml_collections.ConfigDict, devices: Sequence[jax.Device]):
+def check_layout(config, devices: Sequence[jax.Device]):
   """Refuses, on every process alike, a run that the processes could not share out evenly."""
   if jax.process_count() == 1:
     return
