@@ -20,7 +20,7 @@ import pytest
 from flax import serialization
 
 from conftest import small_config, write_mnist
-from ensemble import backends, checkpoint, config as config_lib, evaluate, models, steps, trainer, writers
+from ensemble import backends, checkpoint, config as config_lib, evaluate, trainer, writers
 from ensemble.errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,9 +51,9 @@ def _config(trained, **overrides):
 def _state(workdir: str, epoch: int) -> dict:
   """Every leaf of the checkpoint of `epoch` (params, optimizer state, steps) as numpy."""
   config = small_config('')
-  abstract = backends.abstract_member_state(models.create_model(config.model), steps.create_optimizer(config),
-                                            config.ensemble_size, trainer.INPUT_SHAPE, jax.devices())
   ckpt = checkpoint.Checkpointer(workdir)
+  member = config_lib.member(config, ckpt.meta(epoch)['data'])
+  abstract = backends.abstract_member_state(member, config.ensemble_size, jax.devices())
   state = ckpt.restore(epoch, abstract, {'model': config.model, 'ensemble_size': config.ensemble_size})
   ckpt.close()
   return jax.tree.map(np.asarray, serialization.to_state_dict(state))

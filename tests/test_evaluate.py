@@ -163,13 +163,13 @@ def test_the_temperature_is_fitted_on_the_held_out_slices_ensemble_mean(workdir,
   """Not on the test set, not on one member: on the mean of all members over the slice the trainer held out."""
   results = evaluate.evaluate(workdir, angles=[0], output_dir=str(tmp_path / 'eval'))
   config = evaluate.load_run_config(workdir)
-  state, _ = evaluate.restore(workdir, config, None, jax.devices())
-  predict = evaluate.Predictor(state, jax.devices(), config.eval_batch_size)
-  dataset = data.load(config.data_dir)
-  _, heldout = data.hold_out(dataset['train'], config.heldout_fraction)
+  member, state, _ = evaluate.restore(workdir, config, None, jax.devices())
+  predict = evaluate.Predictor(member, state, jax.devices(), config.eval_batch_size)
+  dataset = data.load(data_dir=config.data_dir)
+  _, heldout = data.hold_out(dataset.train, config.heldout_fraction)
   heldout_probs = predict(heldout)
   on_heldout_mean = calibration.fit_temperature(heldout_probs.mean(0), heldout['label'])
-  on_test_mean = calibration.fit_temperature(predict(dataset['test']).mean(0), dataset['test']['label'])
+  on_test_mean = calibration.fit_temperature(predict(dataset.test).mean(0), dataset.test['label'])
   on_one_member = calibration.fit_temperature(heldout_probs[0], heldout['label'])
   assert results['temperature_scaling']['temperature'] == pytest.approx(on_heldout_mean, rel=1e-9)
   # Far apart, so a fit on the wrong predictions would fail the line above.
