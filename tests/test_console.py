@@ -169,8 +169,8 @@ def test_summary_says_where_the_results_are_and_what_to_run(info_verbosity, capl
   console.log_training_summary(str(workdir), {})  # resumed at its last epoch: metrics.jsonl speaks for it
   (message,) = _messages(caplog)
   quoted = "'" + str(workdir) + "'"
-  assert re.match(r'Done in [\d.]+ s \(epoch 3\): ensemble accuracy 0.8765, NLL 0.4321; member accuracy mean 0.8250, '
-                  r'best 0.8500\.', message), message
+  assert re.match(r'Done in ([\d.]+ s|\d+m \d+s) \(epoch 3\): ensemble accuracy 0.8765, NLL 0.4321; '
+                  r'member accuracy mean 0.8250, best 0.8500\.', message), message
   for line in (f'checkpoints:        {workdir}/checkpoints', f'metrics:            {workdir}/metrics.jsonl',
                f'tensorboard --logdir {quoted}', f'python -m ensemble.evaluate --workdir {quoted}'):
     assert line in message

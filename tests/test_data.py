@@ -80,7 +80,7 @@ def test_bad_idx_files_name_the_file_and_the_problem(tmp_path, name, writer, mes
 
 
 def test_data_dir_that_is_neither_a_folder_nor_an_npz(tmp_path):
-  _expect_error('--config.data_dir=.*nope: no such folder or .npz file', data_dir=str(tmp_path / 'nope'))
+  _expect_error('.*nope: no such folder or .npz file', data_dir=str(tmp_path / 'nope'))
   (tmp_path / 'images.csv').write_text('1,2,3')
   assert 'images.csv' in _expect_error('neither a folder nor a .npz file', data_dir=str(tmp_path / 'images.csv'))
 

@@ -56,7 +56,7 @@ def _train_args(workdir: str, mnist_dir: str, **overrides) -> list[str]:
   """The CLI flags for `small_config(mnist_dir, **overrides)`."""
   config = small_config(mnist_dir, **overrides)
   fields = ('data_dir', 'num_epochs', 'batch_size', 'eval_batch_size', 'ensemble_size', 'heldout_fraction',
-            'backend', 'member_data', 'steps_per_dispatch')
+            'backend', 'member_data', 'steps_per_dispatch', 'learning_rate')
   return [f'--workdir={workdir}', '--config=configs/default.py', *(f'--config.{k}={config[k]}' for k in fields)]
 
 
