@@ -17,7 +17,6 @@ are constants of the program, so the file is about their size.
 
 import os
 import sys
-import tempfile
 from typing import Callable, Sequence
 
 from ensemble import console
@@ -81,10 +80,7 @@ def write(workdir: str, output: str, step: int | None = None,
     raise UsageError(f'--output={output}: no folder {folder}; create it first')
   check_platforms(platforms)
   exported = export(predict.load(workdir, step), platforms)
-  fd, partial = tempfile.mkstemp(dir=folder, prefix='.export-')
-  with os.fdopen(fd, 'wb') as f:
-    f.write(exported.serialize())
-  os.replace(partial, output)
+  cli.write_atomically(output, bytes(exported.serialize()))
   logging.info('Wrote %s (%.1f MB) for %s: images float32 %s in [0, 1] -> member_log_probs, probs.', output,
                os.path.getsize(output) / 1e6, ', '.join(exported.platforms), tuple(exported.in_avals[0].shape))
   return exported

@@ -23,7 +23,6 @@ import io
 import json
 import os
 import sys
-import tempfile
 from typing import Any, Iterator, Sequence
 
 from ensemble import console
@@ -245,10 +244,7 @@ def write(rows_: Iterator[dict[str, Any]], output: str | None, columns: Sequence
   if output is None:
     sys.stdout.write(text.getvalue())
     return
-  fd, partial = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(output)), prefix='.predict-')
-  with os.fdopen(fd, 'w', encoding='utf-8') as f:
-    f.write(text.getvalue())
-  os.replace(partial, output)
+  cli.write_atomically(output, text.getvalue())
 
 
 def predict_files(workdir: str, input_path: str, output: str | None = None, *, step: int | None = None,

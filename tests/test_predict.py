@@ -183,7 +183,9 @@ def test_cli_predicts_every_kind_of_input(trained, tmp_path, kind, output):
   if flag:
     threshold = trained['model'].flag_threshold(predict.DEFAULT_FLAG_RISK)['threshold']
     assert [int(row['flag']) for row in rows] == (expected['entropy'] > threshold).astype(int).tolist()
-  assert not [name for name in os.listdir(tmp_path) if name.startswith('.predict-')]  # no partial file left
+  assert not [name for name in os.listdir(tmp_path) if name.startswith('.')]  # no partial file left
+  (tmp_path / 'reference').write_text('')
+  assert os.stat(tmp_path / output).st_mode == os.stat(tmp_path / 'reference').st_mode  # as open() makes it
 
 
 def test_cli_writes_csv_to_stdout_without_output(trained, tmp_path, capsys):
