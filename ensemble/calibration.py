@@ -11,6 +11,8 @@ the trainer computes it (`steps.log_mean_exp`).
 import numpy as np
 import scipy.optimize
 
+from ensemble.uncertainty import decomposition
+
 ECE_BINS = 15  # Guo et al. (2017) and Ovadia et al. (2019) use 15 equal-width bins.
 _TINY = np.finfo(np.float64).tiny  # keeps log(0) finite: a zero-probability label costs ~708 nats
 
@@ -73,22 +75,12 @@ def ece(probs: np.ndarray, labels: np.ndarray, num_bins: int = ECE_BINS) -> floa
 
 def entropy(probs: np.ndarray) -> float:
   """Mean predictive entropy in nats (0 log 0 = 0): how uncertain the predictions are, right or wrong."""
-  return float(np.mean(-np.sum(probs * np.log(np.where(probs > 0, probs, 1.0)), axis=-1)))
+  return float(np.mean(decomposition.entropy(probs)))
 
 
 def disagreement(member_probs: np.ndarray) -> float:
-  """Mean over pairs of members of the share of examples whose top class differs; `member_probs` is (K, N, C).
-
-  Counted per example from the votes: of the K(K-1)/2 pairs, those agreeing are
-  the pairs within each class's n_c votes, sum_c n_c(n_c-1)/2.
-  """
-  k, _, num_classes = member_probs.shape
-  if k < 2:
-    return 0.0
-  votes = np.eye(num_classes)[np.argmax(member_probs, -1)].sum(0)  # (N, C): members voting for each class
-  agreeing_pairs = np.sum(votes * (votes - 1) / 2, axis=-1)
-  all_pairs = k * (k - 1) / 2
-  return float(np.mean(1.0 - agreeing_pairs / all_pairs))
+  """Mean over pairs of members of the share of examples whose top class differs; `member_probs` is (K, N, C)."""
+  return float(np.mean(decomposition.disagreement(member_probs)))
 
 
 def scores(probs: np.ndarray, labels: np.ndarray) -> dict[str, float]:

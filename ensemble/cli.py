@@ -1,7 +1,9 @@
 """What the command-line programs share."""
 
 import logging
+import os
 import sys
+import tempfile
 
 from absl import logging as absl_logging
 import jax
@@ -47,3 +49,21 @@ def keep_freed_memory_on_cpu():
   """On CPU, glibc keeps the memory XLA frees (see `host_memory`); accelerators need nothing."""
   if jax.default_backend() == 'cpu' and host_memory.keep_freed_memory():
     absl_logging.info('Keeping freed host memory for XLA:CPU to reuse (ensemble/host_memory.py).')
+
+
+def write_atomically(path: str, content: str | bytes):
+  """Writes `content` to `path` whole or not at all: an error or an interrupt leaves no partial file behind.
+
+  The file gets the permissions `open` would give it (mkstemp's are owner-only).
+  """
+  fd, partial = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f'.{os.path.basename(path)}.')
+  try:
+    with os.fdopen(fd, 'wb' if isinstance(content, bytes) else 'w') as f:
+      f.write(content)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(partial, 0o666 & ~umask)
+    os.replace(partial, path)
+  except BaseException:
+    os.remove(partial)
+    raise

@@ -11,6 +11,7 @@ without a download, and after temperature scaling of the average (Ashukha et
 al. 2020). Writes metrics.json, report.md and PNG plots.
 """
 
+import functools
 import json
 import math
 import os
@@ -31,6 +32,7 @@ from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-t
 from ensemble import backends, calibration, checkpoint, cli, data, report, steps  # pylint: disable=g-import-not-at-top
 from ensemble import config as config_lib  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
+from ensemble.uncertainty import conformal, decomposition, ood, selective  # pylint: disable=g-import-not-at-top
 
 DEFAULT_ANGLES = tuple(range(0, 181, 15))
 # The standard deviations (pixels in [0, 1]) of CIFAR-10-C's gaussian_noise at severities 1 to 5.
@@ -39,6 +41,11 @@ NOISE_STDS = (0.04, 0.06, 0.08, 0.09, 0.10)
 # fitted on this last fraction of the training split, which the members have seen, and the report says so.
 FALLBACK_HELDOUT_FRACTION = 0.1
 RUN_CONFIG_KEYS = ('model', 'ensemble_size', 'learning_rate', 'momentum', 'eval_batch_size', 'data_dir')
+OOD_SCORES = ('max_probability', 'entropy', 'mutual_information')  # each oriented so that higher means "more OOD"
+OOD_HISTOGRAM_BINS = 40
+DEFAULT_ALPHAS = (0.05, 0.01)
+# Coverages at which the report tabulates the risk (the plot and metrics.json keep a 100-point curve).
+SELECTIVE_COVERAGES = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.5)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'A folder trained by `python -m ensemble.train`.')
@@ -47,6 +54,11 @@ flags.DEFINE_string('data_dir', None, 'Folder of IDX files or an .npz file; defa
 flags.DEFINE_integer('step', None, 'The checkpoint (epoch) to evaluate; default: the latest.')
 flags.DEFINE_string('output_dir', None, 'Where the report goes; default: WORKDIR/eval.')
 flags.DEFINE_list('angles', [str(a) for a in DEFAULT_ANGLES], 'Rotations of the test set, in degrees.')
+flags.DEFINE_list('ood', [], 'Out-of-distribution sets to detect against the test set: uniform_noise, '
+                  'permuted_pixels (the test images with their pixels shuffled), tensorflow-datasets names, IDX '
+                  'folders or .npz files (their test images); same image shape as the training data.')
+flags.DEFINE_list('alpha', [str(a) for a in DEFAULT_ALPHAS], 'Miscoverage levels of the conformal prediction sets: '
+                  'a set holds the true class with probability at least 1 - alpha.')
 flags.mark_flags_as_required(['workdir'])
 
 
@@ -281,8 +293,128 @@ def score_temperature(predict: Predictor, heldout: data.Split, seen_in_training:
           'before': judge(test_probs), 'after': judge(scaled)}
 
 
+def uniform_noise(images: np.ndarray, seed: int = 0) -> np.ndarray:
+  """Images of independent uniform pixels, shaped like `images`: nothing a member has seen."""
+  return np.random.default_rng([seed, 1]).integers(0, 256, images.shape, dtype=np.uint8)
+
+
+def permute_pixels(images: np.ndarray, seed: int = 0) -> np.ndarray:
+  """Each image's pixels (all channels of a pixel together) in its own random order: the same intensities, no
+  shape. A model that judges by brightness alone cannot tell these from the test set."""
+  rng = np.random.default_rng([seed, 2])
+  flat = images.reshape(len(images), -1, images.shape[-1])
+  order = np.argsort(rng.random(flat.shape[:2]), axis=1)
+  return np.take_along_axis(flat, order[..., None], axis=1).reshape(images.shape)
+
+
+# Out-of-distribution sets that need no download, made from the test images: their size and image shape.
+OOD_BUILTINS = {'uniform_noise': uniform_noise, 'permuted_pixels': permute_pixels}
+
+
+def load_ood(names: Sequence[str], image_shape: Sequence[int], test: data.Split) -> dict[str, np.ndarray]:
+  """name -> uint8 images of each out-of-distribution set; a set of another image shape is refused."""
+  sets = {}
+  for name in names:
+    if name in OOD_BUILTINS:
+      images = OOD_BUILTINS[name](test['image'])
+    else:
+      is_path = os.path.exists(os.path.expanduser(name)) or name.endswith('.npz')
+      try:
+        images = (data.load(data_dir=name) if is_path else data.load(dataset=name)).test['image']
+      except data.DataError as e:
+        raise UsageError(f'--ood={name}: {e}') from None
+    if images.shape[1:] != tuple(image_shape):
+      raise UsageError(f'--ood={name}: {"x".join(map(str, images.shape[1:]))} images, but the ensemble takes '
+                       f'{"x".join(map(str, image_shape))}; give sets of the training data\'s image shape')
+    sets[name] = images
+  return sets
+
+
+def _ood_scores(probs: np.ndarray, member_probs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+  """Per example, each of `OOD_SCORES` (mutual information only with the members' probabilities)."""
+  scores = {'max_probability': 1.0 - probs.max(-1), 'entropy': decomposition.entropy(probs)}
+  if member_probs is not None:
+    scores['mutual_information'] = decomposition.decompose(member_probs)['mutual_information']
+  return scores
+
+
+def score_ood(predict: Predictor, test_member_probs: np.ndarray,
+              ood_sets: dict[str, np.ndarray]) -> dict[str, Any]:
+  """Per set: AUROC, AUPR and FPR95 of each score against the test set, for the ensemble and the mean member,
+  and histograms of the ensemble's scores on both (for the plot)."""
+  inside = _ood_scores(test_member_probs.mean(0), test_member_probs)
+  inside_members = [_ood_scores(p) for p in test_member_probs]
+  results = {}
+  for name, images in console.track(list(ood_sets.items()), 'out-of-distribution sets', unit='set'):
+    member_probs = predict({'image': images, 'label': np.zeros(len(images), np.int32)})
+    outside = _ood_scores(member_probs.mean(0), member_probs)
+    members = [{score: ood.detection(mine[score], theirs[score]) for score in theirs}
+               for mine, theirs in zip(inside_members, (_ood_scores(p) for p in member_probs))]
+    histograms = {}
+    for score in OOD_SCORES:
+      edges = np.histogram_bin_edges(np.concatenate([inside[score], outside[score]]), OOD_HISTOGRAM_BINS)
+      histograms[score] = {'edges': edges.tolist(), 'test': np.histogram(inside[score], edges)[0].tolist(),
+                           'ood': np.histogram(outside[score], edges)[0].tolist()}
+    results[name] = {
+        'examples': len(images),
+        'ensemble': {score: ood.detection(inside[score], outside[score]) for score in OOD_SCORES},
+        'mean_member': {score: _mean_member([m[score] for m in members]) for score in members[0]},
+        'histogram': histograms}
+    logging.info('%s: ensemble AUROC %s', name, ', '.join(
+        f'{score} {results[name]["ensemble"][score]["auroc"]:.4f}' for score in OOD_SCORES))
+  return results
+
+
+def _selective(member_probs: np.ndarray, labels: np.ndarray, coverages: np.ndarray) -> dict[str, Any]:
+  """Risk-coverage of one model (K = 1) or of their average, ranked by predictive entropy."""
+  probs = member_probs.mean(0)
+  curve = selective.risk_coverage(decomposition.entropy(probs), np.argmax(probs, -1) == labels)
+  return {'aurc': selective.area(curve), 'risk': selective.risk_at(curve, coverages)}
+
+
+def score_selective(member_probs: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
+  """The test set's error rate when the most uncertain inputs (by predictive entropy) are rejected, ensemble vs
+  mean member: the area under the risk-coverage curve, and the curve at 100 coverages."""
+  coverages = np.arange(1, 101) / 100
+  ensemble = _selective(member_probs, labels, coverages)
+  members = [_selective(p[None], labels, coverages) for p in member_probs]
+  curve = lambda result: {'coverage': coverages.tolist(), 'risk': result['risk'].tolist()}
+  mean_member = {'aurc': float(np.mean([m['aurc'] for m in members])),
+                 'risk': np.mean([m['risk'] for m in members], axis=0)}
+  at = lambda result, coverage: float(result['risk'][round(coverage * 100) - 1])
+  return {
+      'score': 'entropy',
+      'ensemble': {'aurc': ensemble['aurc'], 'curve': curve(ensemble)},
+      'mean_member': {'aurc': mean_member['aurc'], 'curve': curve(mean_member)},
+      'table': [{'coverage': c, 'ensemble': at(ensemble, c), 'mean_member': at(mean_member, c)}
+                for c in SELECTIVE_COVERAGES]}
+
+
+def score_conformal(predict: Predictor, heldout: data.Split, seen_in_training: bool, test_member_probs: np.ndarray,
+                    test_labels: np.ndarray, alphas: Sequence[float]) -> dict[str, Any]:
+  """Split-conformal sets calibrated on the held-out slice, judged on the test set: coverage and mean set size of
+  each score at each alpha, for the ensemble and (each member calibrated on its own) the mean member."""
+  heldout_member_probs = predict(heldout)
+  n = len(heldout['label'])
+  finite = lambda q: q if math.isfinite(q) else None  # JSON has no infinity: no threshold, every class in the set
+  rows = []
+  for alpha in alphas:
+    for score in conformal.SCORES:
+      fit = functools.partial(conformal.split_conformal, calibration_labels=heldout['label'],
+                              test_labels=test_labels, alpha=alpha, score=score)
+      ensemble = fit(heldout_member_probs.mean(0), test_probs=test_member_probs.mean(0))
+      members = [fit(cal, test_probs=test) for cal, test in zip(heldout_member_probs, test_member_probs)]
+      rows.append({'alpha': alpha, 'score': score, 'guaranteed': [1 - alpha, min(1.0, 1 - alpha + 1 / (n + 1))],
+                   'ensemble': {**ensemble, 'quantile': finite(ensemble['quantile'])},
+                   'mean_member': _mean_member([{k: v for k, v in m.items() if k != 'quantile'} for m in members])})
+      logging.info('conformal %s at alpha %g: ensemble coverage %.4f, mean set size %.3f', score, alpha,
+                   ensemble['coverage'], ensemble['mean_size'])
+  return {'calibration_examples': n, 'seen_in_training': seen_in_training, 'rows': rows}
+
+
 def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = None,
-             output_dir: str | None = None, angles: Sequence[int] = DEFAULT_ANGLES) -> dict[str, Any]:
+             output_dir: str | None = None, angles: Sequence[int] = DEFAULT_ANGLES, ood_names: Sequence[str] = (),
+             alphas: Sequence[float] = DEFAULT_ALPHAS) -> dict[str, Any]:
   """Scores the checkpoint, writes the report into `output_dir` (default WORKDIR/eval) and returns its numbers."""
   config = load_run_config(workdir)
   refuse_single_model(config, workdir)
@@ -298,11 +430,13 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
                      f'was trained on {"x".join(map(str, member.image_shape))}; give --data_dir the data it was '
                      'trained on')
   heldout, seen_in_training = heldout_split(dataset.train, config)
+  ood_sets = load_ood(ood_names, member.image_shape, dataset.test)
   predict = Predictor(member, state, devices, config.eval_batch_size)
 
   test = dataset.test
   logging.info('Predicting the %d test examples.', len(test['label']))
   member_log_probs = predict.log_probs(test)
+  member_probs = np.exp(member_log_probs)
   results = {'workdir': os.path.abspath(workdir), 'epoch': epoch, 'ensemble_size': config.ensemble_size,
              'data': dataset.source, 'test_examples': len(test['label']),
              **score_test_set(member_log_probs, test['label'])}
@@ -317,9 +451,16 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
     logging.warning('%s held out no training examples (heldout_fraction=0): the temperature is fitted on '
                     'examples the members were trained on and will sharpen the ensemble.', workdir)
   results['temperature_scaling'] = score_temperature(predict, heldout, seen_in_training,
-                                                     np.exp(member_log_probs).mean(0), test['label'])
+                                                     member_probs.mean(0), test['label'])
   logging.info('temperature %.3f: test NLL %.4f -> %.4f', results['temperature_scaling']['temperature'],
                results['temperature_scaling']['before']['nll'], results['temperature_scaling']['after']['nll'])
+  results['selective'] = score_selective(member_probs, test['label'])
+  logging.info('Calibrating conformal prediction sets on the last %d training examples at alpha %s.',
+               len(heldout['label']), ', '.join(map(str, alphas)))
+  results['conformal'] = score_conformal(predict, heldout, seen_in_training, member_probs, test['label'], alphas)
+  if ood_sets:
+    logging.info('Detecting %d out-of-distribution sets: %s.', len(ood_sets), ', '.join(ood_sets))
+    results['ood'] = score_ood(predict, member_probs, ood_sets)
 
   output_dir = output_dir or os.path.join(workdir, 'eval')
   report.write(results, output_dir)
@@ -338,6 +479,17 @@ def _parse_angles(values: Sequence[str]) -> list[int]:
   return angles
 
 
+def _parse_alphas(values: Sequence[str]) -> list[float]:
+  try:
+    alphas = [float(v) for v in values]
+  except ValueError:
+    alphas = []
+  if not alphas or not all(0 < a < 1 for a in alphas):
+    raise UsageError(f'--alpha={",".join(values)}: give miscoverage levels between 0 and 1 separated by commas, '
+                     'e.g. --alpha=0.05,0.01')
+  return alphas
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -347,7 +499,7 @@ def main(argv):
     console.setup('ensemble.evaluate')
     cli.keep_freed_memory_on_cpu()
     evaluate(FLAGS.workdir, data_dir=FLAGS.data_dir, step=FLAGS.step, output_dir=FLAGS.output_dir,
-             angles=_parse_angles(FLAGS.angles))
+             angles=_parse_angles(FLAGS.angles), ood_names=FLAGS.ood, alphas=_parse_alphas(FLAGS.alpha))
   except UsageError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)

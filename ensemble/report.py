@@ -85,6 +85,7 @@ def markdown(results: dict[str, Any]) -> str:
       _table(['', 'NLL', 'ECE'], [[when, temperature[when]['nll'], temperature[when]['ece']]
                                   for when in ('before', 'after')]),
       '',
+      *uncertainty_markdown(results),
       '## Plots',
       '',
       *(f'![{name[:-4]}]({name})' for name in PLOTS),
@@ -148,6 +149,121 @@ def _ensemble_size_figure(results: dict[str, Any]) -> Figure:
   return figure
 
 
+OOD_SCORE_TITLES = {'max_probability': '1 - max probability', 'entropy': 'predictive entropy',
+                    'mutual_information': 'mutual information'}
+CONFORMAL_SCORE_TITLES = {'thr': '1 - p(class)', 'aps': 'APS'}
+
+
+def uncertainty_markdown(results: dict[str, Any]) -> list[str]:
+  """The report's sections on using the uncertainty: selective prediction, conformal sets, OOD detection."""
+  lines = []
+  if 'selective' in results:
+    selective = results['selective']
+    lines += [
+        '## Selective prediction',
+        '',
+        'Test images are answered from the least uncertain (predictive entropy) up and the rest referred elsewhere; '
+        'the risk is the error rate among the answered ones. AURC is the area under the risk-coverage curve '
+        '(lower is better); each member ranks by its own entropy.',
+        '',
+        _table(['coverage', 'ensemble risk', 'member risk'],
+               [[f'{row["coverage"]:.0%}', row['ensemble'], row['mean_member']] for row in selective['table']]
+               + [['AURC', selective['ensemble']['aurc'], selective['mean_member']['aurc']]]),
+        '',
+        '![risk_coverage](risk_coverage.png)',
+        '']
+  if 'conformal' in results:
+    conformal = results['conformal']
+    n = conformal['calibration_examples']
+    alphas = sorted({row['alpha'] for row in conformal['rows']}, reverse=True)
+    example = alphas[0]
+    lines += [
+        '## Conformal prediction sets',
+        '',
+        f'Each test image gets a set of classes, calibrated on the last {n} training examples '
+        f'({"which the members were trained on" if conformal["seen_in_training"] else "held out of training"}). '
+        f'What this guarantees, in plain words: for a new image drawn the way the held-out images were, the set '
+        f'contains the true class at least 1 - alpha of the time (at alpha = {example:g}, at least '
+        f'{1 - example:.0%} of images), whatever the model, and with {n} calibration images not much more often: at '
+        f'most 1 - alpha + 1/{n + 1} on average. It is a promise about the share of images over many images, not '
+        'about any one image, and it does not hold for images unlike the training data (the out-of-distribution '
+        'sets below). At the same coverage, smaller sets are more useful. Scores: 1 - p(class) gives the smallest '
+        'sets on average; APS (adaptive prediction sets, randomised) gives small sets to easy images and larger ones '
+        'to hard ones. The mean member is each member calibrated on its own.',
+        *(['', '**The calibration examples were seen in training (`heldout_fraction=0`): the members are more '
+               'confident on them than on new images, so the sets are too small and the guarantee does not '
+               'hold.**'] if conformal['seen_in_training'] else []),
+        '',
+        _table(['alpha', 'score', 'guaranteed coverage', 'ensemble coverage', 'ensemble set size',
+                'member coverage', 'member set size'],
+               [[f'{row["alpha"]:g}', CONFORMAL_SCORE_TITLES[row['score']],
+                 f'{row["guaranteed"][0]:.4f} to {row["guaranteed"][1]:.4f}', row['ensemble']['coverage'],
+                 row['ensemble']['mean_size'], row['mean_member']['coverage'], row['mean_member']['mean_size']]
+                for row in conformal['rows']]),
+        '']
+  if results.get('ood'):
+    rows = []
+    for name, result in results['ood'].items():
+      for score, title in OOD_SCORE_TITLES.items():
+        member = result['mean_member'].get(score)
+        rows.append([name, title, *(result['ensemble'][score][f] for f in ('auroc', 'aupr', 'fpr95')),
+                     *((member[f] for f in ('auroc', 'aupr', 'fpr95')) if member else ['-'] * 3)])
+    lines += [
+        '## Out-of-distribution detection',
+        '',
+        f'Each set\'s images against the {results["test_examples"]} test images; a higher score means "more likely '
+        'out of distribution". AUROC is the chance that an out-of-distribution image scores higher than a test image '
+        '(0.5 is chance, 1 perfect); AUPR treats the out-of-distribution images as positives; FPR95 is the share of '
+        'test images flagged when 95% of the out-of-distribution images are (lower is better). A single member has '
+        'no mutual information.',
+        '',
+        _table(['set', 'score', 'ensemble AUROC', 'ensemble AUPR', 'ensemble FPR95', 'member AUROC', 'member AUPR',
+                'member FPR95'], rows),
+        '',
+        '![ood_scores](ood_scores.png)',
+        '']
+  return lines
+
+
+def _risk_coverage_figure(results: dict[str, Any]) -> Figure:
+  figure = Figure(figsize=(6, 4.5), layout='constrained')
+  axis = figure.subplots()
+  for who, style in (('ensemble', ENSEMBLE_STYLE), ('mean_member', MEMBER_STYLE)):
+    curve = results['selective'][who]
+    axis.plot(curve['curve']['coverage'], curve['curve']['risk'], color=style['color'],
+              label=f'{style["label"]} (AURC {curve["aurc"]:.4f})')
+  axis.set(xlabel='coverage (share of test images answered)', ylabel='risk (error rate of the answered)',
+           xlim=(0, 1), ylim=(0, None), title='Risk-coverage: rejecting the most uncertain first')
+  axis.grid(alpha=0.3)
+  axis.legend()
+  return figure
+
+
+def _ood_figure(results: dict[str, Any]) -> Figure:
+  """Per set (rows) and score (columns): the ensemble's scores on the test set and on the out-of-distribution set."""
+  sets = results['ood']
+  figure = Figure(figsize=(13, 3.2 * len(sets)), layout='constrained')
+  axes = figure.subplots(len(sets), len(OOD_SCORE_TITLES), squeeze=False)
+  for row, (name, result) in zip(axes, sets.items()):
+    for axis, (score, title) in zip(row, OOD_SCORE_TITLES.items()):
+      histogram = result['histogram'][score]
+      share = lambda counts: np.asarray(counts) / max(sum(counts), 1)
+      axis.stairs(share(histogram['test']), histogram['edges'], color=ENSEMBLE_STYLE['color'], fill=True, alpha=0.5,
+                  label='test set')
+      axis.stairs(share(histogram['ood']), histogram['edges'], color='C3', fill=True, alpha=0.5,
+                  label=f'{name} (AUROC {result["ensemble"][score]["auroc"]:.3f})')
+      axis.set(xlabel=f'ensemble\'s {title}', ylabel='share of images', yscale='log')
+      axis.legend(fontsize='small')
+  figure.suptitle('Out-of-distribution scores: test set vs each set')
+  return figure
+
+
+def uncertainty_plots(results: dict[str, Any]) -> list[tuple[str, Any]]:
+  """(file name, drawing function) of the plots the uncertainty sections link to."""
+  plots = [('risk_coverage.png', _risk_coverage_figure)] if 'selective' in results else []
+  return plots + ([('ood_scores.png', _ood_figure)] if results.get('ood') else [])
+
+
 def write(results: dict[str, Any], output_dir: str):
   """metrics.json, report.md and the PNGs in `PLOTS`, into `output_dir`."""
   os.makedirs(output_dir, exist_ok=True)
@@ -156,4 +272,6 @@ def write(results: dict[str, Any], output_dir: str):
   with open(os.path.join(output_dir, 'report.md'), 'w', encoding='utf-8') as f:
     f.write(markdown(results))
   for name, draw in zip(PLOTS, (_reliability_figure, _rotation_figure, _noise_figure, _ensemble_size_figure)):
+    draw(results).savefig(os.path.join(output_dir, name), dpi=100)
+  for name, draw in uncertainty_plots(results):
     draw(results).savefig(os.path.join(output_dir, name), dpi=100)

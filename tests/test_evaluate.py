@@ -41,7 +41,7 @@ def test_script_writes_a_report_that_agrees_with_training(workdir, tmp_path):
   assert 'Restored epoch 1' in result.stderr and 'rotation  90 deg' in result.stderr  # progress
   assert 'checkpoint_manager.py' not in result.stderr  # orbax's INFO lines are filtered out
   assert sorted(os.listdir(out)) == ['ensemble_size.png', 'gaussian_noise.png', 'metrics.json', 'reliability.png',
-                                     'report.md', 'rotation.png']
+                                     'report.md', 'risk_coverage.png', 'rotation.png']
   assert not os.path.exists(os.path.join(workdir, 'eval'))
   for png in ('ensemble_size.png', 'gaussian_noise.png', 'reliability.png', 'rotation.png'):
     assert (out / png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and (out / png).stat().st_size > 10_000
@@ -102,6 +102,12 @@ def _with_config(workdir, tmp_path, **changes):
   return ['--workdir', copy]
 
 
+def _ood_of_another_shape(workdir, tmp_path):
+  np.savez(tmp_path / 'colour.npz', x_train=np.zeros((2, 8, 8, 3), np.uint8), y_train=np.arange(2),
+           x_test=np.zeros((2, 8, 8, 3), np.uint8), y_test=np.arange(2))
+  return ['--workdir', workdir, f'--ood=uniform_noise,{tmp_path}/colour.npz']
+
+
 def _untrained(workdir, tmp_path):
   os.makedirs(tmp_path / 'fresh')
   shutil.copy(os.path.join(workdir, 'config.json'), tmp_path / 'fresh')
@@ -124,6 +130,10 @@ def _untrained(workdir, tmp_path):
      "error: {tmp}/copy holds one classifier model trained with backend 'dp', not an ensemble; ensemble.evaluate "
      'scores ensembles trained with backend pmap or jit (its test loss and accuracy per epoch are in '
      '{tmp}/copy/metrics.jsonl)'),
+    (lambda w, t: ['--workdir', w, '--alpha=0.05,2'], 'error: --alpha=0.05,2: give miscoverage levels between 0 and 1'),
+    (lambda w, t: ['--workdir', w, '--ood=/nonexistent.npz'], 'error: --ood=/nonexistent.npz: /nonexistent.npz: no '
+                                                               'such file'),
+    (_ood_of_another_shape, 'error: --ood={tmp}/colour.npz: 8x8x3 images, but the ensemble takes 28x28x1'),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(workdir, tmp_path, capsys, make_args, message):
   args = [*make_args(workdir, tmp_path), '--output_dir', str(tmp_path / 'eval')]
@@ -188,3 +198,63 @@ def test_the_temperature_is_fitted_on_the_held_out_slices_ensemble_mean(tmp_path
   assert results['temperature_scaling']['temperature'] == pytest.approx(on_heldout_mean, rel=1e-9)
   # Far apart, so a fit on the wrong predictions would fail the line above.
   assert abs(on_test_mean - on_heldout_mean) > 0.01 and abs(on_one_member - on_heldout_mean) > 0.01
+
+
+def test_ood_detection_selective_prediction_and_conformal_sets(workdir, tmp_path):
+  out = tmp_path / 'eval'
+  flags.FLAGS(['evaluate', '--workdir', workdir, '--output_dir', str(out), '--angles=0',
+               '--ood=uniform_noise,permuted_pixels', '--alpha=0.2,0.01'])
+  try:
+    evaluate.main(['evaluate'])
+  finally:
+    flags.FLAGS.unparse_flags()
+  text = (out / 'metrics.json').read_text()
+  results = json.loads(text, parse_constant=lambda name: pytest.fail(f'metrics.json holds {name}, not JSON'))
+  for png in ('ood_scores.png', 'risk_coverage.png'):
+    assert (out / png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+  assert list(results['ood']) == ['uniform_noise', 'permuted_pixels']
+  for result in results['ood'].values():
+    assert result['examples'] == 100
+    assert list(result['ensemble']) == list(evaluate.OOD_SCORES)
+    assert list(result['mean_member']) == ['max_probability', 'entropy']  # one member has no mutual information
+    for figures in [*result['ensemble'].values(), *result['mean_member'].values()]:
+      assert set(figures) == {'auroc', 'aupr', 'fpr95'} and all(0 <= v <= 1 for v in figures.values())
+    for histogram in result['histogram'].values():
+      assert sum(histogram['test']) == 100 and sum(histogram['ood']) == 100
+      assert len(histogram['edges']) == evaluate.OOD_HISTOGRAM_BINS + 1
+
+  selective = results['selective']
+  assert selective['table'][0]['coverage'] == 1.0
+  assert selective['table'][0]['ensemble'] == pytest.approx(1 - results['ensemble']['accuracy'])
+  assert selective['table'][0]['mean_member'] == pytest.approx(1 - results['mean_member']['accuracy'])
+  assert len(selective['ensemble']['curve']['risk']) == 100 and 0 <= selective['ensemble']['aurc'] <= 1
+
+  conformal = results['conformal']
+  assert conformal['calibration_examples'] == 26 and not conformal['seen_in_training']
+  rows = {(row['alpha'], row['score']): row for row in conformal['rows']}
+  assert sorted(rows) == [(0.01, 'aps'), (0.01, 'thr'), (0.2, 'aps'), (0.2, 'thr')]
+  assert rows[0.2, 'thr']['guaranteed'] == [0.8, pytest.approx(0.8 + 1 / 27)]
+  # At alpha 0.01, 26 examples are too few (rank ceil(27 * 0.99) = 27 > 26): every set is every class.
+  for score in ('thr', 'aps'):
+    row = rows[0.01, score]
+    assert row['ensemble'] == {'quantile': None, 'coverage': 1.0, 'mean_size': 10.0}
+    assert row['mean_member'] == {'coverage': 1.0, 'mean_size': 10.0}
+    assert 0 < rows[0.2, score]['ensemble']['mean_size'] < 10
+
+  report = (out / 'report.md').read_text()
+  for section in ('## Selective prediction', '## Conformal prediction sets', '## Out-of-distribution detection'):
+    assert section in report
+  assert 'What this guarantees, in plain words' in report and '| 0.2 | 1 - p(class) | 0.8000 to 0.8370 |' in report
+  assert '| uniform_noise | mutual information |' in report and '| permuted_pixels | predictive entropy |' in report
+  assert '![ood_scores](ood_scores.png)' in report
+
+
+def test_permuted_pixels_keep_each_images_intensities():
+  images = np.random.default_rng(0).integers(0, 256, (3, 5, 4, 2), dtype=np.uint8)
+  permuted = evaluate.permute_pixels(images)
+  assert permuted.shape == images.shape and not (permuted == images).all()
+  for original, shuffled in zip(images, permuted):
+    pixels = lambda image: sorted(map(tuple, image.reshape(-1, 2)))  # a pixel's channels move together
+    assert pixels(original) == pixels(shuffled)
+  assert (evaluate.permute_pixels(images) == permuted).all()  # the same set every evaluation

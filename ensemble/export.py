@@ -1,0 +1,116 @@
+"""Writes a trained ensemble's forward pass as one `jax.export` artifact: serialized StableHLO, parameters inside.
+
+  python -m ensemble.export --workdir=/tmp/mnist --output=/tmp/mnist.jax [--step=N] [--platforms=cpu,cuda]
+
+A service runs it with JAX alone, without this package, Flax or the training
+dependencies:
+
+  exported = jax.export.deserialize(open('/tmp/mnist.jax', 'rb').read())
+  out = exported.call(images)  # float32 (N, H, W, C) in [0, 1], any N
+  out['probs']                 # (N, C): the members' mean, temperature-scaled as ensemble.predict does
+  out['member_log_probs']      # (K, N, C): each member's log-probabilities, for the uncertainty split
+
+The batch dimension is symbolic, so one artifact serves every batch size; the
+program runs on one device. The parameters (and BatchNorm's running averages)
+are constants of the program, so the file is about their size.
+"""
+
+import os
+import sys
+from typing import Callable, Sequence
+
+from ensemble import console
+
+console.quiet_libraries()  # before TensorFlow and JAX load
+
+from absl import app, flags, logging  # pylint: disable=g-import-not-at-top,g-multiple-import
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+from ensemble import backends, cli, predict  # pylint: disable=g-import-not-at-top
+from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
+
+# The artifact runs on any of these; lowering for a platform needs no device of it.
+DEFAULT_PLATFORMS = ('cpu', 'cuda')
+KNOWN_PLATFORMS = ('cpu', 'cuda', 'rocm', 'tpu')
+
+FLAGS = flags.FLAGS
+
+
+def forward(model: predict.Ensemble) -> Callable[[jnp.ndarray], dict[str, jnp.ndarray]]:
+  """float32 images (N, H, W, C) in [0, 1] -> {'member_log_probs': (K, N, C), 'probs': (N, C)} on one device.
+
+  Each member's forward pass is `steps.Member.predict`, as in training and
+  evaluation; the members run one after another on CPU and vmapped elsewhere
+  (`backends.map_members`), the state fetched to the host so that it becomes
+  the program's constants.
+  """
+  state = jax.device_get(model.state.replace(opt_state=None))
+  log_probs = lambda state, images: jax.nn.log_softmax(model.member.predict(state, images))
+  members = backends.map_members(log_probs, (0, None), jax.devices()[:1])
+
+  def fn(images):
+    member_log_probs = members(state, images)
+    mean_log_probs = jax.nn.logsumexp(member_log_probs, axis=0) - jnp.log(model.size)
+    return {'member_log_probs': member_log_probs, 'probs': jax.nn.softmax(mean_log_probs / model.temperature)}
+  return fn
+
+
+def check_platforms(platforms: Sequence[str]):
+  unknown = [p for p in platforms if p not in KNOWN_PLATFORMS]
+  if unknown or not platforms:
+    raise UsageError(f'--platforms={",".join(platforms)}: choose from {", ".join(KNOWN_PLATFORMS)}')
+
+
+def export(model: predict.Ensemble, platforms: Sequence[str] = DEFAULT_PLATFORMS) -> jax.export.Exported:
+  """The ensemble's forward pass for any batch size on `platforms`, ready to `.serialize()`."""
+  check_platforms(platforms)
+  batch, = jax.export.symbolic_shape('batch')
+  images = jax.ShapeDtypeStruct((batch, *model.image_shape), jnp.float32)
+  return jax.export.export(jax.jit(forward(model)), platforms=tuple(platforms))(images)
+
+
+def write(workdir: str, output: str, step: int | None = None,
+          platforms: Sequence[str] = DEFAULT_PLATFORMS) -> jax.export.Exported:
+  """Exports the checkpoint to `output`; the file appears whole or not at all."""
+  if not output:
+    raise UsageError('--output is required: the file to write the exported ensemble to, e.g. model.jax')
+  folder = os.path.dirname(os.path.abspath(output))
+  if not os.path.isdir(folder):
+    raise UsageError(f'--output={output}: no folder {folder}; create it first')
+  check_platforms(platforms)
+  exported = export(predict.load(workdir, step), platforms)
+  cli.write_atomically(output, bytes(exported.serialize()))
+  logging.info('Wrote %s (%.1f MB) for %s: images float32 %s in [0, 1] -> member_log_probs, probs.', output,
+               os.path.getsize(output) / 1e6, ', '.join(exported.platforms), tuple(exported.in_avals[0].shape))
+  return exported
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  logging.get_absl_logger().addFilter(cli.QuietLibraries())
+  try:
+    console.setup('ensemble.export')
+    if not FLAGS.workdir:
+      raise UsageError('--workdir is required: a folder trained by python -m ensemble.train')
+    write(FLAGS.workdir, FLAGS.output, FLAGS.step, FLAGS.platforms)
+  except UsageError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+
+
+def define_flags():
+  """The program's flags, defined when it runs; allow_override replaces the --workdir and --step that
+  `ensemble.evaluate` defines on import (and --output, if `ensemble.predict`'s are defined too)."""
+  if 'platforms' in FLAGS:
+    return
+  flags.DEFINE_string('workdir', None, 'A folder trained by `python -m ensemble.train`.', allow_override=True)
+  flags.DEFINE_integer('step', None, 'The checkpoint (epoch) to export; default: the latest.', allow_override=True)
+  flags.DEFINE_string('output', None, 'The file to write, e.g. model.jax.', allow_override=True)
+  flags.DEFINE_list('platforms', list(DEFAULT_PLATFORMS), f'Platforms the artifact runs on, of {KNOWN_PLATFORMS}.')
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)

@@ -1,0 +1,278 @@
+"""`ensemble.load(workdir).predict(images)` and `python -m ensemble.predict` on every kind of input, good and bad."""
+
+import csv
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from absl import flags
+from PIL import Image
+
+import ensemble
+from conftest import small_config, write_idx, write_mnist
+from ensemble import calibration, data, predict, trainer, writers
+from ensemble.errors import UsageError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+predict.define_flags()  # for the command line run in this process
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory) -> dict:
+  """An 8-member ensemble trained for one epoch on 8 devices, its test split, and the model restored from it."""
+  root = tmp_path_factory.mktemp('predict')
+  mnist, workdir = write_mnist(str(root / 'mnist')), str(root / 'run')
+  trainer.train_and_evaluate(small_config(mnist, heldout_fraction=0.1), workdir)
+  return {'workdir': workdir, 'test': data.load(data_dir=mnist).test, 'model': predict.load(workdir)}
+
+
+def test_load_is_exported_lazily_and_import_stays_cheap():
+  assert ensemble.load is predict.load
+  code = 'import sys, ensemble; assert "jax" not in sys.modules and "ensemble.predict" not in sys.modules'
+  assert subprocess.run([sys.executable, '-c', code], cwd=REPO).returncode == 0
+
+
+def test_predictions_agree_with_training_and_with_themselves(trained):
+  model, test = trained['model'], trained['test']
+  assert model.temperature == 1.0 and model.size == 8 and model.image_shape == (28, 28, 1)
+  result = model.predict(test['image'], members=True)
+  probs, member_probs = result['probs'], result['member_probs']
+  assert probs.shape == (100, 10) and member_probs.shape == (8, 100, 10) and probs.dtype == np.float64
+  # Probabilities, not log-probabilities: whatever Predictor returns, predict hands out distributions.
+  np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-6)  # float32 log-probabilities
+  assert (member_probs >= 0).all() and (member_probs <= 1).all()
+  np.testing.assert_allclose(probs, member_probs.mean(0))
+  assert (result['class'] == probs.argmax(-1)).all()
+  # The same test set through the trainer's pmap eval step.
+  trained_metrics = writers.read_jsonl(os.path.join(trained['workdir'], 'metrics.jsonl'))[-1]
+  assert calibration.accuracy(probs, test['label']) == pytest.approx(trained_metrics['test_accuracy'], rel=1e-6)
+  assert calibration.nll(probs, test['label']) == pytest.approx(trained_metrics['test_loss'], rel=1e-4)
+  np.testing.assert_allclose(result['entropy'], result['aleatoric'] + result['mutual_information'], atol=1e-12)
+  assert (result['mutual_information'] >= 0).all()
+  assert ((0 <= result['disagreement']) & (result['disagreement'] <= 1)).all()
+  assert 'member_probs' not in model.predict(test['image'][:2])
+  # Any batch size gives each image the same answer: padding to a bucket changes nothing.
+  for n in (1, 3, 37):
+    np.testing.assert_allclose(model.predict(test['image'][:n])['probs'], probs[:n], rtol=1e-6, atol=1e-9)
+  # Float pixels in [0, 1] and (N, H, W) greyscale batches are the same images.
+  as_float = model.predict(test['image'][:5, ..., 0].astype(np.float32) / 255)
+  np.testing.assert_allclose(as_float['probs'], probs[:5], rtol=1e-6, atol=1e-9)
+  empty = model.predict(np.zeros((0, 28, 28, 1), np.uint8))
+  assert empty['probs'].shape == (0, 10) and empty['entropy'].shape == (0,)
+
+
+def test_one_program_per_bucket(trained):
+  model = predict.load(trained['workdir'], batch_size=16)
+  images = trained['test']['image']
+  assert [predict.bucket(n, 16) for n in (1, 2, 3, 4, 5, 9, 16)] == [1, 2, 4, 4, 8, 16, 16]
+  model.predict(images[:3])
+  model.predict(images[:4].astype(np.float32) / 255)  # bucket 4 again, and float: the same program
+  model.predict(images[:40])  # 16 + 16 + 8
+  assert sorted(model._predictors) == [4, 8, 16]  # pylint: disable=protected-access
+  assert all(p._log_probs._cache_size() == 1 for p in model._predictors.values())  # pylint: disable=protected-access
+
+
+def test_the_temperature_fitted_by_evaluate_is_applied(trained, tmp_path):
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(trained['workdir'], workdir)
+  os.makedirs(os.path.join(workdir, 'eval'))
+  metrics = os.path.join(workdir, 'eval', 'metrics.json')
+  images = trained['test']['image'][:10]
+  raw = trained['model'].predict(images)
+  with open(metrics, 'w') as f:
+    json.dump({'epoch': 1, 'temperature_scaling': {'temperature': 2.0}}, f)
+  scaled = predict.load(workdir).predict(images)
+  np.testing.assert_allclose(scaled['probs'], calibration.temperature_scale(raw['probs'], 2.0), rtol=1e-6)
+  assert (scaled['class'] == raw['class']).all()
+  assert scaled['entropy'] == pytest.approx(raw['entropy'])  # the split stays on the members' own probabilities
+  with open(metrics, 'w') as f:
+    json.dump({'epoch': 7, 'temperature_scaling': {'temperature': 2.0}}, f)  # another checkpoint's
+  assert predict.load(workdir).temperature == 1.0
+
+
+@pytest.mark.parametrize('images, message', [
+    (np.zeros((2, 32, 32, 3), np.uint8), 'images of shape (2, 32, 32, 3), but {workdir} was trained on 28x28x1 '
+                                         'images; give a batch of shape (N, 28, 28, 1)'),
+    (np.zeros((28, 28, 1), np.uint8), 'images of shape (28, 28, 1)'),
+    (np.zeros((2, 28, 28, 1), np.int64), 'images of dtype int64; give uint8 pixels (0..255) or floats in [0, 1]'),
+    (np.full((2, 28, 28, 1), 255.0), 'float images must lie in [0, 1] but span [255, 255]; divide 0..255 values'),
+    (np.full((2, 28, 28, 1), np.nan), 'float images must lie in [0, 1] but span [nan, nan]'),
+])
+def test_bad_images_are_one_line_errors(trained, images, message):
+  with pytest.raises(UsageError) as error:
+    trained['model'].predict(images)
+  assert str(error.value).startswith(message.format(workdir=trained['workdir']))
+  assert '\n' not in str(error.value)
+
+
+def test_the_flag_threshold_meets_its_target_on_the_held_out_slice(trained):
+  fitted = trained['model'].flag_threshold(0.2)
+  assert fitted['examples'] == 26 and not fitted['seen_in_training']  # the last 10% of 256
+  assert fitted['risk'] <= 0.2 and 0 < fitted['coverage'] <= 1
+  assert trained['model'].flag_threshold(-1.0)['threshold'] == -np.inf  # no error rate below 0: flag everything
+
+
+# The command line.
+
+def _main(*args):
+  """Runs the CLI in this process (restores and compiles, but starts no interpreter)."""
+  flags.FLAGS(['predict', *args])
+  try:
+    predict.main(['predict'])
+  finally:
+    flags.FLAGS.unparse_flags()
+
+
+def _read(path):
+  with open(path) as f:
+    return list(csv.DictReader(f)) if str(path).endswith('.csv') else [json.loads(line) for line in f]
+
+
+def _png(path, array):
+  Image.fromarray(array).save(path)  # uint8 (H, W): greyscale; (H, W, 3): RGB
+  return str(path)
+
+
+def _inputs(kind, test, tmp_path):
+  """(--input and --array flags, the images the rows are of (None: resized), their names) for each input kind."""
+  images = test['image'][:5]
+  if kind == 'npy':
+    np.save(tmp_path / 'x.npy', images[..., 0])
+    return ['--input', str(tmp_path / 'x.npy')], images, ['0', '1', '2', '3', '4']
+  if kind == 'npy_one_image':
+    np.save(tmp_path / 'x.npy', images[0].astype(np.float32) / 255)
+    return ['--input', str(tmp_path / 'x.npy')], images[:1], ['0']
+  if kind == 'npz':
+    np.savez(tmp_path / 'x.npz', images=images, labels=test['label'][:5])
+    return ['--input', str(tmp_path / 'x.npz'), '--array=images'], images, ['0', '1', '2', '3', '4']
+  if kind == 'idx_gz':
+    write_idx(str(tmp_path / 'images-idx3-ubyte.gz'), images[..., 0])
+    return ['--input', str(tmp_path / 'images-idx3-ubyte.gz')], images, ['0', '1', '2', '3', '4']
+  if kind == 'png':
+    return ['--input', _png(tmp_path / 'digit.png', images[0, ..., 0])], images[:1], ['digit.png']
+  if kind == 'folder':
+    os.makedirs(tmp_path / 'images')
+    _png(tmp_path / 'images' / 'a.png', images[0, ..., 0])
+    Image.fromarray(images[1, ..., 0]).save(tmp_path / 'images' / 'b.jpg', quality=100)
+    big = np.kron(images[2, ..., 0], np.ones((3, 3), np.uint8))  # 84x84: resized back to 28x28
+    _png(tmp_path / 'images' / 'c.png', np.stack([big] * 3, -1))  # colour: converted to greyscale
+    (tmp_path / 'images' / 'notes.txt').write_text('not an image')
+    return ['--input', str(tmp_path / 'images')], None, ['a.png', 'b.jpg', 'c.png']
+  raise ValueError(kind)
+
+
+@pytest.mark.parametrize('kind, output', [('npy', 'out.csv'), ('npy_one_image', 'out.jsonl'), ('npz', 'out.csv'),
+                                          ('idx_gz', 'out.jsonl'), ('png', 'out.csv'), ('folder', 'out.jsonl')])
+def test_cli_predicts_every_kind_of_input(trained, tmp_path, kind, output):
+  args, images, names = _inputs(kind, trained['test'], tmp_path)
+  flag = kind == 'npy'  # the flag needs a pass over the held-out slice: once is enough here
+  _main('--workdir', trained['workdir'], *args, '--output', str(tmp_path / output), '--flag' if flag else '--noflag')
+  rows = _read(tmp_path / output)
+  assert [row['name'] for row in rows] == names
+  assert list(rows[0]) == list(predict.COLUMNS if flag else predict.COLUMNS[:-1])
+  if images is not None:
+    expected = trained['model'].predict(images)
+    assert [int(row['class']) for row in rows] == expected['class'].tolist()
+    np.testing.assert_allclose([float(row['entropy']) for row in rows], expected['entropy'], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose([float(row['probability']) for row in rows], expected['probs'].max(-1), rtol=1e-5)
+  if flag:
+    threshold = trained['model'].flag_threshold(predict.DEFAULT_FLAG_RISK)['threshold']
+    assert [int(row['flag']) for row in rows] == (expected['entropy'] > threshold).astype(int).tolist()
+  assert not [name for name in os.listdir(tmp_path) if name.startswith('.')]  # no partial file left
+  (tmp_path / 'reference').write_text('')
+  assert os.stat(tmp_path / output).st_mode == os.stat(tmp_path / 'reference').st_mode  # as open() makes it
+
+
+def test_cli_writes_csv_to_stdout_without_output(trained, tmp_path, capsys):
+  args, _, _ = _inputs('npy', trained['test'], tmp_path)
+  _main('--workdir', trained['workdir'], *args, '--noflag')
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0] == 'name,class,probability,entropy,mutual_information' and len(lines) == 6
+
+
+def _bad_inputs(tmp_path):
+  """name -> (arguments, the start of the error line) for each input the CLI must refuse."""
+  np.save(tmp_path / 'colour.npy', np.zeros((3, 32, 32, 3), np.uint8))
+  np.save(tmp_path / 'ints.npy', np.zeros((3, 28, 28), np.int64))
+  np.save(tmp_path / 'bright.npy', np.full((3, 28, 28), 2.0))
+  np.savez(tmp_path / 'two.npz', a=np.zeros((1, 28, 28)), b=np.zeros((1, 28, 28)))
+  (tmp_path / 'notes.txt').write_text('hello')
+  write_idx(str(tmp_path / 'labels-idx1-ubyte'), np.zeros(3))
+  os.makedirs(tmp_path / 'empty')
+  _png(tmp_path / 'wide.png', np.zeros((28, 56), np.uint8))
+  (tmp_path / 'broken.png').write_bytes(b'\x89PNG\r\n\x1a\n not really')
+  with gzip.open(tmp_path / 'truncated-idx3-ubyte.gz', 'wb') as f:
+    f.write(b'\x00\x00\x08\x03\x00\x00\x00\x05\x00\x00\x00\x1c\x00\x00\x00\x1c' + bytes(100))
+  t = str(tmp_path)
+  return {
+      'no input': ([], 'error: --input is required'),
+      'missing file': (['--input', f'{t}/nope.npy'], f'error: {t}/nope.npy: no such file or folder'),
+      'unknown kind': (['--input', f'{t}/notes.txt'], f'error: {t}/notes.txt: not a file this reads'),
+      'idx labels': (['--input', f'{t}/labels-idx1-ubyte'], f'error: {t}/labels-idx1-ubyte: an IDX labels file'),
+      'truncated idx': (['--input', f'{t}/truncated-idx3-ubyte.gz'],
+                        f'error: {t}/truncated-idx3-ubyte.gz: truncated file'),
+      'wrong shape': (['--input', f'{t}/colour.npy'],
+                      f'error: {t}/colour.npy: images of shape (3, 32, 32, 3), but'),
+      'wrong dtype': (['--input', f'{t}/ints.npy'], f'error: {t}/ints.npy: images of dtype int64'),
+      'out of range': (['--input', f'{t}/bright.npy'], f'error: {t}/bright.npy: float images must lie in [0, 1]'),
+      'several arrays': (['--input', f'{t}/two.npz'], f'error: {t}/two.npz: several arrays (it holds a, b); name'),
+      'no such array': (['--input', f'{t}/two.npz', '--array=c'], f'error: {t}/two.npz: no array c (it holds a, b)'),
+      'empty folder': (['--input', f'{t}/empty'], f'error: {t}/empty: no PNG or JPEG files in this folder'),
+      'aspect ratio': (['--input', f'{t}/wide.png'], f'error: {t}/wide.png: 56x28 pixels, but the ensemble takes '
+                                                    '28x28; resizing would distort it'),
+      'broken image': (['--input', f'{t}/broken.png'], f'error: {t}/broken.png: cannot be read as an image'),
+      'output format': (['--input', f'{t}/colour.npy', '--output', f'{t}/out/x.txt'],
+                        f'error: --output={t}/out/x.txt: unknown format .txt; end it in .csv'),
+      'flag risk': (['--input', f'{t}/colour.npy', '--flag_risk=1.5'], 'error: --flag_risk=1.5 must be an error rate'),
+  }
+
+
+BAD_INPUTS = ['no input', 'missing file', 'unknown kind', 'idx labels', 'truncated idx', 'wrong shape', 'wrong dtype',
+              'out of range', 'several arrays', 'no such array', 'empty folder', 'aspect ratio', 'broken image',
+              'output format', 'flag risk']
+
+
+@pytest.mark.parametrize('case', BAD_INPUTS)
+def test_cli_bad_input_is_one_line_exit_2_and_writes_nothing(trained, tmp_path, capsys, case):
+  args, message = _bad_inputs(tmp_path)[case]
+  os.makedirs(tmp_path / 'out')
+  output = ['--output', str(tmp_path / 'out' / 'rows.csv')] if '--output' not in args else []
+  with pytest.raises(SystemExit) as exit_:
+    _main('--workdir', trained['workdir'], *args, *output, '--noflag')
+  assert exit_.value.code == 2
+  captured = capsys.readouterr()
+  errors = captured.err.strip().splitlines()
+  assert len(errors) == 1 and errors[0].startswith(message), errors
+  assert os.listdir(tmp_path / 'out') == [] and captured.out == ''
+
+
+def test_cli_refuses_a_folder_that_was_never_trained(tmp_path, capsys):
+  np.save(tmp_path / 'x.npy', np.zeros((1, 28, 28), np.uint8))
+  with pytest.raises(SystemExit):
+    _main('--workdir', str(tmp_path), '--input', str(tmp_path / 'x.npy'))
+  assert capsys.readouterr().err.strip() == (f'error: {tmp_path}/config.json: missing; --workdir must name a folder '
+                                             'written by python -m ensemble.train')
+
+
+def test_the_program_runs_on_one_device_and_flags(trained, tmp_path):
+  """`python -m ensemble.predict` as a user runs it, on 1 CPU device, batch by batch: the flag's held-out pass,
+  progress lines, and the summary."""
+  np.save(tmp_path / 'x.npy', trained['test']['image'])
+  env = {**os.environ, 'XLA_FLAGS': ''}
+  result = subprocess.run([sys.executable, '-m', 'ensemble.predict', '--workdir', trained['workdir'], '--input',
+                           str(tmp_path / 'x.npy'), '--output', str(tmp_path / 'rows.jsonl'), '--batch_size=32'],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'Restored epoch 1' in result.stderr and '8 members on 1 devices' in result.stderr
+  assert 'Flag threshold: entropy >' in result.stderr and 'Wrote 100 rows to' in result.stderr
+  rows = _read(tmp_path / 'rows.jsonl')
+  expected = trained['model'].predict(trained['test']['image'])
+  assert [row['class'] for row in rows] == expected['class'].tolist()
+  np.testing.assert_allclose([row['mutual_information'] for row in rows], expected['mutual_information'],
+                             rtol=1e-4, atol=1e-6)
+  assert {row['flag'] for row in rows} <= {0, 1}
