@@ -88,3 +88,20 @@ def make_member(config=None, data_info=MNIST_INFO, **overrides) -> steps.Member:
 @pytest.fixture
 def make_config(mnist_dir):
   return lambda **overrides: small_config(mnist_dir, **overrides)
+
+
+def checkpoint_state(workdir: str, epoch: int) -> dict:
+  """Every leaf of the checkpoint of `epoch` (params, optimizer state, steps, keys) as numpy, for bitwise checks.
+
+  Restored for `small_config`'s ensemble, with the member the checkpoint's recorded data describes.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import serialization  # pylint: disable=g-import-not-at-top
+  from ensemble import backends, checkpoint  # pylint: disable=g-import-not-at-top
+  config = small_config('')
+  ckpt = checkpoint.Checkpointer(workdir)
+  member = config_lib.member(config, ckpt.meta(epoch)['data'])
+  abstract = backends.abstract_member_state(member, config.ensemble_size, jax.devices())
+  state = ckpt.restore(epoch, abstract, {'model': config.model, 'ensemble_size': config.ensemble_size})
+  ckpt.close()
+  return jax.tree.map(np.asarray, serialization.to_state_dict(state))

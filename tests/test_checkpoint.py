@@ -17,10 +17,9 @@ import time
 import jax
 import numpy as np
 import pytest
-from flax import serialization
 
-from conftest import small_config, write_mnist
-from ensemble import backends, checkpoint, config as config_lib, evaluate, trainer, writers
+from conftest import checkpoint_state, small_config, write_mnist
+from ensemble import checkpoint, config as config_lib, evaluate, trainer, writers
 from ensemble.errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,15 +47,7 @@ def _config(trained, **overrides):
   return small_config(overrides.pop('data_dir', trained[0]), **{'num_epochs': 2, **overrides})
 
 
-def _state(workdir: str, epoch: int) -> dict:
-  """Every leaf of the checkpoint of `epoch` (params, optimizer state, steps) as numpy."""
-  config = small_config('')
-  ckpt = checkpoint.Checkpointer(workdir)
-  member = config_lib.member(config, ckpt.meta(epoch)['data'])
-  abstract = backends.abstract_member_state(member, config.ensemble_size, jax.devices())
-  state = ckpt.restore(epoch, abstract, {'model': config.model, 'ensemble_size': config.ensemble_size})
-  ckpt.close()
-  return jax.tree.map(np.asarray, serialization.to_state_dict(state))
+_state = checkpoint_state
 
 
 def _assert_same(a: dict, b: dict):

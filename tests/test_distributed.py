@@ -24,10 +24,9 @@ import types
 import jax
 import numpy as np
 import pytest
-from flax import serialization
 
-from conftest import small_config, synthetic_mnist, write_mnist
-from ensemble import backends, checkpoint, config as config_lib, data, distributed, trainer, writers
+from conftest import checkpoint_state, small_config, synthetic_mnist, write_mnist
+from ensemble import backends, checkpoint, data, distributed, trainer, writers
 from ensemble.errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,15 +67,7 @@ def _metrics(workdir: str) -> list[dict]:
   return writers.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
 
 
-def _checkpoint_state(workdir: str, epoch: int) -> dict:
-  """Every leaf of the checkpoint (params, optimizer state, steps) as numpy."""
-  config = small_config('')
-  ckpt = checkpoint.Checkpointer(workdir)
-  member = config_lib.member(config, ckpt.meta(epoch)['data'])
-  abstract = backends.abstract_member_state(member, config.ensemble_size, jax.devices())
-  state = ckpt.restore(epoch, abstract, {'model': config.model, 'ensemble_size': config.ensemble_size})
-  ckpt.close()
-  return jax.tree.map(np.asarray, serialization.to_state_dict(state))
+_checkpoint_state = checkpoint_state
 
 
 def _checkpoint_params(workdir: str, epoch: int):
