@@ -4,6 +4,7 @@ import logging
 import os
 import sys
 import tempfile
+import traceback
 
 from absl import logging as absl_logging
 import jax
@@ -35,6 +36,9 @@ def ignore_closed_event_loops():
   operations still in flight then finish into it, and each raises one of these
   in a TensorStore thread, printed as dozens of tracebacks ahead of the one-line
   error that says what happened. Every other unraisable error is printed.
+  The sibling writes that failed too, as the first did, can also reach asyncio's
+  "Task exception was never retrieved" log with a traceback: those from orbax's
+  serialization are dropped as well.
   """
   default = sys.unraisablehook
 
@@ -43,6 +47,17 @@ def ignore_closed_event_loops():
     if not (isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'):
       default(unraisable)
   sys.unraisablehook = hook
+  logging.getLogger('asyncio').addFilter(_OrphanedCheckpointWrites())
+
+
+class _OrphanedCheckpointWrites(logging.Filter):
+  """Drops asyncio's report of an orbax write task whose failure nobody awaited (see above)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if not record.getMessage().startswith('Task exception was never retrieved') or not record.exc_info:
+      return True
+    frames = traceback.extract_tb(record.exc_info[2])
+    return not any('/orbax/' in frame.filename for frame in frames)
 
 
 def keep_freed_memory_on_cpu():
