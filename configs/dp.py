@@ -5,11 +5,11 @@ The baseline for configs/fsdp.py: the same classifier, the same trajectory.
   python -m ensemble.train --workdir=/tmp/dp --config=configs/dp.py --cpu_devices=8
 """
 
-from configs import default
+from configs import classic
 
 
 def get_config():
-  config = default.get_config()
+  config = classic.get_config()
   config.backend = 'dp'
   config.model = 'classifier'
   # All devices on the data axis (-1: as many as there are).

@@ -4,11 +4,11 @@
       [--config.mesh_shape='(4, 2)'] [--config.logical=True]
 """
 
-from configs import default
+from configs import classic
 
 
 def get_config():
-  config = default.get_config()
+  config = classic.get_config()
   config.backend = 'sharded'
   config.model = 'mlp'
   # (data, model) devices; their product must be the device count. One entry may be -1.
