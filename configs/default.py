@@ -21,8 +21,18 @@ def get_config() -> ml_collections.ConfigDict:
   config.ensemble_size = 0
   # Devices to use; 0 means all of them.
   config.num_devices = 0
+  # The ensembling method (ensemble/methods/): 'independent' (a deep ensemble), 'bagging' (each member its own
+  # bootstrap resample), 'hyper' (each member its own learning rate and weight decay, drawn log-uniformly from
+  # hyper_learning_rate and hyper_weight_decay), 'snapshot' (C = snapshot_cycles restarts of the schedule, every
+  # member keeping its parameters at the end of each; K x C snapshots averaged) or 'batchensemble' (members share
+  # their weights and differ in rank-1 factors; cnn or resnet).
+  config.method = 'independent'
+  config.hyper_learning_rate = (0.04, 0.12)
+  config.hyper_weight_decay = (1e-4, 1e-3)
+  config.snapshot_cycles = 5
   # 'shared': every member sees the same batches (the classic recipe). 'shuffled': each
-  # member its own order of the training set, for more diversity between members.
+  # member its own order of the training set, for more diversity between members. Method bagging sets
+  # 'bootstrap': each member its own resample.
   config.member_data = 'shuffled'
   # A tensorflow-datasets image-classification dataset ('mnist', 'fashion_mnist', 'cifar10', ...) and its
   # split names; used when data_dir is empty.

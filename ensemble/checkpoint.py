@@ -48,6 +48,28 @@ def signature(state: Any) -> dict[str, list]:
   return {path: [list(leaf.shape), str(leaf.dtype)] for path, leaf in sorted(flat.items())}
 
 
+def _empty(node: Any) -> bool:
+  return isinstance(node, dict) and not node
+
+
+def _fit_to_disk(target: Any, on_disk: Any) -> Any:
+  """`target` without the empty fields that `on_disk` lacks, so that checkpoints written before a field
+  existed still restore: a field that holds nothing for them (`TrainState.snapshots` outside a snapshot
+  ensemble) is no reason to set a checkpoint aside as damaged."""
+  if not isinstance(target, dict) or not isinstance(on_disk, dict):
+    return target
+  return {key: _fit_to_disk(value, on_disk.get(key)) for key, value in target.items()
+          if not (_empty(value) and key not in on_disk)}
+
+
+def _with_empty_fields(target: Any, restored: Any) -> Any:
+  """`restored` with the empty fields of `target` that `_fit_to_disk` left out put back."""
+  if not isinstance(target, dict):
+    return restored
+  return {key: {} if _empty(value) and key not in restored else _with_empty_fields(value, restored[key])
+          for key, value in target.items()}
+
+
 class DamagedCheckpoint(Exception):
   """A checkpoint that cannot be read back (a file cut short, missing or garbled), as opposed to one that
   does not fit the config (a UsageError): the first is worked around, the second refused."""
@@ -163,9 +185,11 @@ class Checkpointer:
     saved = self._read_meta(epoch)
     self._check_compatible(epoch, saved, {**meta, 'signature': signature(abstract_state)})
     target = serialization.to_state_dict(abstract_state)
-    restored = self._read(epoch, 'state', lambda path: self._state_handler.restore(
-        path, args=ocp.args.StandardRestore(target)))
-    return serialization.from_state_dict(abstract_state, restored)
+
+    def read(path):
+      fitted = _fit_to_disk(target, self._state_handler.metadata(path).tree)
+      return _with_empty_fields(target, self._state_handler.restore(path, args=ocp.args.StandardRestore(fitted)))
+    return serialization.from_state_dict(abstract_state, self._read(epoch, 'state', read))
 
   def check_fits(self, abstract_state: Any, meta: dict[str, Any]):
     """Refuses a config that the workdir's checkpoints do not fit, from their small JSON records alone.

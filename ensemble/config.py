@@ -5,16 +5,18 @@ from typing import Any, Sequence
 import jax
 import ml_collections
 
-from ensemble import backends, distributed, models, optim, steps
+from ensemble import backends, distributed, methods, models, optim, steps
 from ensemble.data import augment
 from ensemble.errors import UsageError
 
-MEMBER_DATA = ('shared', 'shuffled')
+MEMBER_DATA = ('shared', 'shuffled', 'bootstrap')
 # What decides which examples each member trains on, in which order, and which are held out for
 # `ensemble.evaluate`: a resume must keep these as the workdir was started with them. Add new dataset
 # fields here.
 DATA_SETTINGS = ('dataset', 'train_split', 'test_split', 'data_dir', 'heldout_fraction', 'seed', 'batch_size',
                  'member_data')
+# What else a resume must keep: another method's members have another state.
+RESUME_SETTINGS = DATA_SETTINGS + ('method',)
 MAX_SEED = 2**32 - 1  # jax.random.key folds larger seeds onto the same keys
 
 
@@ -35,6 +37,9 @@ def _check_single_model(config: ml_collections.ConfigDict):
   _require(config.ensemble_size in (0, 1),
            f'backend {backend!r} trains one model, not an ensemble: set --config.ensemble_size=1, or '
            'use backend pmap or jit for ensembles')
+  _require(methods.name(config) == 'independent',
+           f'backend {backend!r} trains one model, not an ensemble: leave --config.method at independent, or use '
+           'backend pmap or jit for the ensembling methods')
   _require(config.member_data == 'shared',
            f"backend {backend!r} trains one model: set --config.member_data=shared")
   _require(config.augment == 'none',
@@ -50,6 +55,9 @@ def resolve(config: ml_collections.ConfigDict,
   """Returns a validated copy of `config` with `ensemble_size` filled in, and the devices to use."""
   config = ml_collections.ConfigDict(config.to_dict())
   models.check(config)
+  method = methods.create(config)
+  if method.member_data:
+    config.member_data = method.member_data
   _require(config.augment in augment.AUGMENTATIONS,
            f'unknown augment {config.augment!r}: set --config.augment to one of {list(augment.AUGMENTATIONS)}')
   _require(config.backend in backends.NAMES,
@@ -93,7 +101,8 @@ def member(config: ml_collections.ConfigDict, data_info: dict[str, Any], steps_p
   image_shape = tuple(data_info['image_shape'])
   return steps.Member(model=models.create(config, data_info['num_classes'], image_shape),
                       tx=optim.create(config, steps_per_epoch), image_shape=image_shape,
-                      mean=tuple(data_info['mean']), std=tuple(data_info['std']), augment=config.augment)
+                      mean=tuple(data_info['mean']), std=tuple(data_info['std']), augment=config.augment,
+                      method=methods.create(config, steps_per_epoch))
 
 
 def data_info(image_shape: Sequence[int], num_classes: int, mean: Sequence[float], std: Sequence[float]) -> dict:
@@ -103,14 +112,15 @@ def data_info(image_shape: Sequence[int], num_classes: int, mean: Sequence[float
 
 
 def check_resume(config: ml_collections.ConfigDict, saved: dict[str, Any], path: str):
-  """Refuses to resume a workdir with other data settings than `saved` (its config.json) records.
+  """Refuses to resume a workdir with other data settings or another method than `saved` (its config.json) records.
 
   Other members' data, or a held-out slice the members were trained on, would
   make the checkpoints and the evaluation describe a run that never happened.
   Settings that `saved` lacks (a run from before they existed) are not compared.
   """
-  changed = [f'{key}={saved[key]!r} (now {config[key]!r})' for key in DATA_SETTINGS
+  changed = [f'{key}={saved[key]!r} (now {config[key]!r})' for key in RESUME_SETTINGS
              if key in saved and saved[key] != config[key]]
   _require(not changed,
-           f'{path} records {", ".join(changed)}: a resume must keep the data settings ({", ".join(DATA_SETTINGS)}); '
+           f'{path} records {", ".join(changed)}: a resume must keep the data settings and the method '
+           f'({", ".join(RESUME_SETTINGS)}); '
            'set them as recorded there, or train in a new --workdir')

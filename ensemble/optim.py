@@ -24,12 +24,12 @@ def _warmup_steps(config, steps_per_epoch: int) -> int:
   return int(round(config.warmup_epochs * steps_per_epoch))
 
 
+# Each spans `steps` optimizer steps: the whole run, or one cycle of a snapshot ensemble.
 SCHEDULES = {
-    'constant': lambda config, steps_per_epoch: optax.constant_schedule(config.learning_rate),
-    'cosine': lambda config, steps_per_epoch: optax.cosine_decay_schedule(
-        config.learning_rate, config.num_epochs * steps_per_epoch),
-    'warmup_cosine': lambda config, steps_per_epoch: optax.warmup_cosine_decay_schedule(
-        0.0, config.learning_rate, _warmup_steps(config, steps_per_epoch), config.num_epochs * steps_per_epoch),
+    'constant': lambda config, steps, warmup: optax.constant_schedule(config.learning_rate),
+    'cosine': lambda config, steps, warmup: optax.cosine_decay_schedule(config.learning_rate, steps),
+    'warmup_cosine': lambda config, steps, warmup: optax.warmup_cosine_decay_schedule(
+        0.0, config.learning_rate, warmup, steps),
 }
 
 
@@ -56,12 +56,34 @@ def _kernels(params):
   return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
-def create(config, steps_per_epoch: int) -> optax.GradientTransformation:
-  """The optimizer `config` describes; schedules span `config.num_epochs` epochs of `steps_per_epoch` steps."""
-  check(config)
-  schedule = SCHEDULES[config.schedule](config, steps_per_epoch)
+def schedule(config, steps_per_epoch: int) -> optax.Schedule:
+  """The learning rate by step: over `config.num_epochs` epochs, or restarted every cycle of a snapshot ensemble."""
+  cycles = config.snapshot_cycles if config.get('method') == 'snapshot' else 1
+  cycle_steps = config.num_epochs // cycles * steps_per_epoch
+  rate = SCHEDULES[config.schedule](config, cycle_steps, _warmup_steps(config, steps_per_epoch))
+  return rate if cycles == 1 else lambda count: rate(count % cycle_steps)
+
+
+def _recipe(config, learning_rate, weight_decay) -> optax.GradientTransformation:
   parts = [OPTIMIZERS[config.optimizer](config)]
-  if config.weight_decay:
-    parts.append(optax.add_decayed_weights(config.weight_decay, mask=_kernels))
-  parts.append(optax.scale_by_learning_rate(schedule))
+  if weight_decay is not None:
+    parts.append(optax.add_decayed_weights(weight_decay, mask=_kernels))
+  parts.append(optax.scale_by_learning_rate(learning_rate))
   return optax.chain(*parts)
+
+
+def create(config, steps_per_epoch: int) -> optax.GradientTransformation:
+  """The optimizer `config` describes; schedules span `config.num_epochs` epochs of `steps_per_epoch` steps.
+
+  For method 'hyper' the peak learning rate and the weight decay are arrays in
+  the optimizer state (`optax.inject_hyperparams`) that each member sets to its
+  own values (methods/hyper.py); the schedule's shape scales the member's rate.
+  """
+  check(config)
+  rate = schedule(config, steps_per_epoch)
+  if config.get('method') != 'hyper':
+    return _recipe(config, rate, config.weight_decay or None)
+  shape = lambda count: rate(count) / config.learning_rate
+  per_member = lambda learning_rate, weight_decay: _recipe(
+      config, lambda count: learning_rate * shape(count), weight_decay)
+  return optax.inject_hyperparams(per_member)(learning_rate=config.learning_rate, weight_decay=config.weight_decay)

@@ -13,9 +13,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax import struct
 from flax.training import train_state
 
 from ensemble.data import augment as augment_lib
+from ensemble.methods.independent import Independent
 
 AxisName = str | Sequence[str]
 Metrics = dict[str, jnp.ndarray]
@@ -29,9 +31,12 @@ class TrainState(train_state.TrainState):
   array that checkpoints store like any other): each step's augmentation and
   dropout keys are folded from it and the step, so they depend on the seed, the
   member index and the step only, and an exact resume draws the same ones.
+  `snapshots` holds what a method keeps besides the parameters (a snapshot
+  ensemble's snapshots; {} for the others).
   """
   batch_stats: Any
   key: jax.Array
+  snapshots: Any = struct.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -40,7 +45,9 @@ class Member:
 
   One object describes all members; they differ only in their `TrainState`.
   Images arrive as uint8 pixels (or floats in [0, 1]) and are normalised with
-  the training split's per-channel `mean` and `std` on the device.
+  the training split's per-channel `mean` and `std` on the device. `method`
+  (ensemble/methods/) is the ensembling method: how a member starts, what it
+  keeps after each step and what it predicts.
   """
   model: nn.Module
   tx: optax.GradientTransformation
@@ -48,6 +55,7 @@ class Member:
   mean: tuple[float, ...] = (0.0,)
   std: tuple[float, ...] = (1.0,)
   augment: str = 'none'
+  method: Any = Independent()
 
   def prepare(self, images: jnp.ndarray, key: jax.Array | None = None) -> jnp.ndarray:
     """Pixels -> the model's input; with a `key`, augmented first (training only)."""
@@ -61,8 +69,9 @@ class Member:
     """A fresh member from its key: the parameters from one half, the member's own `key` from the other."""
     init_key, own_key = jax.random.split(key)
     variables = self.model.init(init_key, jnp.zeros((1, *self.image_shape), jnp.float32), train=False)
-    return TrainState.create(apply_fn=self.model.apply, params=variables['params'], tx=self.tx,
-                             batch_stats=variables.get('batch_stats', {}), key=jax.random.key_data(own_key))
+    state = TrainState.create(apply_fn=self.model.apply, params=variables['params'], tx=self.tx,
+                              batch_stats=variables.get('batch_stats', {}), key=jax.random.key_data(own_key))
+    return self.method.init(self, state, key)
 
   def apply(self, state: TrainState, params, images: jnp.ndarray, *, train: bool,
             key: jax.Array | None = None) -> tuple[jnp.ndarray, Any]:
@@ -81,8 +90,15 @@ class Member:
     """One optimizer step of one member on its batch, augmented with the member's own key for this step.
 
     Members train independently (that is what makes a deep ensemble), so there
-    is no collective here: the ensemble only meets at prediction time.
+    is no collective here: the ensemble only meets at prediction time. Methods
+    whose members share weights split the step in two (`gradients`, then
+    `update`) and average the shared gradients in between (`backends.train_functions`).
     """
+    return self.update(state, *self.gradients(state, images, labels))
+
+  def gradients(self, state: TrainState, images: jnp.ndarray,
+                labels: jnp.ndarray) -> tuple[Any, tuple[Any, Metrics]]:
+    """(gradients, (updated batch statistics, metrics)) of one member's step."""
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
     augment_key, dropout_key = jax.random.split(step_key)
     inputs = self.prepare(images, augment_key)
@@ -93,11 +109,20 @@ class Member:
 
     (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
+    return grads, (batch_stats, {'loss': loss, 'accuracy': accuracy})
+
+  def update(self, state: TrainState, grads, aux: tuple[Any, Metrics]) -> tuple[TrainState, Metrics]:
+    """Applies a step's gradients; the method then keeps what it keeps (a snapshot at a cycle's end)."""
+    batch_stats, metrics = aux
     state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
-    return state, {'loss': loss, 'accuracy': accuracy}
+    return self.method.after_update(state), metrics
 
   def predict(self, state: TrainState, images: jnp.ndarray) -> jnp.ndarray:
-    """One member's logits at test time (BatchNorm's running averages): shared by evaluation and the eval step."""
+    """One member's logits (or log-probabilities) at test time: shared by evaluation, the eval step and export."""
+    return self.method.predict(self, state, images)
+
+  def logits(self, state: TrainState, images: jnp.ndarray) -> jnp.ndarray:
+    """The logits of the member's current parameters (BatchNorm's running averages)."""
     logits, _ = self.apply(state, state.params, self.prepare(images), train=False)
     return logits
 

@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import time
 from typing import Any
 
 import jax
@@ -32,8 +33,9 @@ def evaluate(backend, state, split: data.Split, batch_size: int) -> dict[str, An
   return metrics.EvalMetrics.single_from_model_output(**outputs, mask=np.concatenate(masks)).compute()
 
 
-def _epoch_summary(train: dict[str, Any], test: dict[str, Any], epoch: int) -> dict[str, float]:
-  summary = {'epoch': epoch,
+def _epoch_summary(train: dict[str, Any], test: dict[str, Any], epoch: int, train_seconds: float) -> dict[str, float]:
+  """The line metrics.jsonl gets for `epoch`; `train_seconds` is its training time (the first epoch's compiles too)."""
+  summary = {'epoch': epoch, 'train_seconds': train_seconds,
              'train_loss': train['loss'], 'train_accuracy': train['accuracy'],
              'test_loss': test['loss'], 'test_accuracy': test['accuracy']}
   for i, (loss, accuracy) in enumerate(zip(test['member_loss'], test['member_accuracy'])):
@@ -165,6 +167,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple
     train_outputs = []
     progress = console.Progress(steps_per_epoch, f'epoch {epoch}/{config.num_epochs}',
                                 items_per_step=config.batch_size * config.ensemble_size)
+    started = time.perf_counter()
     for start in range(0, len(indices), steps_per_dispatch):
       chunk = indices[start:start + steps_per_dispatch]
       with jax.profiler.StepTraceAnnotation('train', step_num=step):
@@ -180,9 +183,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple
       progress.update(len(chunk), chunk_metrics)
     train_outputs = jax.tree.map(
         lambda *xs: np.concatenate([x.reshape(config.ensemble_size, -1) for x in xs], axis=1), *train_outputs)
+    train_seconds = time.perf_counter() - started
     train = metrics.TrainMetrics.single_from_model_output(**train_outputs).compute()
     test = evaluate(backend, state, dataset.test, config.eval_batch_size)
-    summary = _epoch_summary(train, test, epoch)
+    summary = _epoch_summary(train, test, epoch, train_seconds)
     canonical = backend.to_canonical(state)
     nonfinite = checkpoint.nonfinite_members(canonical, config.ensemble_size)
     if nonfinite:

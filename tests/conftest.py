@@ -16,7 +16,7 @@ import struct
 import numpy as np
 import pytest
 
-from configs import default
+from configs import classic
 from ensemble import config as config_lib, steps
 
 # The tests' MNIST-shaped members: 28x28x1 pixels scaled to [0, 1] and not standardised (mean 0, std 1),
@@ -63,9 +63,14 @@ def mnist_dir(tmp_path) -> str:
   return write_mnist(str(tmp_path / 'mnist'))
 
 
+def timeless(lines: list[dict]) -> list[dict]:
+  """metrics.jsonl lines without `train_seconds`: what two runs of the same steps must agree on."""
+  return [{k: v for k, v in line.items() if k != 'train_seconds'} for line in lines]
+
+
 def small_config(data_dir: str, **overrides):
   """A small, fast config on the synthetic data in `data_dir`; keyword arguments override fields."""
-  config = default.get_config()
+  config = classic.get_config()
   config.data_dir = data_dir
   config.num_epochs = 1
   config.batch_size = 32
@@ -79,8 +84,8 @@ def small_config(data_dir: str, **overrides):
 
 
 def make_member(config=None, data_info=MNIST_INFO, **overrides) -> steps.Member:
-  """The member that `config` (default: configs/default.py) with `overrides` describes."""
-  config = (config or default.get_config()).copy_and_resolve_references()
+  """The member that `config` (default: configs/classic.py, unaugmented and cheap) with `overrides` describes."""
+  config = (config or classic.get_config()).copy_and_resolve_references()
   config.update(overrides)
   return config_lib.member(config, data_info)
 

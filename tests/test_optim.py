@@ -13,6 +13,7 @@ from ensemble.errors import UsageError
 
 def _config(**overrides):
   config = default.get_config()
+  config.schedule, config.weight_decay = 'constant', 0.0  # each test names the parts it checks
   config.update(overrides)
   return config
 

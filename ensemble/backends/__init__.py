@@ -120,6 +120,37 @@ def map_members(fn, in_axes: Sequence[int | None], devices: Sequence[jax.Device]
   return mapped
 
 
+def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_axis: int | None):
+  """(one step, many steps) of the members a device holds, inside pmap or shard_map over 'ensemble'.
+
+  `data_axis` is 0 when each member has its own batch, None when all share it.
+  Members train independently: each one's `train_step`, mapped with
+  `map_members`, and the fast path's `steps.train_steps` per member. When the
+  method's members share weights (BatchEnsemble) a step is one program over
+  the device's members: their gradients, the shared ones averaged over all
+  members (`method.average_shared`), then each member's update; the fast path
+  loops over such steps.
+  """
+  unroll = unrolls(devices)
+  if not member.method.shares_weights:
+    many = functools.partial(steps.train_steps, step_fn=member.train_step, unroll=unroll)
+    return (map_members(member.train_step, (0, data_axis, data_axis), devices),
+            map_members(many, (0, None, None, data_axis), devices))
+  gradients = map_members(member.gradients, (0, data_axis, data_axis), devices)
+
+  def one(state, images, labels):
+    grads, aux = gradients(state, images, labels)
+    return jax.vmap(member.update)(state, member.method.average_shared(grads, ENSEMBLE_AXIS), aux)
+
+  def many(state, images, labels, indices):
+    """`indices` (M, S, batch) per member, or (S, batch) shared; metrics come back (M, S) like the others'."""
+    if data_axis is not None:
+      indices = jax.numpy.moveaxis(indices, 0, 1)
+    state, metrics = steps.train_steps(state, images, labels, indices, step_fn=one, unroll=unroll)
+    return state, jax.tree.map(lambda x: jax.numpy.moveaxis(x, 0, 1), metrics)
+  return one, many
+
+
 def evaluate_members(member: steps.Member, devices: Sequence[jax.Device]):
   """`member.eval_step` for the members a device holds, inside pmap or shard_map over 'ensemble'.
 

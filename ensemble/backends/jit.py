@@ -20,8 +20,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
-from ensemble.backends import (ENSEMBLE_AXIS, abstract_member_state, ensemble_mesh, gathering_batches,
-                               evaluate_members, map_members, unrolls)
+from ensemble.backends import (ENSEMBLE_AXIS, abstract_member_state, ensemble_mesh, evaluate_members,
+                               gathering_batches, train_functions)
 
 
 class JitBackend:
@@ -58,14 +58,11 @@ class JitBackend:
                      donate_argnums=donate)
 
     self._init = compile_mapped(jax.vmap(member.init), members, members)
-    train = map_members(member.train_step, (0, data_axis, data_axis), self.devices)
+    train, many = train_functions(member, self.devices, data_axis)
     self._train = compile_mapped(
         gather(train) if self._shared_data else train, (members, data_spec, data_spec), (members, members),
         donate=0)
-    many = functools.partial(steps.train_steps, step_fn=member.train_step, unroll=unrolls(self.devices))
-    self._train_steps = compile_mapped(
-        map_members(many, (0, None, None, data_axis), self.devices),
-        (members, whole, whole, index_spec), (members, members), donate=0)
+    self._train_steps = compile_mapped(many, (members, whole, whole, index_spec), (members, members), donate=0)
     self._eval = compile_mapped(
         gather(evaluate_members(member, self.devices)),
         (members, batch_spec, batch_spec), members)

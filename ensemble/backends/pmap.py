@@ -17,8 +17,8 @@ from flax import jax_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
-from ensemble.backends import (ENSEMBLE_AXIS, abstract_member_state, gathering_batches, member_sharding,
-                               evaluate_members, map_members, unrolls)
+from ensemble.backends import (ENSEMBLE_AXIS, abstract_member_state, evaluate_members, gathering_batches,
+                               member_sharding, train_functions)
 
 
 class PmapBackend:
@@ -40,11 +40,9 @@ class PmapBackend:
     data_axis = None if self._shared_data else 0
     pmap = functools.partial(jax.pmap, axis_name=ENSEMBLE_AXIS, devices=self.devices)
     self._init = pmap(jax.vmap(member.init))
-    train = map_members(member.train_step, (0, data_axis, data_axis), self.devices)
+    train, many = train_functions(member, self.devices, data_axis)
     self._train = pmap(whole(train) if self._shared_data else train, donate_argnums=0)
-    many = functools.partial(steps.train_steps, step_fn=member.train_step, unroll=unrolls(self.devices))
-    self._train_steps = pmap(map_members(many, (0, None, None, data_axis), self.devices),
-                             donate_argnums=0)
+    self._train_steps = pmap(many, donate_argnums=0)
     self._eval = pmap(whole(evaluate_members(member, self.devices)))
 
   def _by_device(self, x: np.ndarray) -> np.ndarray:

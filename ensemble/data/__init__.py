@@ -12,11 +12,11 @@ import numpy as np
 
 from ensemble.data import idx, npz, tfds
 from ensemble.data.base import DataError, Dataset, Split
-from ensemble.data.batches import (eval_batches, epoch_order, hold_out, steps_per_epoch, train_batch_indices,
-                                   train_batches)
+from ensemble.data.batches import (bootstrap, eval_batches, epoch_order, hold_out, steps_per_epoch,
+                                   train_batch_indices, train_batches)
 
-__all__ = ['DataError', 'Dataset', 'Split', 'SOURCES', 'channel_stats', 'load', 'eval_batches', 'epoch_order',
-           'hold_out', 'steps_per_epoch', 'train_batch_indices', 'train_batches']
+__all__ = ['DataError', 'Dataset', 'Split', 'SOURCES', 'bootstrap', 'channel_stats', 'load', 'eval_batches',
+           'epoch_order', 'hold_out', 'steps_per_epoch', 'train_batch_indices', 'train_batches']
 
 _STATS_CHUNK_BYTES = 1 << 24
 

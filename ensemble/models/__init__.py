@@ -22,6 +22,11 @@ class Entry:
   why: str = ''
 
 
+def _rank1(config) -> bool:
+  """BatchEnsemble members are the model with rank-1 layers (models/rank1.py)."""
+  return config.get('method') == 'batchensemble'
+
+
 def _check_resnet(config):
   depth = config.resnet_depth
   if depth < 8 or (depth - 2) % 6:
@@ -32,9 +37,10 @@ def _check_resnet(config):
 
 
 MODELS = {
-    'cnn': Entry(lambda config, num_classes: cnn.CNN(num_classes=num_classes), min_image_size=4,
+    'cnn': Entry(lambda config, num_classes: cnn.CNN(num_classes=num_classes, rank1=_rank1(config)), min_image_size=4,
                  why='its two 2x2 poolings need at least 4x4 pixels'),
-    'resnet': Entry(lambda config, num_classes: resnet.ResNet(config.resnet_depth, config.resnet_width, num_classes),
+    'resnet': Entry(lambda config, num_classes: resnet.ResNet(
+        config.resnet_depth, config.resnet_width, num_classes, rank1=_rank1(config)),
                     check=_check_resnet),
     'mlp': Entry(lambda config, num_classes: mlp.MLP(config.num_layers, config.depth, use_scan=config.use_scan,
                                                      logical=config.logical, num_classes=num_classes)),

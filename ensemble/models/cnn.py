@@ -3,6 +3,8 @@
 import flax.linen as nn
 import jax.numpy as jnp
 
+from ensemble.models import rank1 as rank1_layers
+
 
 class CNN(nn.Module):
   """Two 3x3 convolutions with average pooling, then two dense layers.
@@ -11,14 +13,16 @@ class CNN(nn.Module):
   whatever size is left, so any image shape and channel count fits.
   """
   num_classes: int = 10
+  rank1: bool = False  # BatchEnsemble's layers (models/rank1.py)
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
     del train  # no dropout or batch statistics
-    x = nn.relu(nn.Conv(features=32, kernel_size=(3, 3))(x))
+    conv, dense = (rank1_layers.Conv, rank1_layers.Dense) if self.rank1 else (nn.Conv, nn.Dense)
+    x = nn.relu(conv(features=32, kernel_size=(3, 3))(x))
     x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
-    x = nn.relu(nn.Conv(features=64, kernel_size=(3, 3))(x))
+    x = nn.relu(conv(features=64, kernel_size=(3, 3))(x))
     x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
     x = x.reshape((x.shape[0], -1))
-    x = nn.relu(nn.Dense(features=256)(x))
-    return nn.Dense(features=self.num_classes)(x)
+    x = nn.relu(dense(features=256)(x))
+    return dense(features=self.num_classes)(x)

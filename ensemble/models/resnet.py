@@ -11,6 +11,8 @@ import functools
 import flax.linen as nn
 import jax.numpy as jnp
 
+from ensemble.models import rank1 as rank1_layers
+
 STAGE_FILTERS = (16, 32, 64)
 
 
@@ -18,11 +20,13 @@ class BasicBlock(nn.Module):
   """Two 3x3 convolutions and a shortcut; a 1x1 projection where the shape changes."""
   filters: int
   strides: int = 1
+  rank1: bool = False
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool) -> jnp.ndarray:
     norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5)
-    conv = functools.partial(nn.Conv, use_bias=False, kernel_init=nn.initializers.he_normal())
+    conv = functools.partial(rank1_layers.Conv if self.rank1 else nn.Conv, use_bias=False,
+                             kernel_init=nn.initializers.he_normal())
     y = nn.relu(norm()(conv(self.filters, (3, 3), strides=self.strides)(x)))
     # A zero-initialised last scale makes each block start as the identity (Goyal et al. 2017).
     y = norm(scale_init=nn.initializers.zeros_init())(conv(self.filters, (3, 3))(y))
@@ -35,15 +39,17 @@ class ResNet(nn.Module):
   depth: int = 20
   width: int = 1
   num_classes: int = 10
+  rank1: bool = False  # BatchEnsemble's layers (models/rank1.py)
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+    conv, dense = (rank1_layers.Conv, rank1_layers.Dense) if self.rank1 else (nn.Conv, nn.Dense)
     blocks_per_stage = (self.depth - 2) // 6
-    x = nn.Conv(16 * self.width, (3, 3), use_bias=False, kernel_init=nn.initializers.he_normal())(x)
+    x = conv(16 * self.width, (3, 3), use_bias=False, kernel_init=nn.initializers.he_normal())(x)
     x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)(x))
     for stage, filters in enumerate(STAGE_FILTERS):
       for block in range(blocks_per_stage):
         strides = 2 if stage > 0 and block == 0 else 1
-        x = BasicBlock(filters * self.width, strides)(x, train)
+        x = BasicBlock(filters * self.width, strides, self.rank1)(x, train)
     x = jnp.mean(x, axis=(1, 2))
-    return nn.Dense(self.num_classes)(x)
+    return dense(self.num_classes)(x)

@@ -1,0 +1,81 @@
+"""Ensembling methods, chosen by `config.method`: what makes the K members differ, and what each one predicts.
+
+A method is a small frozen object that `steps.Member` consults at four points:
+`init` (a member's fresh state), `after_update` (after each optimizer step),
+`predict` (a member's test-time output) and, for methods whose members share
+weights, `average_shared` (their gradients, inside the backends' step). Data
+order comes from `member_data`. Everything else (backends, checkpoints,
+`ensemble.evaluate`, `ensemble.predict`) sees K members like any others, so
+every method runs on both ensemble backends and is scored by the same report.
+
+  independent    members differ by initialisation, data order and augmentation (Lakshminarayanan et al. 2017)
+  bagging        ... and each trains on its own bootstrap resample of the training split (Breiman 1996)
+  hyper          ... and each has its own learning rate and weight decay (Wenzel et al. 2020)
+  snapshot       each member keeps C snapshots along a cyclic schedule; K x C are averaged (Huang et al. 2017)
+  batchensemble  members share their weights and differ in rank-1 factors (Wen et al. 2020)
+"""
+
+import math
+
+from ensemble.errors import UsageError
+from ensemble.methods import batchensemble, hyper, snapshot
+from ensemble.methods.independent import Independent
+
+METHODS = {
+    'independent': lambda config, steps_per_epoch: Independent(),
+    'bagging': lambda config, steps_per_epoch: Independent(name='bagging', member_data='bootstrap'),
+    'hyper': lambda config, steps_per_epoch: hyper.Hyper.from_config(config),
+    'snapshot': lambda config, steps_per_epoch: snapshot.Snapshot.from_config(config, steps_per_epoch),
+    'batchensemble': lambda config, steps_per_epoch: batchensemble.BatchEnsemble(seed=config.seed),
+}
+NAMES = tuple(METHODS)
+# The models whose layers have rank-1 versions (models/rank1.py).
+RANK1_MODELS = ('cnn', 'resnet')
+
+
+def name(config) -> str:
+  """`config.method`; runs saved before methods existed were independent ensembles."""
+  return config.get('method', 'independent')
+
+
+def _require(ok: bool, message: str):
+  if not ok:
+    raise UsageError(message)
+
+
+def check(config):
+  """Refuses an unknown method or options it cannot use, before any data is read."""
+  method = name(config)
+  _require(method in METHODS, f'unknown method {method!r}: set --config.method to one of {list(NAMES)}')
+  if method == 'hyper':
+    for field in ('hyper_learning_rate', 'hyper_weight_decay'):
+      value = config[field]
+      _require(isinstance(value, (tuple, list)) and len(value) == 2
+               and all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in value)
+               and value[0] <= value[1],
+               f'{field}={value!r} must be a range (low, high) of positive numbers with low <= high, '
+               f"e.g. --config.{field}='(0.05, 0.2)'")
+  if method == 'snapshot':
+    cycles, epochs = config.snapshot_cycles, config.num_epochs
+    _require(isinstance(cycles, int) and cycles >= 1 and epochs % cycles == 0,
+             f'snapshot_cycles={cycles} must be a positive divisor of num_epochs={epochs}: each cycle spans '
+             f'whole epochs; set --config.snapshot_cycles to one of '
+             f'{[c for c in range(1, epochs + 1) if epochs % c == 0]}')
+    _require(config.warmup_epochs < epochs // cycles,
+             f'warmup_epochs={config.warmup_epochs} must be shorter than a snapshot cycle '
+             f'({epochs // cycles} epochs): lower --config.warmup_epochs or --config.snapshot_cycles')
+    _require(config.schedule != 'constant',
+             'method snapshot restarts the learning-rate schedule each cycle, and a constant rate has nothing to '
+             'restart: set --config.schedule=cosine')
+  if method == 'batchensemble':
+    _require(config.model in RANK1_MODELS,
+             f'method batchensemble needs a model with rank-1 layers, one of {list(RANK1_MODELS)}, not '
+             f'{config.model!r}: set --config.model=cnn')
+  _require(config.member_data != 'bootstrap' or method == 'bagging',
+           "member_data='bootstrap' is what method bagging sets: run with --config.method=bagging instead")
+
+
+def create(config, steps_per_epoch: int = 1):
+  """The method `config` names. `steps_per_epoch` sets the snapshot cycles' length (only training needs it)."""
+  check(config)
+  return METHODS[name(config)](config, steps_per_epoch)

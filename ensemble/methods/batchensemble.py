@@ -1,0 +1,60 @@
+"""BatchEnsemble (Wen et al. 2020): K members that share their weights and differ in rank-1 fast factors.
+
+The members are the model built with rank-1 layers (models/rank1.py). Their
+shared weights (the parameters under a 'shared' layer) start equal, from the
+seed alone, and stay equal: inside each step the backends average the
+members' gradients of those weights over the device's members and, with
+`lax.pmean`, over the devices, so every member applies the same update. The
+fast factors, biases and BatchNorm statistics are the member's own and live
+with it on the 'ensemble' axis like any member state.
+
+Each device keeps one copy of the shared weights per member it holds: with
+one member per device that is the replicated layout; checkpoints and the
+evaluation see K ordinary members. `num_params` counts the shared weights once.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from ensemble.methods.independent import Independent
+
+# fold_in tag for the shared weights' key, so that they differ from every member's own parameters.
+_SHARED_INIT = 0x5368_6172
+
+
+def is_shared(params):
+  """True for the leaves of `params` that all members share: those under a rank-1 layer's 'shared' layer."""
+  return traverse_util.path_aware_map(lambda path, _: 'shared' in path, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchEnsemble(Independent):
+  name: str = 'batchensemble'
+  seed: int = 0
+  shares_weights = True
+
+  def init(self, member, state, key: jax.Array):
+    """The member's own factors from its key; the shared weights from the seed, the same for every member."""
+    del key
+    shared_key = jax.random.fold_in(jax.random.key(self.seed), _SHARED_INIT)
+    reference = member.model.init(shared_key, jnp.zeros((1, *member.image_shape), jnp.float32), train=False)
+    params = jax.tree.map(lambda own, common, shared: common if shared else own,
+                          state.params, reference['params'], is_shared(state.params))
+    return state.replace(params=params, opt_state=state.tx.init(params))
+
+  def average_shared(self, grads, axis_name: str):
+    """Gradients of a device's members, (M, ...) per leaf: the shared ones replaced by their mean over all members."""
+    def average(grad, shared):
+      if not shared:
+        return grad
+      mean = jax.lax.pmean(jnp.mean(grad, axis=0), axis_name)
+      return jnp.broadcast_to(mean, grad.shape)
+    return jax.tree.map(average, grads, is_shared(grads))
+
+  def num_params(self, params, ensemble_size: int) -> int:
+    shared = is_shared(params)
+    sizes = jax.tree.map(lambda leaf, s: leaf.size * (1 if s else ensemble_size), params, shared)
+    return sum(jax.tree.leaves(sizes))
