@@ -155,6 +155,10 @@ def main():
     json.dump(rows, f, indent=2)
   text = table(rows, args.angle)
   print(text)
+  for row in rows:
+    if row['ensemble']['nll'] >= row['best_member']['nll']:
+      print(f"warning: {row['method']}'s ensemble NLL {row['ensemble']['nll']:.4f} does not beat its best member's "
+            f"{row['best_member']['nll']:.4f}", file=sys.stderr)
   if args.markdown:
     with open(args.markdown, 'w', encoding='utf-8') as f:
       f.write(text + '\n')

@@ -134,11 +134,12 @@ def test_snapshots_are_kept_at_each_cycles_end_and_averaged(trained):
 
 
 def test_a_snapshot_run_resumes_exactly(trained, tmp_path):
-  config, _, straight, _ = trained('snapshot')
-  # Interrupted after the first of its two cycles: the resume restores the kept snapshot and goes on.
-  trainer.train_and_evaluate(config, str(tmp_path / 'b'))
+  config, workdir, straight, _ = trained('snapshot')
+  # As if interrupted after the first of its two cycles: the resume restores the kept snapshot and goes on.
+  shutil.copytree(workdir, tmp_path / 'b')
   shutil.rmtree(os.path.join(tmp_path, 'b', 'checkpoints', '2'))
   resumed, _ = trainer.train_and_evaluate(config, str(tmp_path / 'b'))
+  np.testing.assert_array_equal(np.asarray(resumed.snapshots['count']), 2)
   _tree_equal(resumed.snapshots, straight.snapshots)
   _tree_equal(resumed.params, straight.params)
 
