@@ -5,11 +5,31 @@ import os
 import sys
 import tempfile
 import traceback
+from typing import Callable, Sequence
 
-from absl import logging as absl_logging
+from absl import app, logging as absl_logging
 import jax
 
-from ensemble import host_memory
+from ensemble import console, host_memory
+from ensemble.errors import UsageError
+
+
+def run(argv: Sequence[str], program: str, body: Callable[[], None], exit_: Callable[[int], None] = sys.exit):
+  """The frame of every program's `main`: no stray arguments, quiet libraries, the logging flags applied,
+  then `body()`; a UsageError it raises ends the program with one `error:` line and exit status 2.
+
+  `exit_` is how to exit (train.py's skips jax.distributed's shutdown barrier).
+  """
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  absl_logging.get_absl_logger().addFilter(QuietLibraries())
+  ignore_closed_event_loops()
+  try:
+    console.setup(program)
+    body()
+  except UsageError as e:
+    print(f'error: {e}', file=sys.stderr)
+    exit_(2)
 
 
 class QuietLibraries:

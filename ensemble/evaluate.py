@@ -15,7 +15,6 @@ import functools
 import json
 import math
 import os
-import sys
 from typing import Any, Sequence
 
 from ensemble import console
@@ -491,18 +490,11 @@ def _parse_alphas(values: Sequence[str]) -> list[float]:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  logging.get_absl_logger().addFilter(cli.QuietLibraries())
-  cli.ignore_closed_event_loops()  # a damaged checkpoint's failed reads leave them too
-  try:
-    console.setup('ensemble.evaluate')
+  def body():
     cli.keep_freed_memory_on_cpu()
     evaluate(FLAGS.workdir, data_dir=FLAGS.data_dir, step=FLAGS.step, output_dir=FLAGS.output_dir,
              angles=_parse_angles(FLAGS.angles), ood_names=FLAGS.ood, alphas=_parse_alphas(FLAGS.alpha))
-  except UsageError as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(2)
+  cli.run(argv, 'ensemble.evaluate', body)  # a damaged checkpoint's failed reads leave closed event loops too
 
 
 if __name__ == '__main__':

@@ -16,7 +16,6 @@ are constants of the program, so the file is about their size.
 """
 
 import os
-import sys
 from typing import Callable, Sequence
 
 from ensemble import console
@@ -87,17 +86,11 @@ def write(workdir: str, output: str, step: int | None = None,
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  logging.get_absl_logger().addFilter(cli.QuietLibraries())
-  try:
-    console.setup('ensemble.export')
+  def body():
     if not FLAGS.workdir:
       raise UsageError('--workdir is required: a folder trained by python -m ensemble.train')
     write(FLAGS.workdir, FLAGS.output, FLAGS.step, FLAGS.platforms)
-  except UsageError as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(2)
+  cli.run(argv, 'ensemble.export', body)
 
 
 def define_flags():

@@ -280,19 +280,13 @@ def predict_files(workdir: str, input_path: str, output: str | None = None, *, s
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  logging.get_absl_logger().addFilter(cli.QuietLibraries())
-  try:
-    console.setup('ensemble.predict')
+  def body():
     if not FLAGS.workdir:
       raise UsageError('--workdir is required: a folder trained by python -m ensemble.train')
     cli.keep_freed_memory_on_cpu()
     predict_files(FLAGS.workdir, FLAGS.input, FLAGS.output, step=FLAGS.step, array=FLAGS.array, flag=FLAGS.flag,
                   flag_risk=FLAGS.flag_risk, data_dir=FLAGS.data_dir, batch_size=FLAGS.batch_size or None)
-  except UsageError as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(2)
+  cli.run(argv, 'ensemble.predict', body)
 
 
 def define_flags():

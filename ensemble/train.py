@@ -19,7 +19,6 @@ import jax  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
 from ensemble import cli, distributed, trainer  # pylint: disable=g-import-not-at-top
-from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics.jsonl and TensorBoard events go.')
@@ -58,24 +57,19 @@ def _exit(code: int):
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  logging.get_absl_logger().addFilter(cli.QuietLibraries())
-  cli.ignore_closed_event_loops()
-  if FLAGS.cpu_devices:
+  if FLAGS.cpu_devices:  # before JAX picks its backend
     jax.config.update('jax_num_cpu_devices', FLAGS.cpu_devices)
-  try:
-    console.setup('ensemble.train')
-    distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-                           initialization_timeout=FLAGS.initialization_timeout,
-                           heartbeat_timeout=FLAGS.heartbeat_timeout)
-    logging.info('Process %d of %d; JAX devices: %s', jax.process_index(), jax.process_count(), jax.devices())
-    cli.keep_freed_memory_on_cpu()
-    _, summary = trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
-    console.log_training_summary(FLAGS.workdir, summary)
-  except UsageError as e:
-    print(f'error: {e}', file=sys.stderr)
-    _exit(2)
+  cli.run(argv, 'ensemble.train', _train, exit_=_exit)
+
+
+def _train():
+  distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                         initialization_timeout=FLAGS.initialization_timeout,
+                         heartbeat_timeout=FLAGS.heartbeat_timeout)
+  logging.info('Process %d of %d; JAX devices: %s', jax.process_index(), jax.process_count(), jax.devices())
+  cli.keep_freed_memory_on_cpu()
+  _, summary = trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  console.log_training_summary(FLAGS.workdir, summary)
 
 
 if __name__ == '__main__':

@@ -63,6 +63,19 @@ def mnist_dir(tmp_path) -> str:
   return write_mnist(str(tmp_path / 'mnist'))
 
 
+def run_main(main, program: str, *args: str) -> int:
+  """Runs a program's absl `main` in this process with the command-line `args`; returns its exit status."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.FLAGS([program, *args])
+  try:
+    main([program])
+  except SystemExit as e:
+    return e.code
+  finally:
+    flags.FLAGS.unparse_flags()
+  return 0
+
+
 def timeless(lines: list[dict]) -> list[dict]:
   """metrics.jsonl lines without `train_seconds`: what two runs of the same steps must agree on."""
   return [{k: v for k, v in line.items() if k != 'train_seconds'} for line in lines]

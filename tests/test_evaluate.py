@@ -11,9 +11,8 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
-from absl import flags
 
-from conftest import small_config, synthetic_mnist, write_idx, write_mnist
+from conftest import run_main, small_config, synthetic_mnist, write_idx, write_mnist
 from ensemble import calibration, data, evaluate, trainer, writers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,13 +136,7 @@ def _untrained(workdir, tmp_path):
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(workdir, tmp_path, capsys, make_args, message):
   args = [*make_args(workdir, tmp_path), '--output_dir', str(tmp_path / 'eval')]
-  flags.FLAGS(['evaluate', *args])
-  try:
-    with pytest.raises(SystemExit) as exit_:
-      evaluate.main(['evaluate'])
-  finally:
-    flags.FLAGS.unparse_flags()
-  assert exit_.value.code == 2
+  assert run_main(evaluate.main, 'evaluate', *args) == 2
   errors = capsys.readouterr().err.strip().splitlines()
   assert len(errors) == 1 and errors[0].startswith(message.format(tmp=tmp_path, workdir=workdir)), errors
   assert not (tmp_path / 'eval').exists()
@@ -202,12 +195,8 @@ def test_the_temperature_is_fitted_on_the_held_out_slices_ensemble_mean(tmp_path
 
 def test_ood_detection_selective_prediction_and_conformal_sets(workdir, tmp_path):
   out = tmp_path / 'eval'
-  flags.FLAGS(['evaluate', '--workdir', workdir, '--output_dir', str(out), '--angles=0',
-               '--ood=uniform_noise,permuted_pixels', '--alpha=0.2,0.01'])
-  try:
-    evaluate.main(['evaluate'])
-  finally:
-    flags.FLAGS.unparse_flags()
+  assert run_main(evaluate.main, 'evaluate', '--workdir', workdir, '--output_dir', str(out), '--angles=0',
+                  '--ood=uniform_noise,permuted_pixels', '--alpha=0.2,0.01') == 0
   text = (out / 'metrics.json').read_text()
   results = json.loads(text, parse_constant=lambda name: pytest.fail(f'metrics.json holds {name}, not JSON'))
   for png in ('ood_scores.png', 'risk_coverage.png'):

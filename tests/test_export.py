@@ -7,9 +7,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-from absl import flags
 
-from conftest import small_config, write_mnist
+from conftest import run_main, small_config, write_mnist
 from ensemble import data, export, predict, trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,13 +73,7 @@ def test_the_cli_writes_what_a_service_runs_with_jax_alone(trained, tmp_path):
     ([], 'error: --output is required'),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained, tmp_path, capsys, args, message):
-  flags.FLAGS(['export', '--workdir', trained['workdir'], *(a.format(tmp=tmp_path) for a in args)])
-  try:
-    with pytest.raises(SystemExit) as exit_:
-      export.main(['export'])
-  finally:
-    flags.FLAGS.unparse_flags()
-  assert exit_.value.code == 2
+  assert run_main(export.main, 'export', '--workdir', trained['workdir'], *(a.format(tmp=tmp_path) for a in args)) == 2
   errors = capsys.readouterr().err.strip().splitlines()
   assert len(errors) == 1 and errors[0].startswith(message.format(tmp=tmp_path)), errors
   assert os.listdir(tmp_path) == []

@@ -10,11 +10,10 @@ import sys
 
 import numpy as np
 import pytest
-from absl import flags
 from PIL import Image
 
 import ensemble
-from conftest import small_config, write_idx, write_mnist
+from conftest import run_main, small_config, write_idx, write_mnist
 from ensemble import calibration, data, predict, trainer, writers
 from ensemble.errors import UsageError
 
@@ -121,11 +120,9 @@ def test_the_flag_threshold_meets_its_target_on_the_held_out_slice(trained):
 
 def _main(*args):
   """Runs the CLI in this process (restores and compiles, but starts no interpreter)."""
-  flags.FLAGS(['predict', *args])
-  try:
-    predict.main(['predict'])
-  finally:
-    flags.FLAGS.unparse_flags()
+  code = run_main(predict.main, 'predict', *args)
+  if code:
+    sys.exit(code)
 
 
 def _read(path):
