@@ -1,67 +1,14 @@
 """The default deep ensemble: one CNN per device, trained with pmap on MNIST.
 
-Every field the trainer reads is here; the other configs start from this one.
-The recipe (cosine schedule, 2-pixel shifts, weight decay 5e-4, each member its
-own data order) was chosen by measurement on the full MNIST: README, "Results".
-configs/classic.py keeps the Flax guide's recipe for comparison.
+The fields, their values and what each means live in ensemble/defaults.py, so
+that `ensemble.fit` starts from the same recipe when the package is installed
+without this folder. The other configs start from this one.
 """
 
 import ml_collections
 
+from ensemble import defaults
+
 
 def get_config() -> ml_collections.ConfigDict:
-  config = ml_collections.ConfigDict()
-  # 'cnn', 'resnet' (CIFAR ResNet, depth 6n+2, BatchNorm), or the mesh models 'mlp' and 'classifier'.
-  config.model = 'cnn'
-  config.resnet_depth = 20
-  config.resnet_width = 1
-  # 'pmap' (the classic recipe) or 'jit' (NamedSharding over an 'ensemble' mesh axis).
-  config.backend = 'pmap'
-  # Members; 0 means one per device. K members need a device count that divides K.
-  config.ensemble_size = 0
-  # Devices to use; 0 means all of them.
-  config.num_devices = 0
-  # The ensembling method (ensemble/methods/): 'independent' (a deep ensemble), 'bagging' (each member its own
-  # bootstrap resample), 'hyper' (each member its own learning rate and weight decay, drawn log-uniformly from
-  # hyper_learning_rate and hyper_weight_decay), 'snapshot' (C = snapshot_cycles restarts of the schedule, every
-  # member keeping its parameters at the end of each; K x C snapshots averaged) or 'batchensemble' (members share
-  # their weights and differ in rank-1 factors; cnn or resnet).
-  config.method = 'independent'
-  config.hyper_learning_rate = (0.04, 0.12)
-  config.hyper_weight_decay = (1e-4, 1e-3)
-  config.snapshot_cycles = 5
-  # 'shared': every member sees the same batches (the classic recipe). 'shuffled': each
-  # member its own order of the training set, for more diversity between members. Method bagging sets
-  # 'bootstrap': each member its own resample.
-  config.member_data = 'shuffled'
-  # A tensorflow-datasets image-classification dataset ('mnist', 'fashion_mnist', 'cifar10', ...) and its
-  # split names; used when data_dir is empty.
-  config.dataset = 'mnist'
-  config.train_split = 'train'
-  config.test_split = 'test'
-  # A folder of IDX files (MNIST, Fashion-MNIST, KMNIST) or an .npz file with x_train, y_train, x_test, y_test.
-  config.data_dir = ''
-  # On-device augmentation, each member with its own random views: 'none', 'shift' (up to 2 pixels, for
-  # digits) or 'crop_flip' (random crop of the 4-pixel-padded image and horizontal flip, for CIFAR).
-  config.augment = 'shift'
-  # 0: the plain path, a host batch per step. N > 0: the fast path, the training set kept
-  # on the devices and N steps run per dispatch (same results). Meant for accelerators; on CPU
-  # it pays with several members per device, at N=8 (BENCHMARKS.md).
-  config.steps_per_dispatch = 0
-  # The last fraction of the training split is never trained on: `ensemble.evaluate` fits the
-  # ensemble's temperature there (a temperature fitted on training data would sharpen it).
-  config.heldout_fraction = 0.1
-  config.num_epochs = 10
-  config.batch_size = 128
-  config.eval_batch_size = 1000
-  # 'sgd' (with momentum) or 'adamw'; schedule 'constant', 'cosine' or 'warmup_cosine' (warmup_epochs
-  # of linear warm-up); weight_decay is decoupled and applies to kernels only.
-  config.optimizer = 'sgd'
-  config.learning_rate = 0.1
-  config.momentum = 0.9
-  config.schedule = 'cosine'
-  config.warmup_epochs = 0
-  config.weight_decay = 5e-4
-  config.seed = 0
-  config.checkpoints_to_keep = 3
-  return config
+  return defaults.get_config()

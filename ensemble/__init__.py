@@ -1,13 +1,29 @@
 """Deep ensembles of Flax models, trained across devices with JAX.
 
+  import ensemble
+  ens = ensemble.fit(model, (x_train, y_train), test=(x_test, y_test), ensemble_size=8, epochs=10)
+  ens.predict(x); ens.evaluate(x_test, y_test); ensemble.load(workdir)
+
 Importing the package is cheap on purpose: it does not import jax, so that
-`ensemble.train` can choose the number of simulated CPU devices first.
-`ensemble.load(workdir)` (from `ensemble.predict`) is imported on first use.
+`ensemble.cpu_devices(8)` can still choose the number of simulated CPU
+devices. The API (`ensemble.api`) is imported on first use.
 """
+
+from ensemble.errors import UsageError
+
+__all__ = ['Ensemble', 'UsageError', 'cpu_devices', 'fit', 'load']
+_API = ('Ensemble', 'cpu_devices', 'fit', 'load')
 
 
 def __getattr__(name: str):
-  if name == 'load':
-    from ensemble.predict import load  # pylint: disable=g-import-not-at-top  # on first use: it imports jax
-    return load
+  if name == 'cpu_devices':
+    from ensemble.devices import cpu_devices  # pylint: disable=g-import-not-at-top
+    return cpu_devices
+  if name in _API:
+    from ensemble import api  # pylint: disable=g-import-not-at-top  # on first use: it imports jax
+    return getattr(api, name)
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+def __dir__():
+  return sorted(list(globals()) + list(_API))

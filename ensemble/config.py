@@ -3,6 +3,7 @@
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 from ensemble import backends, distributed, methods, models, optim, steps
@@ -14,7 +15,7 @@ MEMBER_DATA = ('shared', 'shuffled', 'bootstrap')
 # `ensemble.evaluate`: a resume must keep these as the workdir was started with them. Add new dataset
 # fields here.
 DATA_SETTINGS = ('dataset', 'train_split', 'test_split', 'data_dir', 'heldout_fraction', 'seed', 'batch_size',
-                 'member_data')
+                 'member_data', 'inputs', 'standardize_features')
 # What else a resume must keep: another method's members have another state.
 RESUME_SETTINGS = DATA_SETTINGS + ('method',)
 MAX_SEED = 2**32 - 1  # jax.random.key folds larger seeds onto the same keys
@@ -50,11 +51,17 @@ def _check_single_model(config: ml_collections.ConfigDict):
   config.ensemble_size = 1
 
 
-def resolve(config: ml_collections.ConfigDict,
-            available: Sequence[jax.Device]) -> tuple[ml_collections.ConfigDict, list[jax.Device]]:
-  """Returns a validated copy of `config` with `ensemble_size` filled in, and the devices to use."""
+def resolve(config: ml_collections.ConfigDict, available: Sequence[jax.Device],
+            model: Any = None) -> tuple[ml_collections.ConfigDict, list[jax.Device]]:
+  """Returns a validated copy of `config` with `ensemble_size` filled in, and the devices to use.
+
+  `model` is a user's model object (`ensemble.fit`); then `config.model` only records it.
+  """
   config = ml_collections.ConfigDict(config.to_dict())
-  models.check(config)
+  if model is None:
+    models.check(config)
+  _require(config.get('inputs', 'auto') in ('auto', *steps.INPUTS),
+           f'unknown inputs {config.inputs!r}: set --config.inputs to auto or one of {list(steps.INPUTS)}')
   method = methods.create(config)
   if method.member_data:
     config.member_data = method.member_data
@@ -91,24 +98,63 @@ def resolve(config: ml_collections.ConfigDict,
   return config, devices
 
 
-def member(config: ml_collections.ConfigDict, data_info: dict[str, Any], steps_per_epoch: int = 1) -> steps.Member:
+def member(config: ml_collections.ConfigDict, data_info: dict[str, Any], steps_per_epoch: int = 1,
+           model: Any = None) -> steps.Member:
   """The member that `config` describes, for data described by `data_info` (see `data_info`).
 
   The trainer, the evaluator and the benchmark all build their members here.
   `steps_per_epoch` only sets the learning-rate schedule's length: a restore
-  target needs the optimizer state's structure, not its schedule.
+  target needs the optimizer state's structure, not its schedule. `model`, a
+  user's model object, replaces the one `config.model` names.
   """
   image_shape = tuple(data_info['image_shape'])
-  return steps.Member(model=models.create(config, data_info['num_classes'], image_shape),
+  inputs = data_info.get('inputs', 'images')
+  return steps.Member(model=models.create(config, data_info['num_classes'], image_shape, model),
                       tx=optim.create(config, steps_per_epoch), image_shape=image_shape,
-                      mean=tuple(data_info['mean']), std=tuple(data_info['std']), augment=config.augment,
-                      method=methods.create(config, steps_per_epoch))
+                      mean=tuple(data_info['mean']), std=tuple(data_info['std']),
+                      augment=config.augment if inputs == 'images' else 'none',
+                      method=methods.create(config, steps_per_epoch), inputs=inputs)
 
 
-def data_info(image_shape: Sequence[int], num_classes: int, mean: Sequence[float], std: Sequence[float]) -> dict:
-  """What a member needs to know of its data; checkpoints keep it, so a workdir can predict on its own."""
+def data_info(image_shape: Sequence[int], num_classes: int, mean: Sequence[float], std: Sequence[float],
+              inputs: str = 'images') -> dict:
+  """What a member needs to know of its data; checkpoints keep it, so a workdir can predict on its own.
+
+  `image_shape` is one input's shape, whatever `inputs` (steps.INPUTS) it is.
+  """
   return {'image_shape': [int(s) for s in image_shape], 'num_classes': int(num_classes),
-          'mean': [float(m) for m in mean], 'std': [float(s) for s in std]}
+          'mean': [float(m) for m in mean], 'std': [float(s) for s in std], 'inputs': inputs}
+
+
+def check_model(member: steps.Member, num_classes: int, method: str) -> int:
+  """Runs the model on one input, abstractly, before anything is written; returns its number of logits.
+
+  A model that fails on the input shape, gives other than one logit per class
+  (at least `num_classes`, the largest label + 1), or lacks the rank-1 layers
+  that BatchEnsemble needs is refused in one line.
+  """
+  example = jax.ShapeDtypeStruct(member.example_input().shape,
+                                 jnp.int32 if member.inputs == 'tokens' else jnp.float32)
+  shape = f'{tuple(example.shape)} {example.dtype}'.replace('(1,', '(batch,')
+  try:
+    variables = jax.eval_shape(member.init_variables, jax.random.key(0))
+    logits = jax.eval_shape(lambda v, x: member.model.apply(v, x, train=False), variables, example)
+  except UsageError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # the user's model code failed: say where, in one line
+    message = str(e).strip().splitlines()[0] if str(e).strip() else ''
+    raise UsageError(f'the model fails on inputs of shape {shape} ({type(e).__name__}: {message[:300]}); make it '
+                     f'take a batch of {member.inputs} of that shape, or reshape the data') from None
+  if not hasattr(logits, 'shape') or len(logits.shape) != 2 or logits.shape[0] != 1 or logits.shape[1] < num_classes:
+    got = getattr(logits, 'shape', type(logits).__name__)
+    raise UsageError(f'the model maps inputs {shape} to {got}, not to (batch, {num_classes}) logits, one per class; '
+                     f'give its last layer {num_classes} outputs (the labels run 0..{num_classes - 1})')
+  if method == 'batchensemble' and not any('shared' in jax.tree_util.keystr(path)
+                                           for path, _ in jax.tree_util.tree_flatten_with_path(variables)[0]):
+    raise UsageError('method batchensemble needs a model built with rank-1 layers, and this one has none: build it '
+                     'with ensemble.models.rank1.Dense and .Conv (as models/cnn.py does), or choose another '
+                     '--config.method')
+  return int(logits.shape[1])
 
 
 def check_resume(config: ml_collections.ConfigDict, saved: dict[str, Any], path: str):

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Iterator, Mapping, TextIO
 
 import numpy as np
 from absl import flags, logging
-from tqdm import tqdm
+from tqdm.auto import tqdm  # a widget in a notebook, text on a terminal
 
 from ensemble.errors import UsageError
 
@@ -146,14 +146,15 @@ class Progress:
 
   Shared by training (a bar per epoch), evaluation (the rotations) and any
   later pass over many batches. Shows on process 0 only, and not below
-  `--verbosity=0`. `items_per_step` adds a throughput in items (member-images:
+  `--verbosity=0`; `bar` forces the bar on or off (`ensemble.fit` shows it in
+  a notebook, where tqdm draws a widget). `items_per_step` adds a throughput in items (member-images:
   batch size times members); metrics passed to `update` with a 'loss' add the
   running mean loss, fetched only when progress is shown.
   """
 
   def __init__(self, total: int, desc: str, *, unit: str = 'step', items_per_step: int = 0,
                items: str = 'member-images', every_secs: float | None = None, file: TextIO | None = None,
-               show: bool | None = None):
+               show: bool | None = None, bar: bool | None = None):
     self.total, self.desc, self.unit = total, desc, unit
     self._items_per_step, self._items = items_per_step, items
     self._file = sys.stderr if file is None else file
@@ -166,7 +167,9 @@ class Progress:
     self._wrapped: list[tuple[py_logging.Handler, _AboveTheBar]] = []
     if not self._show:
       return
-    if getattr(self._file, 'isatty', lambda: False)() and logging.level_info():
+    if bar is None:
+      bar = getattr(self._file, 'isatty', lambda: False)() and logging.level_info()
+    if bar:
       self._bar = _Bar(total=total, desc=desc, file=self._file, leave=False, dynamic_ncols=True,
                        mininterval=BAR_EVERY_SECS if every_secs is None else every_secs,
                        bar_format='{desc}: {percentage:3.0f}%|{bar}| {n}/{total} ' + unit + 's '
@@ -268,8 +271,15 @@ def _figures(record: Mapping[str, Any]) -> str:
           f'member accuracy mean {_figure(np.mean(members))}, best {_figure(max(members))}')
 
 
-def log_epoch(summary: Mapping[str, Any], num_epochs: int, seconds: float):
-  """One line per epoch, the figures a person compares across epochs; the members' own go to metrics.jsonl."""
+def log_epoch(summary: Mapping[str, Any], num_epochs: int, seconds: float, echo: bool = False):
+  """One line per epoch, the figures a person compares across epochs; the members' own go to metrics.jsonl.
+
+  The line is logged; with `echo` it is also written under the bar, for a
+  library caller (`ensemble.fit`) whose program does not show absl's INFO lines.
+  """
+  if echo and _is_main_process() and not logging.level_info():
+    tqdm.write(f'epoch {int(summary["epoch"])}/{num_epochs}: {_figures(summary)}; train loss '
+               f'{_figure(summary["train_loss"])}; {_duration(seconds)}', file=sys.stderr)
   logging.info('epoch %d/%d: %s; train loss %s; %s', summary['epoch'], num_epochs, _figures(summary),
                _figure(summary['train_loss']), _duration(seconds))
 

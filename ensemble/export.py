@@ -26,7 +26,7 @@ from absl import app, flags, logging  # pylint: disable=g-import-not-at-top,g-mu
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-from ensemble import backends, cli, predict  # pylint: disable=g-import-not-at-top
+from ensemble import api, backends, cli  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
 # The artifact runs on any of these; lowering for a platform needs no device of it.
@@ -36,8 +36,9 @@ KNOWN_PLATFORMS = ('cpu', 'cuda', 'rocm', 'tpu')
 FLAGS = flags.FLAGS
 
 
-def forward(model: predict.Ensemble) -> Callable[[jnp.ndarray], dict[str, jnp.ndarray]]:
-  """float32 images (N, H, W, C) in [0, 1] -> {'member_log_probs': (K, N, C), 'probs': (N, C)} on one device.
+def forward(model: api.Ensemble) -> Callable[[jnp.ndarray], dict[str, jnp.ndarray]]:
+  """float32 images (N, H, W, C) in [0, 1] (or the run's features, or int32 tokens) -> {'member_log_probs':
+  (K, N, C), 'probs': (N, C)} on one device.
 
   Each member's forward pass is `steps.Member.predict`, as in training and
   evaluation; the members run one after another on CPU and vmapped elsewhere
@@ -61,11 +62,11 @@ def check_platforms(platforms: Sequence[str]):
     raise UsageError(f'--platforms={",".join(platforms)}: choose from {", ".join(KNOWN_PLATFORMS)}')
 
 
-def export(model: predict.Ensemble, platforms: Sequence[str] = DEFAULT_PLATFORMS) -> jax.export.Exported:
+def export(model: api.Ensemble, platforms: Sequence[str] = DEFAULT_PLATFORMS) -> jax.export.Exported:
   """The ensemble's forward pass for any batch size on `platforms`, ready to `.serialize()`."""
   check_platforms(platforms)
   batch, = jax.export.symbolic_shape('batch')
-  images = jax.ShapeDtypeStruct((batch, *model.image_shape), jnp.float32)
+  images = jax.ShapeDtypeStruct((batch, *model.image_shape), model.member.example_input().dtype)
   return jax.export.export(jax.jit(forward(model)), platforms=tuple(platforms))(images)
 
 
@@ -78,7 +79,7 @@ def write(workdir: str, output: str, step: int | None = None,
   if not os.path.isdir(folder):
     raise UsageError(f'--output={output}: no folder {folder}; create it first')
   check_platforms(platforms)
-  exported = export(predict.load(workdir, step), platforms)
+  exported = export(api.load(workdir, step), platforms)
   cli.write_atomically(output, bytes(exported.serialize()))
   logging.info('Wrote %s (%.1f MB) for %s: images float32 %s in [0, 1] -> member_log_probs, probs.', output,
                os.path.getsize(output) / 1e6, ', '.join(exported.platforms), tuple(exported.in_avals[0].shape))
@@ -94,8 +95,8 @@ def main(argv):
 
 
 def define_flags():
-  """The program's flags, defined when it runs; allow_override replaces the --workdir and --step that
-  `ensemble.evaluate` defines on import (and --output, if `ensemble.predict`'s are defined too)."""
+  """The program's flags, defined when it runs; allow_override lets a test process define them beside
+  `ensemble.evaluate`'s and `ensemble.predict`'s."""
   if 'platforms' in FLAGS:
     return
   flags.DEFINE_string('workdir', None, 'A folder trained by `python -m ensemble.train`.', allow_override=True)

@@ -9,7 +9,6 @@ probabilities into the ensemble prediction wherever the members live.
 import dataclasses
 from typing import Any, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -39,36 +38,59 @@ class TrainState(train_state.TrainState):
   snapshots: Any = struct.field(default_factory=dict)
 
 
+# What a member's inputs are, which decides how they are prepared on the device (`Member.prepare`).
+INPUTS = ('images', 'features', 'tokens')
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Member:
-  """What every member is: its model, its optimizer, and how its images are prepared.
+  """What every member is: its model, its optimizer, and how its inputs are prepared.
 
   One object describes all members; they differ only in their `TrainState`.
-  Images arrive as uint8 pixels (or floats in [0, 1]) and are normalised with
-  the training split's per-channel `mean` and `std` on the device. `method`
+  `inputs` says what the model takes. 'images' arrive as uint8 pixels (or
+  floats in [0, 1]), are augmented and normalised with the training split's
+  per-channel `mean` and `std` on the device. 'features' are floats, centred
+  and scaled per feature by `mean` and `std` when those have one value per
+  feature (a run that standardises them), else passed as they are. 'tokens'
+  are integer ids, passed as int32. `image_shape` is the shape of one input
+  of any kind. `model` is a linen Module that takes `train`, or one of
+  `models.user`'s wrappers (a user's linen or NNX model). `method`
   (ensemble/methods/) is the ensembling method: how a member starts, what it
   keeps after each step and what it predicts.
   """
-  model: nn.Module
+  model: Any
   tx: optax.GradientTransformation
   image_shape: tuple[int, ...]
   mean: tuple[float, ...] = (0.0,)
   std: tuple[float, ...] = (1.0,)
   augment: str = 'none'
   method: Any = Independent()
+  inputs: str = 'images'
 
   def prepare(self, images: jnp.ndarray, key: jax.Array | None = None) -> jnp.ndarray:
-    """Pixels -> the model's input; with a `key`, augmented first (training only)."""
+    """Inputs as they arrive -> the model's input; images with a `key` are augmented first (training only)."""
+    if self.inputs == 'tokens':
+      return images.astype(jnp.int32)
+    if self.inputs == 'features':
+      per_feature = lambda stats: jnp.reshape(jnp.asarray(stats), images.shape[1:]) if len(stats) > 1 else stats
+      return augment_lib.normalize(images.astype(jnp.float32), per_feature(self.mean), per_feature(self.std))
     images = augment_lib.to_unit_range(images)
     transform = augment_lib.AUGMENTATIONS[self.augment]
     if key is not None and transform is not None:
       images = transform(key, images)
     return augment_lib.normalize(images, self.mean, self.std)
 
+  def example_input(self) -> jnp.ndarray:
+    """One prepared input of zeros: what `init` traces the model with."""
+    return jnp.zeros((1, *self.image_shape), jnp.int32 if self.inputs == 'tokens' else jnp.float32)
+
+  def init_variables(self, key: jax.Array) -> dict[str, Any]:
+    return self.model.init(key, self.example_input(), train=False)
+
   def init(self, key: jax.Array) -> TrainState:
     """A fresh member from its key: the parameters from one half, the member's own `key` from the other."""
     init_key, own_key = jax.random.split(key)
-    variables = self.model.init(init_key, jnp.zeros((1, *self.image_shape), jnp.float32), train=False)
+    variables = self.init_variables(init_key)
     state = TrainState.create(apply_fn=self.model.apply, params=variables['params'], tx=self.tx,
                               batch_stats=variables.get('batch_stats', {}), key=jax.random.key_data(own_key))
     return self.method.init(self, state, key)

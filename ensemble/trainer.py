@@ -47,10 +47,10 @@ def _epoch_summary(train: dict[str, Any], test: dict[str, Any], epoch: int, trai
 def _releases_the_workdir(train):
   """Gives the workdir's lock back however `train` ends, so that this process can train the workdir again."""
   @functools.wraps(train)
-  def wrapped(config, workdir):
+  def wrapped(config, workdir, **kwargs):
     held_before = checkpoint.holds_workdir(workdir)
     try:
-      return train(config, workdir)
+      return train(config, workdir, **kwargs)
     finally:
       if not held_before:
         checkpoint.unlock_workdir(workdir)
@@ -115,22 +115,37 @@ def _diverged(config: ml_collections.ConfigDict, epoch: int, step: int, what: st
 
 
 @_releases_the_workdir
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple[Any, dict[str, float]]:
-  """Trains (or resumes) the ensemble in `workdir`; returns its canonical state and last summary."""
-  config, devices = config_lib.resolve(config, jax.devices())
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, dataset: data.Dataset | None = None,
+                       model: Any = None, progress: bool | None = None) -> tuple[Any, dict[str, float]]:
+  """Trains (or resumes) the ensemble in `workdir`; returns its canonical state and last summary.
+
+  The one loop under `python -m ensemble.train` and `ensemble.fit`: `dataset`
+  replaces the data `config` names (arrays in memory), `model` the model it
+  names (a user's model object), and `progress` forces the progress bar on or
+  off (default: on a terminal, at absl's INFO verbosity).
+  """
+  config, devices = config_lib.resolve(config, jax.devices(), model)
   # Everything that can refuse the run does so before the workdir is written; a resume with other data
   # settings before any data is read.
   ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.checkpoints_to_keep)
   _check_resume(config, workdir, ckpt)
-  dataset = data.load(config.dataset, config.data_dir, config.train_split, config.test_split)
+  if dataset is None:
+    dataset = data.load(config.dataset, config.data_dir, config.train_split, config.test_split)
+  if config.get('inputs', 'auto') not in ('auto', dataset.inputs):
+    raise UsageError(f'{dataset.source} holds {dataset.inputs}, not {config.inputs}: set --config.inputs=auto')
   train_split, _ = data.hold_out(dataset.train, config.heldout_fraction)
   num_train = len(train_split['label'])
   if config.batch_size > num_train:
     raise UsageError(f'batch_size={config.batch_size} exceeds the {num_train} training examples; '
                      'lower --config.batch_size')
   steps_per_epoch = data.steps_per_epoch(num_train, config.batch_size)
-  data_info = config_lib.data_info(dataset.image_shape, dataset.num_classes, *data.channel_stats(train_split['image']))
-  member = config_lib.member(config, data_info, steps_per_epoch)
+  stats = data.input_stats(train_split['image'], dataset.inputs, config.get('standardize_features', False))
+  data_info = config_lib.data_info(dataset.image_shape, dataset.num_classes, *stats, inputs=dataset.inputs)
+  member = config_lib.member(config, data_info, steps_per_epoch, model)
+  num_classes = config_lib.check_model(member, dataset.num_classes, config.method)
+  if num_classes != dataset.num_classes:  # a user's model with more outputs than the training labels use
+    data_info = {**data_info, 'num_classes': num_classes}
+    member = config_lib.member(config, data_info, steps_per_epoch, model)
   backend = backends.create(config.backend, member=member, devices=devices, ensemble_size=config.ensemble_size,
                             member_data=config.member_data, config=config)
   ckpt_meta = {'model': config.model, 'ensemble_size': config.ensemble_size, 'data': data_info}
@@ -165,8 +180,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple
     indices = data.train_batch_indices(num_train, config.batch_size, config.seed, epoch,
                                        config.ensemble_size, config.member_data)
     train_outputs = []
-    progress = console.Progress(steps_per_epoch, f'epoch {epoch}/{config.num_epochs}',
-                                items_per_step=config.batch_size * config.ensemble_size)
+    progress_bar = console.Progress(steps_per_epoch, f'epoch {epoch}/{config.num_epochs}',
+                                    items_per_step=config.batch_size * config.ensemble_size, bar=progress)
     started = time.perf_counter()
     for start in range(0, len(indices), steps_per_dispatch):
       chunk = indices[start:start + steps_per_dispatch]
@@ -180,7 +195,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple
       step += len(chunk)
       _stop_if_diverged(train_outputs[-1]['loss'], config, epoch, step)
       report_progress(step)
-      progress.update(len(chunk), chunk_metrics)
+      progress_bar.update(len(chunk), chunk_metrics)
     train_outputs = jax.tree.map(
         lambda *xs: np.concatenate([x.reshape(config.ensemble_size, -1) for x in xs], axis=1), *train_outputs)
     train_seconds = time.perf_counter() - started
@@ -196,7 +211,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> tuple
     ckpt.save(epoch, canonical, ckpt_meta, summary=(step, summary))
     writer.epoch.write_scalars(step, summary)
     writer.epoch.flush()
-    console.log_epoch(summary, config.num_epochs, progress.close())
+    console.log_epoch(summary, config.num_epochs, progress_bar.close(), echo=bool(progress))
   writer.epoch.close()
   ckpt.close()
   return backend.to_canonical(state), summary

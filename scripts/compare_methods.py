@@ -70,8 +70,8 @@ def train(method: str, args, workdir: str) -> float:
 
 def _recorded(workdir: str):
   """(run config, member) of a finished run, as `ensemble.evaluate` reads them."""
-  from ensemble import checkpoint, config as config_lib, evaluate  # pylint: disable=g-import-not-at-top
-  config = evaluate.load_run_config(workdir)
+  from ensemble import checkpoint, config as config_lib, evaluation  # pylint: disable=g-import-not-at-top
+  config = evaluation.load_run_config(workdir)
   ckpt = checkpoint.Checkpointer(workdir)
   member = config_lib.member(config, ckpt.meta(ckpt.latest_epoch())['data'])
   ckpt.close()

@@ -14,4 +14,5 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from ensemble import evaluate  # pylint: disable=g-import-not-at-top
 
 if __name__ == '__main__':
+  evaluate.define_flags()
   app.run(evaluate.main)

@@ -20,7 +20,7 @@ import pytest
 from flax import serialization
 
 from conftest import checkpoint_state, make_member, small_config, timeless, write_mnist
-from ensemble import backends, checkpoint, config as config_lib, evaluate, steps, trainer, writers
+from ensemble import backends, checkpoint, config as config_lib, evaluation, steps, trainer, writers
 from ensemble.errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,7 +100,7 @@ def test_a_damaged_checkpoint_is_moved_aside_and_its_epochs_trained_again(traine
 def test_evaluate_goes_back_past_a_damaged_checkpoint_and_leaves_it(run, tmp_path, caplog):
   os.remove(_largest_array_file(run, 2))
   with caplog.at_level(logging.WARNING):
-    results = evaluate.evaluate(run, angles=[0], output_dir=str(tmp_path / 'eval'))
+    results = evaluation.evaluate(run, angles=[0], output_dir=str(tmp_path / 'eval'))
   assert results['epoch'] == 1
   warnings = _warnings(caplog)
   assert len(warnings) == 1 and '\n' not in warnings[0], warnings
@@ -109,7 +109,7 @@ def test_evaluate_goes_back_past_a_damaged_checkpoint_and_leaves_it(run, tmp_pat
   assert sorted(os.listdir(os.path.join(run, 'checkpoints'))) == ['1', '2']  # the trainer moves it, holding the lock
   with pytest.raises(UsageError, match=r'^--step=2: checkpoint .*/checkpoints/2 is damaged \(.*\); choose another '
                                        r'of \[1, 2\], or leave --step out for the newest intact one$'):
-    evaluate.restore(run, evaluate.load_run_config(run), 2, jax.devices())
+    evaluation.restore(run, evaluation.load_run_config(run), 2, jax.devices())
 
 
 def test_with_no_intact_checkpoint_left_it_is_one_line_and_nothing_moves(trained, run):

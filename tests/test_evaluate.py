@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from conftest import run_main, small_config, synthetic_mnist, write_idx, write_mnist
-from ensemble import calibration, data, evaluate, trainer, writers
+from ensemble import calibration, data, evaluate, evaluation, trainer, writers
+
+evaluate.define_flags()  # for the command lines run in this process
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -158,7 +160,7 @@ def test_cli_refuses_a_folder_that_was_never_trained(tmp_path):
 ])
 def test_the_temperature_is_fitted_on_the_slice_the_trainer_held_out(saved, fit_examples, seen):
   train = {'image': np.zeros((256, 28, 28, 1)), 'label': np.arange(256)}
-  heldout, seen_in_training = evaluate.heldout_split(train, ml_collections.ConfigDict(saved))
+  heldout, seen_in_training = evaluation.heldout_split(train, ml_collections.ConfigDict(saved))
   assert heldout['label'].tolist() == list(range(256 - fit_examples, 256)) and seen_in_training == seen
 
 
@@ -178,10 +180,10 @@ def test_the_temperature_is_fitted_on_the_held_out_slices_ensemble_mean(tmp_path
     write_idx(str(mnist / labels_name), noisy)
   workdir = str(tmp_path / 'run')
   trainer.train_and_evaluate(small_config(str(mnist), heldout_fraction=0.1, num_epochs=2), workdir)
-  results = evaluate.evaluate(workdir, angles=[0], output_dir=str(tmp_path / 'eval'))
-  config = evaluate.load_run_config(workdir)
-  member, state, _ = evaluate.restore(workdir, config, None, jax.devices())
-  predict = evaluate.Predictor(member, state, jax.devices(), config.eval_batch_size)
+  results = evaluation.evaluate(workdir, angles=[0], output_dir=str(tmp_path / 'eval'))
+  config = evaluation.load_run_config(workdir)
+  member, state, _ = evaluation.restore(workdir, config, None, jax.devices())
+  predict = evaluation.Predictor(member, state, jax.devices(), config.eval_batch_size)
   dataset = data.load(data_dir=config.data_dir)
   _, heldout = data.hold_out(dataset.train, config.heldout_fraction)
   heldout_probs = predict(heldout)
@@ -205,13 +207,13 @@ def test_ood_detection_selective_prediction_and_conformal_sets(workdir, tmp_path
   assert list(results['ood']) == ['uniform_noise', 'permuted_pixels']
   for result in results['ood'].values():
     assert result['examples'] == 100
-    assert list(result['ensemble']) == list(evaluate.OOD_SCORES)
+    assert list(result['ensemble']) == list(evaluation.OOD_SCORES)
     assert list(result['mean_member']) == ['max_probability', 'entropy']  # one member has no mutual information
     for figures in [*result['ensemble'].values(), *result['mean_member'].values()]:
       assert set(figures) == {'auroc', 'aupr', 'fpr95'} and all(0 <= v <= 1 for v in figures.values())
     for histogram in result['histogram'].values():
       assert sum(histogram['test']) == 100 and sum(histogram['ood']) == 100
-      assert len(histogram['edges']) == evaluate.OOD_HISTOGRAM_BINS + 1
+      assert len(histogram['edges']) == evaluation.OOD_HISTOGRAM_BINS + 1
 
   selective = results['selective']
   assert selective['table'][0]['coverage'] == 1.0
@@ -241,9 +243,9 @@ def test_ood_detection_selective_prediction_and_conformal_sets(workdir, tmp_path
 
 def test_permuted_pixels_keep_each_images_intensities():
   images = np.random.default_rng(0).integers(0, 256, (3, 5, 4, 2), dtype=np.uint8)
-  permuted = evaluate.permute_pixels(images)
+  permuted = evaluation.permute_pixels(images)
   assert permuted.shape == images.shape and not (permuted == images).all()
   for original, shuffled in zip(images, permuted):
     pixels = lambda image: sorted(map(tuple, image.reshape(-1, 2)))  # a pixel's channels move together
     assert pixels(original) == pixels(shuffled)
-  assert (evaluate.permute_pixels(images) == permuted).all()  # the same set every evaluation
+  assert (evaluation.permute_pixels(images) == permuted).all()  # the same set every evaluation

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import run_main, small_config, write_mnist
-from ensemble import data, export, predict, trainer
+from ensemble import api, data, export, trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 export.define_flags()  # for the command line run in this process
@@ -36,7 +36,7 @@ def trained(tmp_path_factory) -> dict:
 
 
 def test_the_artifact_round_trips_for_any_batch_size(trained):
-  model = predict.load(trained['workdir'], temperature=2.0)
+  model = api.load(trained['workdir'], temperature=2.0)
   exported = jax.export.deserialize(export.export(model).serialize())
   assert exported.platforms == export.DEFAULT_PLATFORMS and exported.nr_devices == 1
   for n in (1, 7, 100):
@@ -62,7 +62,7 @@ def test_the_cli_writes_what_a_service_runs_with_jax_alone(trained, tmp_path):
                            timeout=300)
   assert service.returncode == 0, service.stderr[-3000:]
   out = np.load(tmp_path / 'out.npz')
-  expected = predict.load(trained['workdir']).predict(trained['images'][:9], members=True)
+  expected = api.load(trained['workdir']).predict(trained['images'][:9], members=True)
   np.testing.assert_allclose(out['probs'], expected['probs'], rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(np.exp(out['member_log_probs']), expected['member_probs'], rtol=1e-5, atol=1e-7)
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ensemble import calibration, config as config_lib, data, evaluate, methods, optim, steps, trainer
+from ensemble import calibration, config as config_lib, data, evaluation, methods, optim, steps, trainer
 from ensemble.errors import UsageError
 from ensemble.methods import batchensemble
 
@@ -189,10 +189,10 @@ def test_pmap_and_jit_train_every_method_alike(trained, method):
 
 def test_evaluate_scores_a_batchensemble_workdir_like_any_ensemble(trained):
   config, workdir, _, summary = trained('batchensemble')
-  run_config = evaluate.load_run_config(workdir)
-  devices = evaluate.evaluation_devices(K)
-  member, state, _ = evaluate.restore(workdir, run_config, None, devices)
-  log_probs = evaluate.Predictor(member, state, devices, 64).log_probs(data.load(data_dir=config.data_dir).test)
+  run_config = evaluation.load_run_config(workdir)
+  devices = evaluation.evaluation_devices(K)
+  member, state, _ = evaluation.restore(workdir, run_config, None, devices)
+  log_probs = evaluation.Predictor(member, state, devices, 64).log_probs(data.load(data_dir=config.data_dir).test)
   test = data.load(data_dir=config.data_dir).test
   np.testing.assert_allclose(calibration.ensemble_nll(log_probs, test['label']), summary['test_loss'], rtol=1e-4)
 

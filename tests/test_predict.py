@@ -14,7 +14,7 @@ from PIL import Image
 
 import ensemble
 from conftest import run_main, small_config, write_idx, write_mnist
-from ensemble import calibration, data, predict, trainer, writers
+from ensemble import api, calibration, data, predict, trainer, writers
 from ensemble.errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,11 +27,11 @@ def trained(tmp_path_factory) -> dict:
   root = tmp_path_factory.mktemp('predict')
   mnist, workdir = write_mnist(str(root / 'mnist')), str(root / 'run')
   trainer.train_and_evaluate(small_config(mnist, heldout_fraction=0.1), workdir)
-  return {'workdir': workdir, 'test': data.load(data_dir=mnist).test, 'model': predict.load(workdir)}
+  return {'workdir': workdir, 'test': data.load(data_dir=mnist).test, 'model': api.load(workdir)}
 
 
 def test_load_is_exported_lazily_and_import_stays_cheap():
-  assert ensemble.load is predict.load
+  assert ensemble.load is api.load
   code = 'import sys, ensemble; assert "jax" not in sys.modules and "ensemble.predict" not in sys.modules'
   assert subprocess.run([sys.executable, '-c', code], cwd=REPO).returncode == 0
 
@@ -66,9 +66,9 @@ def test_predictions_agree_with_training_and_with_themselves(trained):
 
 
 def test_one_program_per_bucket(trained):
-  model = predict.load(trained['workdir'], batch_size=16)
+  model = api.load(trained['workdir'], batch_size=16)
   images = trained['test']['image']
-  assert [predict.bucket(n, 16) for n in (1, 2, 3, 4, 5, 9, 16)] == [1, 2, 4, 4, 8, 16, 16]
+  assert [api.bucket(n, 16) for n in (1, 2, 3, 4, 5, 9, 16)] == [1, 2, 4, 4, 8, 16, 16]
   model.predict(images[:3])
   model.predict(images[:4].astype(np.float32) / 255)  # bucket 4 again, and float: the same program
   model.predict(images[:40])  # 16 + 16 + 8
@@ -85,13 +85,13 @@ def test_the_temperature_fitted_by_evaluate_is_applied(trained, tmp_path):
   raw = trained['model'].predict(images)
   with open(metrics, 'w') as f:
     json.dump({'epoch': 1, 'temperature_scaling': {'temperature': 2.0}}, f)
-  scaled = predict.load(workdir).predict(images)
+  scaled = api.load(workdir).predict(images)
   np.testing.assert_allclose(scaled['probs'], calibration.temperature_scale(raw['probs'], 2.0), rtol=1e-6)
   assert (scaled['class'] == raw['class']).all()
   assert scaled['entropy'] == pytest.approx(raw['entropy'])  # the split stays on the members' own probabilities
   with open(metrics, 'w') as f:
     json.dump({'epoch': 7, 'temperature_scaling': {'temperature': 2.0}}, f)  # another checkpoint's
-  assert predict.load(workdir).temperature == 1.0
+  assert api.load(workdir).temperature == 1.0
 
 
 @pytest.mark.parametrize('images, message', [

@@ -10,15 +10,18 @@ from typing import Callable
 
 import numpy as np
 
-from ensemble.data import idx, npz, tfds
+from ensemble.data import arrays, idx, npz, tfds
 from ensemble.data.base import DataError, Dataset, Split
 from ensemble.data.batches import (bootstrap, eval_batches, epoch_order, hold_out, steps_per_epoch,
                                    train_batch_indices, train_batches)
 
 __all__ = ['DataError', 'Dataset', 'Split', 'SOURCES', 'bootstrap', 'channel_stats', 'load', 'eval_batches',
-           'epoch_order', 'hold_out', 'steps_per_epoch', 'train_batch_indices', 'train_batches']
+           'epoch_order', 'hold_out', 'input_stats', 'steps_per_epoch', 'train_batch_indices', 'train_batches']
 
 _STATS_CHUNK_BYTES = 1 << 24
+# The dataset name a run records when `ensemble.fit` was given arrays: no source can load it again by name.
+ARRAYS = 'arrays'
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,10 @@ def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
          test_split: str = 'test') -> Dataset:
   """Loads a dataset: tensorflow-datasets' `dataset` when `data_dir` is empty, else the folder or file it names."""
   data_dir = os.path.expanduser(data_dir or '')
+  if dataset == ARRAYS and not data_dir:
+    raise DataError('the run was trained on arrays in memory (ensemble.fit), which no file holds: give --data_dir '
+                    'a folder of IDX files or an .npz file of the same data, or score it from Python with '
+                    'ensemble.load(workdir).evaluate(x, y)')
   if data_dir and (train_split, test_split) != ('train', 'test'):
     # A folder or file has one fixed train and test part; ignoring the split names would train on the wrong data.
     raise DataError(f'--config.train_split={train_split} / --config.test_split={test_split}: split names apply to '
@@ -49,6 +56,17 @@ def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
   problem = 'neither a folder nor a .npz file' if os.path.exists(data_dir) else 'no such folder or .npz file'
   raise DataError(f'{data_dir}: {problem}; data_dir must name a folder of IDX files or a .npz file '
                   '(x_train, y_train, x_test, y_test), or be empty for tensorflow-datasets')
+
+
+def input_stats(inputs: np.ndarray, kind: str,
+                standardize_features: bool = False) -> tuple[tuple[float, ...], tuple[float, ...]]:
+  """(mean, std) that `steps.Member.prepare` standardises with: per channel for images, per feature for features
+  when asked, and (0,), (1,), which leave them as they are, otherwise."""
+  if kind == 'images':
+    return channel_stats(inputs)
+  if kind == 'features' and standardize_features:
+    return arrays.feature_stats(inputs)
+  return (0.0,), (1.0,)
 
 
 def channel_stats(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:

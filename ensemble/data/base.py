@@ -10,7 +10,9 @@ import numpy as np
 
 from ensemble.errors import UsageError
 
-Split = dict[str, np.ndarray]  # {'image': uint8 (N, H, W, C), 'label': int32 (N,)}
+# {'image': the inputs, 'label': int32 (N,)}. The inputs are uint8 images (N, H, W, C) for every source on disk;
+# arrays given to `ensemble.fit` may also be float32 features or int32 token ids of any shape (N, ...).
+Split = dict[str, np.ndarray]
 
 # Float images are converted this many bytes of input at a time, so a large split never needs a second float copy.
 _CHUNK_BYTES = 1 << 24
@@ -32,13 +34,17 @@ class Dataset:
   test: Split
   source: str  # what it came from, for logs and reports
   num_classes: int
+  inputs: str = 'images'  # what the inputs are: steps.INPUTS
 
   def __post_init__(self):
     # A loader that breaks the layout would otherwise fail far away, inside a jitted step.
+    layouts = {'images': (np.uint8, 'uint8 (N, H, W, C)'), 'features': (np.float32, 'float32 (N, ...)'),
+               'tokens': (np.int32, 'int32 (N, ...)')}
+    dtype, layout = layouts[self.inputs]
     for name, split in (('train', self.train), ('test', self.test)):
       images, labels = split['image'], split['label']
-      if images.dtype != np.uint8 or images.ndim != 4:
-        raise ValueError(f'Dataset.{name}: images must be uint8 (N, H, W, C), got {images.dtype} {images.shape}')
+      if images.dtype != dtype or images.ndim < 2 or (self.inputs == 'images' and images.ndim != 4):
+        raise ValueError(f'Dataset.{name}: {self.inputs} must be {layout}, got {images.dtype} {images.shape}')
       if labels.dtype != np.int32 or labels.shape != images.shape[:1]:
         raise ValueError(f'Dataset.{name}: labels must be int32 ({len(images)},), got {labels.dtype} {labels.shape}')
     if self.train['image'].shape[1:] != self.test['image'].shape[1:]:
@@ -46,8 +52,8 @@ class Dataset:
                        f'{self.test["image"].shape[1:]}')
 
   @property
-  def image_shape(self) -> tuple[int, int, int]:
-    """(H, W, C), the same for both splits."""
+  def image_shape(self) -> tuple[int, ...]:
+    """One input's shape, (H, W, C) for images; the same for both splits."""
     return tuple(int(d) for d in self.train['image'].shape[1:])
 
 
@@ -91,7 +97,7 @@ def _as_images(images: np.ndarray, name: str) -> np.ndarray:
   raise DataError(f'{name}: images of dtype {images.dtype}; store them as uint8 (0..255) or as float in [0, 1]')
 
 
-def _as_labels(labels: np.ndarray, name: str) -> np.ndarray:
+def as_labels(labels: np.ndarray, name: str) -> np.ndarray:
   """int32 (N,) class indices; (N, 1), as Keras's CIFAR arrays come, is flattened."""
   if labels.ndim == 2 and labels.shape[1] == 1:
     labels = labels[:, 0]
@@ -120,20 +126,20 @@ def make_split(images: np.ndarray, labels: np.ndarray, images_name: str, labels_
                     'images and labels must come from the same split, in the same order')
   if not len(images):
     raise DataError(f'{images_name}: no examples; each split needs at least one image')
-  labels = _as_labels(labels, labels_name)
+  labels = as_labels(labels, labels_name)
   return {'image': _as_images(images, images_name), 'label': labels}
 
 
 def make_dataset(train: Split, test: Split, source: str, names: dict[str, tuple[str, str]],
-                 num_classes: int | None = None) -> Dataset:
+                 num_classes: int | None = None, inputs: str = 'images') -> Dataset:
   """Checks that the splits agree; without `num_classes`, it is the largest training label + 1.
 
   `names` maps 'train' and 'test' to their (images, labels) names, for the errors.
   """
   train_shape, test_shape = train['image'].shape[1:], test['image'].shape[1:]
   if train_shape != test_shape:
-    raise DataError(f'{names["train"][0]} holds {"x".join(map(str, train_shape))} images but {names["test"][0]} '
-                    f'holds {"x".join(map(str, test_shape))}; train and test images must have the same shape')
+    raise DataError(f'{names["train"][0]} holds {"x".join(map(str, train_shape))} {inputs} but {names["test"][0]} '
+                    f'holds {"x".join(map(str, test_shape))}; train and test {inputs} must have the same shape')
   if num_classes is None:
     num_classes = int(train['label'].max()) + 1
     where = 'the training labels define classes'
@@ -144,4 +150,4 @@ def make_dataset(train: Split, test: Split, source: str, names: dict[str, tuple[
     if largest >= num_classes:
       raise DataError(f'{names[split_name][1]}: label {largest} is outside 0..{num_classes - 1} ({where}); '
                       'labels must be class indices 0..C-1, and every class must appear in training')
-  return Dataset(train=train, test=test, source=source, num_classes=num_classes)
+  return Dataset(train=train, test=test, source=source, num_classes=num_classes, inputs=inputs)

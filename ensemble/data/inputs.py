@@ -81,6 +81,8 @@ def _load_npz(path: str, array: str | None) -> np.ndarray:
         problem = f'no array {array}' if array is not None else 'several arrays'
         raise UsageError(f'{path}: {problem} (it holds {held}); name the images with --array=NAME')
       return npz[array]
+  except UsageError:  # a ValueError too, and already says what to do
+    raise
   except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
     raise UsageError(f'{path}: cannot be read as .npz ({_first_line(e)}); save images with np.savez') from None
 

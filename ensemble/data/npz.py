@@ -23,6 +23,8 @@ def load(path: str) -> base.Dataset:
         held = ', '.join(npz.files) or 'no arrays'
         raise base.DataError(f'{path}: no array {missing[0]} (it holds {held}); {_FIX}')
       arrays = {key: npz[key] for key in KEYS}
+  except base.DataError:  # a ValueError too, and already says what to do
+    raise
   except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
     raise base.DataError(f'{path}: cannot be read as .npz ({base.first_line(e)}); {_FIX}') from e
   names = {split: (f'{path}: x_{split}', f'{path}: y_{split}') for split in ('train', 'test')}

@@ -40,7 +40,7 @@ class BatchEnsemble(Independent):
     """The member's own factors from its key; the shared weights from the seed, the same for every member."""
     del key
     shared_key = jax.random.fold_in(jax.random.key(self.seed), _SHARED_INIT)
-    reference = member.model.init(shared_key, jnp.zeros((1, *member.image_shape), jnp.float32), train=False)
+    reference = member.init_variables(shared_key)
     params = jax.tree.map(lambda own, common, shared: common if shared else own,
                           state.params, reference['params'], is_shared(state.params))
     return state.replace(params=params, opt_state=state.tx.init(params))

@@ -1,0 +1,365 @@
+"""The library: `fit` an ensemble of your own Flax model on your own arrays, `load` one, ask it with `Ensemble`.
+
+  import ensemble
+  ensemble.cpu_devices(8)                        # on a CPU, before JAX starts: 8 simulated devices
+  ens = ensemble.fit(MyModel(), (x_train, y_train), test=(x_test, y_test), ensemble_size=8, epochs=10)
+  ens.predict(x)                                 # probabilities, class, entropy, mutual information, ...
+  ens.evaluate(x_test, y_test)                   # accuracy, NLL, Brier, ECE: ensemble and mean member
+  ens.save('/tmp/run')                           # python -m ensemble.evaluate / predict / export read it
+
+Nothing here defines flags, sets up logging or exits: the programs
+(`ensemble.train`, `.evaluate`, `.predict`, `.export`) are shells over these
+calls and `ensemble.trainer`'s loop, and turn `UsageError` into one `error:`
+line. Every mistake a caller can make raises `UsageError`, a ValueError.
+"""
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+import weakref
+from typing import Any, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from ensemble import calibration, console, data, defaults, evaluation, steps
+from ensemble.data import arrays
+from ensemble.errors import UsageError
+from ensemble.models import user
+from ensemble.uncertainty import decomposition, selective
+
+DEFAULT_FLAG_RISK = 0.01
+# The score that `flag` thresholds: the total predictive entropy counts both kinds of doubt, a blurred digit
+# (aleatoric) and a shape no member has seen (epistemic).
+FLAG_SCORE = 'entropy'
+
+
+def bucket(n: int, batch_size: int) -> int:
+  """The batch size `n` images are padded to: the next power of two, at most `batch_size`.
+
+  Each bucket compiles once, so any number of images costs at most
+  log2(batch_size) + 1 programs, and padding at most doubles the work of a small batch.
+  """
+  return min(batch_size, 1 << max(n - 1, 0).bit_length())
+
+
+def _fitted_temperature(workdir: str, epoch: int) -> float | None:
+  """The temperature `ensemble.evaluate` fitted for this checkpoint (in WORKDIR/eval/metrics.json), if any."""
+  path = os.path.join(workdir, 'eval', 'metrics.json')
+  try:
+    with open(path, encoding='utf-8') as f:
+      results = json.load(f)
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError) as e:
+    logging.warning('%s cannot be read (%s): predicting without temperature scaling.', path, e)
+    return None
+  temperature = results.get('temperature_scaling', {}).get('temperature')
+  if temperature is not None and results.get('epoch') != epoch:
+    logging.warning('%s was fitted for epoch %s, not %d: predicting without temperature scaling; run python -m '
+                    'ensemble.evaluate --workdir=%s --step=%d to fit one.', path, results.get('epoch'), epoch,
+                    workdir, epoch)
+    return None
+  return temperature
+
+
+class Ensemble:
+  """A trained ensemble, restored onto the devices at hand, that answers about new inputs.
+
+  What `fit` and `load` return. `temperature` scales the mean probabilities
+  (1: left as averaged); `load` takes it from `ensemble.evaluate`'s report
+  when there is one.
+  """
+
+  def __init__(self, workdir: str, config: ml_collections.ConfigDict, member: steps.Member, state: steps.TrainState,
+               devices: Sequence[jax.Device], epoch: int, temperature: float = 1.0, batch_size: int = 1000):
+    if not isinstance(batch_size, int) or batch_size < 1:
+      raise UsageError(f'batch_size={batch_size} must be a positive number of inputs per device program')
+    self.workdir, self.config, self.member, self.state = workdir, config, member, state
+    self.devices, self.epoch, self.temperature, self.batch_size = list(devices), epoch, temperature, batch_size
+    self._temporary: weakref.finalize | None = None  # removes the workdir `fit` made, unless `save` kept it
+    self._predictors: dict[int, evaluation.Predictor] = {}
+
+  @property
+  def size(self) -> int:
+    return self.config.ensemble_size
+
+  @property
+  def image_shape(self) -> tuple[int, ...]:
+    return self.member.image_shape
+
+  @property
+  def input_shape(self) -> tuple[int, ...]:
+    """One input's shape: (H, W, C) for images."""
+    return self.member.image_shape
+
+  @functools.cached_property
+  def num_classes(self) -> int:
+    """The members' number of logits, read off their forward pass (without computing it)."""
+    first = lambda state: jax.tree.map(lambda leaf: leaf[0], state)
+    logits = jax.eval_shape(lambda state, x: self.member.predict(first(state), x), self.state,
+                            self.member.example_input())
+    return int(logits.shape[-1])
+
+  def check(self, images: Any) -> np.ndarray:
+    """`images` as (N, *input_shape) of what the members take; anything else is a one-line UsageError.
+
+    Images: uint8, or float in [0, 1]. Features: finite numbers. Tokens: integer ids.
+    """
+    try:
+      images = np.asarray(images)
+    except ValueError as e:  # a ragged list
+      raise UsageError(f'inputs cannot be made an array ({e}); give equally shaped examples') from None
+    shape, expected = self.input_shape, 'x'.join(map(str, self.input_shape))
+    kind = self.member.inputs
+    if kind == 'images' and shape[-1] == 1 and images.ndim == len(shape) and images.shape[1:] == shape[:-1]:
+      images = images[..., None]  # greyscale (N, H, W)
+    if images.ndim != len(shape) + 1 or images.shape[1:] != shape:
+      raise UsageError(f'{kind} of shape {images.shape}, but {self.workdir} was trained on {expected} {kind}; '
+                       f'give a batch of shape (N, {", ".join(map(str, shape))})')
+    if kind == 'tokens':
+      if not np.issubdtype(images.dtype, np.integer):
+        raise UsageError(f'token ids of dtype {images.dtype}; give integer ids')
+      return images.astype(np.int32)
+    if kind == 'features':
+      if not (np.issubdtype(images.dtype, np.floating) or np.issubdtype(images.dtype, np.integer)):
+        raise UsageError(f'features of dtype {images.dtype}; give numbers')
+      images = images.astype(np.float32)
+      if not np.isfinite(images).all():
+        raise UsageError('features hold NaN or infinite values; impute or drop them first')
+      return images
+    if images.dtype == np.uint8:
+      return images
+    if not np.issubdtype(images.dtype, np.floating):
+      raise UsageError(f'images of dtype {images.dtype}; give uint8 pixels (0..255) or floats in [0, 1]')
+    if images.size:
+      low, high = float(images.min()), float(images.max())
+      if not (0.0 <= low and high <= 1.0):  # NaN fails both
+        raise UsageError(f'float images must lie in [0, 1] but span [{low:g}, {high:g}]; divide 0..255 values '
+                         'by 255, or give uint8')
+    return images
+
+  def member_probs(self, images: Any, *, progress: bool = False) -> np.ndarray:
+    """(K, N, C) float64: every member's probabilities, `batch_size` images at a time, the last batch bucketed."""
+    images = self.check(images)
+    starts = range(0, len(images), self.batch_size)
+    if progress and len(starts) > 1:
+      starts = console.track(starts, 'predicting', unit='batch', items_per_step=self.batch_size, items='images')
+    batches = [np.zeros((self.size, 0, self.num_classes))]
+    for start in starts:
+      # One input dtype, so uint8 and float inputs share a program; [0, 1] as the device would make it.
+      chunk = images[start:start + self.batch_size]
+      if self.member.inputs == 'images':
+        chunk = chunk.astype(np.float32) / 255.0 if chunk.dtype == np.uint8 else chunk.astype(np.float32)
+      split = {'image': chunk, 'label': np.zeros(len(chunk), np.int32)}
+      batches.append(self._predictor(bucket(len(chunk), self.batch_size))(split))
+    return np.concatenate(batches, axis=1)
+
+  def _predictor(self, batch_size: int) -> evaluation.Predictor:
+    if batch_size not in self._predictors:
+      self._predictors[batch_size] = evaluation.Predictor(self.member, self.state, self.devices, batch_size)
+    return self._predictors[batch_size]
+
+  def predict(self, images: Any, *, members: bool = False, progress: bool = False) -> dict[str, np.ndarray]:
+    """Per image: 'probs' (N, C), the members' mean, temperature-scaled; 'class' (N,); and, in nats, 'entropy'
+    (total predictive), 'aleatoric' (expected member entropy), 'mutual_information' (epistemic: their
+    difference) and 'disagreement' (share of member pairs voting differently). 'member_probs' (K, N, C) with
+    `members`.
+
+    The uncertainty is split on the members' own probabilities, where total =
+    aleatoric + epistemic holds; the temperature only rescales 'probs' (and
+    leaves 'class' as it is).
+    """
+    member_probs = self.member_probs(images, progress=progress)
+    probs = member_probs.mean(0)
+    if self.temperature != 1.0:
+      probs = calibration.temperature_scale(probs, self.temperature)
+    result = {'probs': probs, 'class': np.argmax(probs, -1), **decomposition.decompose(member_probs)}
+    if members:
+      result['member_probs'] = member_probs
+    return result
+
+  def evaluate(self, inputs: Any, labels: Any) -> dict[str, Any]:
+    """The report's scores on labelled inputs: 'ensemble' and 'mean_member' accuracy, NLL, Brier and ECE, and
+    'members', 'best_member', the gains and the ensemble-size curve (`evaluation.score_test_set`).
+
+    The NLL comes from the members' log-probabilities, so a confident mistake
+    keeps its cost; the temperature is not applied (the scores are the members').
+    """
+    inputs = self.check(inputs)
+    labels = np.asarray(labels)
+    if labels.shape != (len(inputs),) or not np.issubdtype(labels.dtype, np.integer):
+      raise UsageError(f'labels of shape {labels.shape} and dtype {labels.dtype}; give {len(inputs)} integer class '
+                       f'indices, one per input')
+    if len(labels) and not 0 <= labels.min() <= labels.max() < self.num_classes:
+      raise UsageError(f'labels span [{labels.min()}, {labels.max()}], outside the {self.num_classes} classes '
+                       f'0..{self.num_classes - 1} the members predict')
+    member_log_probs = np.log(np.maximum(self.member_probs(inputs), np.finfo(np.float64).tiny))
+    return evaluation.score_test_set(member_log_probs, labels.astype(np.int32))
+
+  def save(self, path: str) -> 'Ensemble':
+    """Copies the workdir (checkpoints, config.json, metrics) to `path`, which must not exist, and uses it from now.
+
+    A temporary workdir of `fit(workdir=None)` is removed when this object goes;
+    a saved copy stays, and `ensemble.load(path)` or the programs read it.
+    """
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path):
+      raise UsageError(f'{path} exists; save to a new path (a workdir is never overwritten)')
+    if not os.path.isdir(os.path.dirname(path)):
+      raise UsageError(f'no folder {os.path.dirname(path)}; create it first')
+    partial = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=f'.{os.path.basename(path)}.')
+    try:
+      shutil.copytree(self.workdir, partial, dirs_exist_ok=True, ignore=shutil.ignore_patterns('*.lock'))
+      os.replace(partial, path)
+    except BaseException:
+      shutil.rmtree(partial, ignore_errors=True)
+      raise
+    self.workdir = path
+    return self
+
+  def flag_threshold(self, target_risk: float = DEFAULT_FLAG_RISK, data_dir: str | None = None) -> dict[str, Any]:
+    """The predictive entropy above which to flag an image: the largest that keeps the error rate of the held-out
+    images at or below it within `target_risk` (`selective.threshold_for_risk`).
+
+    Fitted on the slice of the training split that the trainer held out
+    (`ensemble.evaluation.heldout_split`), read from `data_dir` (default: the
+    data the run was trained with). Also returns the held-out 'coverage' and
+    'risk' at that threshold.
+    """
+    dataset = data.load(self.config.get('dataset', 'mnist'), self.config.data_dir if data_dir is None else data_dir,
+                        self.config.get('train_split', 'train'), self.config.get('test_split', 'test'))
+    if tuple(dataset.image_shape) != self.image_shape:
+      raise UsageError(f'{dataset.source} holds {"x".join(map(str, dataset.image_shape))} images but '
+                       f'{self.workdir} was trained on {"x".join(map(str, self.image_shape))}; give --data_dir the '
+                       'data it was trained on')
+    heldout, seen_in_training = evaluation.heldout_split(dataset.train, self.config)
+    if seen_in_training:
+      logging.warning('%s held out no training examples (heldout_fraction=0): the flag threshold is fitted on '
+                      'examples the members were trained on and flags too few images.', self.workdir)
+    result = self.predict(heldout['image'])
+    curve = selective.risk_coverage(result[FLAG_SCORE], result['class'] == heldout['label'])
+    return {**selective.threshold_for_risk(curve, target_risk), 'target_risk': target_risk,
+            'examples': len(heldout['label']), 'seen_in_training': seen_in_training}
+
+
+def load(workdir: str, step: int | None = None, *, model: Any = None, batch_size: int | None = None,
+         temperature: float | None = None) -> Ensemble:
+  """The ensemble saved in `workdir` at epoch `step` (default: the latest), on as many of the available devices
+  as divide its members.
+
+  `model` is needed only for a model that config.json cannot rebuild (one
+  defined in a script's `__main__`): the same model `fit` was given.
+  `temperature` defaults to the one `ensemble.evaluate` fitted for that
+  checkpoint (1 when there is none); `batch_size` to the run's eval_batch_size.
+  """
+  config = evaluation.load_run_config(workdir)
+  devices = evaluation.evaluation_devices(config.ensemble_size)
+  member, state, epoch = evaluation.restore(workdir, config, step, devices, model)
+  if temperature is None:
+    temperature = _fitted_temperature(workdir, epoch) or 1.0
+  if not temperature > 0:
+    raise UsageError(f'temperature={temperature} must be positive')
+  batch_size = batch_size or config.eval_batch_size
+  logging.info('Restored epoch %d of %s: %d members on %d devices; temperature %.4g.', epoch, workdir,
+               config.ensemble_size, len(devices), temperature)
+  return Ensemble(workdir, config, member, state, devices, epoch, temperature, batch_size)
+
+
+# What `fit`'s keywords set in the config, besides the config's own field names.
+_ALIASES = {'epochs': 'num_epochs'}
+
+
+def _config(config: ml_collections.ConfigDict | None, fields: dict[str, Any]) -> ml_collections.ConfigDict:
+  """ensemble/defaults.py (or `config`) with `fields` set; an unknown field is refused with the closest names."""
+  config = ml_collections.ConfigDict((config or defaults.get_config()).to_dict())
+  for key, value in fields.items():
+    if value is None:
+      continue
+    key = _ALIASES.get(key, key)
+    if key not in config:
+      import difflib  # pylint: disable=g-import-not-at-top
+      close = difflib.get_close_matches(key, list(config.keys()) + list(_ALIASES), n=3)
+      hint = f' (did you mean {", ".join(close)}?)' if close else ''
+      raise UsageError(f'unknown field {key!r}{hint}; the fields are those of ensemble/defaults.py')
+    current = config[key]
+    if isinstance(current, ml_collections.ConfigDict):
+      value = ml_collections.ConfigDict(dict(value))
+    elif isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+      value = float(value)
+    elif isinstance(current, tuple) and isinstance(value, list):
+      value = tuple(value)
+    try:
+      config[key] = value
+    except TypeError as e:
+      raise UsageError(f'{key}={value!r}: {e}') from None
+  return config
+
+
+def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None, *,
+        ensemble_size: int | None = None, epochs: int | None = None, method: str | None = None,
+        workdir: str | None = None, config: ml_collections.ConfigDict | None = None, progress: bool = True,
+        **fields) -> Ensemble:
+  """Trains an ensemble of `model` on arrays, its members in parallel on the devices there are; returns it.
+
+  `model`: a `flax.linen.Module` mapping a batch of inputs to logits (it gets
+  `train=True` in training if its `__call__` takes `train`, so BatchNorm and
+  Dropout work); a function of `nnx.Rngs` that builds a Flax NNX model (each
+  member builds its own); or a model name of ensemble/defaults.py ('cnn',
+  'resnet', 'package.module:Name'). `train` and `test` are (inputs, labels)
+  pairs of arrays: images, feature vectors or token ids (`inputs`:
+  ensemble/defaults.py says how they are told apart), labels integer classes.
+  Without `test`, the held-out slice (`heldout_fraction`) is the test set.
+  `fields` are ensemble/defaults.py's fields (learning_rate, optimizer,
+  augment, member_data, backend, seed, ...), starting from its values or from
+  `config`. Unless `num_devices` is given, the members go on as many devices
+  as split them evenly. `workdir=None` trains in a temporary folder that `Ensemble.save`
+  keeps; an existing workdir resumes, by the rules of `python -m
+  ensemble.train`. `progress` shows a bar and a line per epoch.
+  """
+  config = _config(config, {'ensemble_size': ensemble_size, 'epochs': epochs, 'method': method, **fields})
+  dataset = _dataset(train, test, config)
+  if dataset.inputs != 'images' and config.augment != 'none':
+    if 'augment' in fields:
+      raise UsageError(f'augment={config.augment!r} transforms images, and these inputs are {dataset.inputs}: '
+                       "leave augment out, or set it to 'none'")
+    config.augment = 'none'
+  model_object = None
+  if isinstance(model, str):
+    config.model = model
+  else:
+    user.wrap(model)  # refuses what is no model before anything runs
+    model_object = model
+    config.model, kwargs = user.describe(model)
+    config.model_kwargs = ml_collections.ConfigDict(kwargs)
+  config.dataset, config.data_dir = data.ARRAYS, ''
+  if config.ensemble_size and not config.num_devices:  # as many of the devices as split the members evenly
+    config.num_devices = len(evaluation.evaluation_devices(config.ensemble_size))
+  temporary = workdir is None
+  workdir = tempfile.mkdtemp(prefix='ensemble-') if temporary else os.path.abspath(os.path.expanduser(workdir))
+  from ensemble import trainer  # pylint: disable=g-import-not-at-top  # only here: its writers import TensorFlow
+  try:
+    trainer.train_and_evaluate(config, workdir, dataset=dataset, model=model_object, progress=progress)
+    ens = load(workdir, model=model_object)
+  except BaseException:
+    if temporary:
+      shutil.rmtree(workdir, ignore_errors=True)
+    raise
+  if temporary:
+    ens._temporary = weakref.finalize(ens, shutil.rmtree, workdir, True)  # pylint: disable=protected-access
+  return ens
+
+
+def _dataset(train: Any, test: Any, config: ml_collections.ConfigDict) -> data.Dataset:
+  """The arrays as a Dataset; without `test`, the held-out slice of `train` tests (the trainer holds it out too)."""
+  if test is None:
+    if not config.heldout_fraction:
+      raise UsageError('no test set: give test=(x_test, y_test), or a heldout_fraction > 0 to test on')
+    inputs, labels = arrays.pair(train, 'train')
+    start = len(labels) - int(round(config.heldout_fraction * len(labels)))
+    test = (inputs[start:], labels[start:])
+  return arrays.from_arrays(train, test, config.inputs)

@@ -1,0 +1,87 @@
+"""In-memory arrays as a Dataset: what `ensemble.fit` trains on.
+
+Images, feature vectors (tabular data) and integer token ids (sequences) all
+come as a pair (inputs, labels) of arrays, checked here once, before anything
+runs, so that a bad array fails in one line naming it instead of inside a
+jitted step.
+"""
+
+from typing import Any
+
+import numpy as np
+
+from ensemble.data import base
+
+
+def kind_of(inputs: np.ndarray) -> str:
+  """What `inputs` are when the caller does not say: integer ids are tokens, uint8 or 4-D arrays images
+  ((N, H, W) uint8 or (N, H, W, C)), other floats features."""
+  if np.issubdtype(inputs.dtype, np.integer) and inputs.dtype != np.uint8:
+    return 'tokens'
+  if inputs.ndim == 4 or (inputs.dtype == np.uint8 and inputs.ndim == 3):
+    return 'images'
+  return 'features'
+
+
+def pair(split: Any, name: str) -> tuple[np.ndarray, np.ndarray]:
+  if not isinstance(split, (tuple, list)) or len(split) != 2:
+    raise base.DataError(f'{name}: give a pair (inputs, labels) of arrays, got {type(split).__name__}')
+  inputs, labels = split
+  try:
+    return np.asarray(inputs), np.asarray(labels)
+  except ValueError as e:  # a ragged list
+    raise base.DataError(f'{name}: cannot be made an array ({base.first_line(e)}); give equally shaped examples') \
+        from None
+
+
+def _as_inputs(inputs: np.ndarray, kind: str, name: str) -> np.ndarray:
+  """float32 features or int32 token ids (N, ...); images go through `base.make_split`."""
+  if inputs.ndim < 2:
+    raise base.DataError(f'{name}: inputs of shape {inputs.shape}; give one row per example, (N, ...) with at least '
+                         'one value each (a single feature as x[:, None])')
+  if kind == 'tokens':
+    if not np.issubdtype(inputs.dtype, np.integer):
+      raise base.DataError(f'{name}: token ids of dtype {inputs.dtype}; give integer ids (x.astype(np.int32)), or '
+                           "inputs='features' for float values")
+    if inputs.size and (inputs.min() < 0 or inputs.max() > np.iinfo(np.int32).max):
+      raise base.DataError(f'{name}: token ids must lie in 0..2**31-1, got [{inputs.min()}, {inputs.max()}]')
+    return inputs.astype(np.int32)
+  if not (np.issubdtype(inputs.dtype, np.floating) or np.issubdtype(inputs.dtype, np.integer)):
+    raise base.DataError(f'{name}: inputs of dtype {inputs.dtype}; give numbers (float features, uint8 images or '
+                         'integer token ids)')
+  features = inputs.astype(np.float32)
+  if not np.isfinite(features).all():
+    raise base.DataError(f'{name}: inputs hold NaN or infinite values (first at example '
+                         f'{int(np.argmin(np.isfinite(features).reshape(len(features), -1).all(1)))}); '
+                         'impute or drop them first')
+  return features
+
+
+def _split(split: Any, kind: str, name: str) -> base.Split:
+  inputs, labels = pair(split, name)
+  if len(inputs) != len(labels):
+    raise base.DataError(f'{name}: {len(inputs)} inputs but {len(labels)} labels; give one label per example')
+  if not np.issubdtype(labels.dtype, np.integer):
+    raise base.DataError(f'{name}: labels of dtype {labels.dtype}; give integer class indices 0..C-1 '
+                         '(y.astype(np.int32), or y.argmax(-1) for one-hot labels)')
+  if kind == 'images':
+    if np.issubdtype(inputs.dtype, np.floating) and not np.isfinite(inputs).all():
+      raise base.DataError(f'{name}: images hold NaN or infinite values; give uint8 pixels or floats in [0, 1]')
+    return base.make_split(inputs, labels, f'{name} images', f'{name} labels')
+  return {'image': _as_inputs(inputs, kind, name), 'label': base.as_labels(labels, f'{name} labels')}
+
+
+def from_arrays(train: Any, test: Any, inputs: str = 'auto') -> base.Dataset:
+  """(x, y) pairs -> a Dataset of `inputs` ('auto': `kind_of` the training inputs); `source` is 'arrays'."""
+  kind = kind_of(pair(train, 'train')[0]) if inputs == 'auto' else inputs
+  splits = {name: _split(split, kind, name) for name, split in (('train', train), ('test', test))}
+  names = {name: (f'{name} inputs', f'{name} labels') for name in splits}
+  return base.make_dataset(splits['train'], splits['test'], 'arrays', names, inputs=kind)
+
+
+def feature_stats(features: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
+  """Per-feature mean and standard deviation (flattened, float64 sums), a constant feature's std taken as 1."""
+  flat = features.reshape(len(features), -1).astype(np.float64)
+  mean, std = flat.mean(0), flat.std(0)
+  std = np.where(std > 0, std, 1.0)
+  return tuple(float(m) for m in mean), tuple(float(s) for s in std)

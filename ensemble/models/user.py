@@ -1,0 +1,190 @@
+"""A user's own model, linen or NNX, behind the `init` / `apply` interface that `steps.Member` calls.
+
+`steps.Member` speaks linen's language: `init(key, x, train=False)` returns the
+variables ({'params': ..., 'batch_stats': ...}), and `apply(variables, x,
+train=..., rngs=..., mutable=[...])` the logits (and the updated collections).
+The built-in models are linen Modules that take `train`; a user's model need
+not, and may be a Flax NNX model. The wrappers here give both that interface,
+so every backend, method, checkpoint and program treats a user's members as its
+own.
+"""
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import json
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+
+from ensemble.errors import UsageError
+
+
+def _takes_train(fn: Callable) -> bool:
+  try:
+    return 'train' in inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Linen:
+  """A linen Module whose `__call__` may or may not take `train` (BatchNorm and Dropout need it to switch modes).
+
+  The parameter tree is the module's own, unwrapped.
+  """
+  module: nn.Module
+
+  @functools.cached_property
+  def takes_train(self) -> bool:
+    return _takes_train(self.module.__call__)
+
+  def _train(self, train: bool) -> dict[str, bool]:
+    return {'train': train} if self.takes_train else {}
+
+  def init(self, key: jax.Array, x, train: bool = False):
+    params_key, dropout_key = jax.random.split(key)
+    return self.module.init({'params': params_key, 'dropout': dropout_key}, x, **self._train(train))
+
+  def apply(self, variables, x, *, train: bool = False, rngs=None, mutable=False):
+    return self.module.apply(variables, x, rngs=rngs, mutable=mutable, **self._train(train))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NNX:
+  """An NNX model, given as `build(rngs)`: every member builds its own from its own key.
+
+  NNX keeps a model's state in the model; here it is split out as linen's
+  collections, nnx.Param as 'params' and nnx.BatchStat as 'batch_stats', and
+  merged back for each call. The model's random streams (Dropout's) are not
+  state that the members carry: every call re-seeds them from the key the step
+  passes, a key per member and step, as for linen members. `train` switches
+  the model with `.train()` / `.eval()` (Dropout's `deterministic`,
+  BatchNorm's `use_running_average`), and is passed on if its `__call__` takes it.
+  """
+  build: Callable[..., Any]
+
+  @functools.cached_property
+  def _template(self):
+    """(graphdef, params, batch_stats, other state) of the model, abstract: built once, without computing."""
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    return nnx.split(nnx.eval_shape(lambda: self.build(nnx.Rngs(0))), nnx.Param, nnx.BatchStat, ...)
+
+  def _split(self, module):
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    _, params, batch_stats, _ = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
+    return {'params': params.to_pure_dict(), 'batch_stats': batch_stats.to_pure_dict()}
+
+  def init(self, key: jax.Array, x, train: bool = False):
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    params_key, call_key = jax.random.split(key)
+    module = self.build(nnx.Rngs(params_key))
+    self._call(module, x, train, call_key)  # as linen's init runs the model: a shape error shows here
+    return {name: tree for name, tree in self._split(module).items() if tree}
+
+  def _call(self, module, x, train: bool, key: jax.Array | None):
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    if key is not None:
+      nnx.reseed(module, default=key, dropout=key)
+    module.train() if train else module.eval()  # pylint: disable=expression-not-assigned
+    return module(x, train=train) if _takes_train(module.__call__) else module(x)
+
+  def apply(self, variables, x, *, train: bool = False, rngs=None, mutable=False):
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    graphdef, params, batch_stats, rest = self._template
+    key = (rngs or {}).get('dropout')
+    params, batch_stats, rest = (jax.tree.map(lambda leaf: _placeholder(leaf, key), tree)
+                                 for tree in (params, batch_stats, rest))  # fresh containers, filled below
+    nnx.replace_by_pure_dict(params, variables['params'])
+    if batch_stats:
+      nnx.replace_by_pure_dict(batch_stats, variables['batch_stats'])
+    module = nnx.merge(graphdef, params, batch_stats, rest)
+    logits = self._call(module, x, train, key)
+    if not mutable:
+      return logits
+    return logits, {'batch_stats': self._split(module)['batch_stats']}
+
+
+def _placeholder(leaf: jax.ShapeDtypeStruct, key: jax.Array | None):
+  """A concrete value for an abstract leaf of the model's other state: its random keys, counters."""
+  if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    return key if key is not None else jax.random.key(0)
+  return jax.numpy.zeros(leaf.shape, leaf.dtype)
+
+
+def is_import_path(spec: str) -> bool:
+  return ':' in spec
+
+
+def import_object(path: str) -> Any:
+  """'package.module:Name' (or 'package.module:Outer.Inner') -> the object; a one-line error when it fails."""
+  module_name, _, name = path.partition(':')
+  fix = 'give --config.model as package.module:Name, importable from where the program runs'
+  try:
+    module = importlib.import_module(module_name)
+  except Exception as e:  # pylint: disable=broad-except  # any failure of the user's module is theirs to fix
+    raise UsageError(f'model {path!r}: module {module_name!r} does not import ({type(e).__name__}: '
+                     f'{str(e).splitlines()[0] if str(e) else ""}); {fix}') from None
+  obj = module
+  for part in name.split('.'):
+    obj = getattr(obj, part, None)
+    if obj is None:
+      raise UsageError(f'model {path!r}: module {module_name!r} has no {name!r}; {fix}')
+  return obj
+
+
+def wrap(model: Any, kwargs: dict[str, Any] | None = None, num_classes: int | None = None) -> Linen | NNX:
+  """A linen Module (instance or class), an NNX Module class, or a function of `nnx.Rngs` -> its wrapper.
+
+  A class is built with `kwargs`, and with `num_classes` from the data when it
+  has such a field or argument that `kwargs` leaves out.
+  """
+  kwargs = dict(kwargs or {})
+  if isinstance(model, nn.Module):
+    return Linen(model)
+  if isinstance(model, type) and issubclass(model, nn.Module):
+    if num_classes is not None and 'num_classes' in {f.name for f in dataclasses.fields(model)}:
+      kwargs.setdefault('num_classes', num_classes)
+    try:
+      return Linen(model(**kwargs))
+    except TypeError as e:
+      raise UsageError(f'model {model.__name__}: {e}; fix --config.model_kwargs') from None
+  if callable(model):
+    try:
+      parameters = inspect.signature(model).parameters
+    except (TypeError, ValueError):
+      parameters = {}
+    if num_classes is not None and 'num_classes' in parameters:
+      kwargs.setdefault('num_classes', num_classes)
+    return NNX(functools.partial(_build_nnx, model, kwargs) if kwargs else model)
+  raise UsageError(f'model {model!r} is neither a flax.linen Module nor an NNX model (a function of nnx.Rngs that '
+                   'builds one); pass one of those')
+
+
+def _build_nnx(build, kwargs, rngs):
+  return build(**kwargs, rngs=rngs)
+
+
+def describe(model: Any) -> tuple[str, dict[str, Any]]:
+  """(import path, constructor arguments) that rebuild `model` in another process, for config.json.
+
+  A linen Module records its class and its fields; an NNX builder its
+  function (a `functools.partial`'s keywords become the arguments). A model
+  defined in `__main__` records that path too: the programs then say how to
+  load it (`ensemble.load(workdir, model=...)`).
+  """
+  kwargs: dict[str, Any] = {}
+  if isinstance(model, functools.partial):
+    kwargs, model = dict(model.keywords), model.func
+  if isinstance(model, nn.Module):
+    kwargs = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
+              if f.name not in ('parent', 'name') and f.init}
+    model = type(model)
+  path = f'{getattr(model, "__module__", "?")}:{getattr(model, "__qualname__", type(model).__name__)}'
+  try:
+    json.dumps(kwargs)
+  except TypeError:
+    kwargs = {'unrecorded': True}
+  return path, kwargs
