@@ -14,7 +14,7 @@ import functools
 import importlib
 import inspect
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -23,10 +23,7 @@ from ensemble.errors import UsageError
 
 
 def _takes_train(fn: Callable) -> bool:
-  try:
-    return 'train' in inspect.signature(fn).parameters
-  except (TypeError, ValueError):
-    return False
+  return 'train' in _parameters(fn)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -70,17 +67,17 @@ class NNX:
   def _template(self):
     """(graphdef, params, batch_stats, other state) of the model, abstract: built once, without computing."""
     from flax import nnx  # pylint: disable=g-import-not-at-top
-    return nnx.split(nnx.eval_shape(lambda: self.build(nnx.Rngs(0))), nnx.Param, nnx.BatchStat, ...)
+    return nnx.split(nnx.eval_shape(lambda: _build(self.build, nnx.Rngs(0))), nnx.Param, nnx.BatchStat, ...)
 
   def _split(self, module):
     from flax import nnx  # pylint: disable=g-import-not-at-top
     _, params, batch_stats, _ = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
-    return {'params': params.to_pure_dict(), 'batch_stats': batch_stats.to_pure_dict()}
+    return {'params': nnx.to_pure_dict(params), 'batch_stats': nnx.to_pure_dict(batch_stats)}
 
   def init(self, key: jax.Array, x, train: bool = False):
     from flax import nnx  # pylint: disable=g-import-not-at-top
     params_key, call_key = jax.random.split(key)
-    module = self.build(nnx.Rngs(params_key))
+    module = _build(self.build, nnx.Rngs(params_key))
     self._call(module, x, train, call_key)  # as linen's init runs the model: a shape error shows here
     return {name: tree for name, tree in self._split(module).items() if tree}
 
@@ -105,6 +102,21 @@ class NNX:
     if not mutable:
       return logits
     return logits, {'batch_stats': self._split(module)['batch_stats']}
+
+
+def _parameters(fn: Callable[..., Any]) -> Sequence[str]:
+  """The argument names of a function or class, through partials; NNX classes hide theirs behind a metaclass."""
+  while isinstance(fn, functools.partial):
+    fn = fn.func
+  try:
+    return list(inspect.signature(fn.__init__ if isinstance(fn, type) else fn).parameters)
+  except (TypeError, ValueError):
+    return []
+
+
+def _build(build: Callable[..., Any], rngs):
+  """`build(rngs=rngs)` when it names an `rngs` argument (an NNX Module class, a partial of one), else `build(rngs)`."""
+  return build(rngs=rngs) if 'rngs' in _parameters(build) else build(rngs)
 
 
 def _placeholder(leaf: jax.ShapeDtypeStruct, key: jax.Array | None):
@@ -152,11 +164,7 @@ def wrap(model: Any, kwargs: dict[str, Any] | None = None, num_classes: int | No
     except TypeError as e:
       raise UsageError(f'model {model.__name__}: {e}; fix --config.model_kwargs') from None
   if callable(model):
-    try:
-      parameters = inspect.signature(model).parameters
-    except (TypeError, ValueError):
-      parameters = {}
-    if num_classes is not None and 'num_classes' in parameters:
+    if num_classes is not None and 'num_classes' in _parameters(model):
       kwargs.setdefault('num_classes', num_classes)
     return NNX(functools.partial(_build_nnx, model, kwargs) if kwargs else model)
   raise UsageError(f'model {model!r} is neither a flax.linen Module nor an NNX model (a function of nnx.Rngs that '
@@ -177,7 +185,7 @@ def describe(model: Any) -> tuple[str, dict[str, Any]]:
   """
   kwargs: dict[str, Any] = {}
   if isinstance(model, functools.partial):
-    kwargs, model = dict(model.keywords), model.func
+    kwargs, model = ({'unrecorded': True} if model.args else dict(model.keywords)), model.func
   if isinstance(model, nn.Module):
     kwargs = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
               if f.name not in ('parent', 'name') and f.init}

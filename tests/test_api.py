@@ -1,0 +1,287 @@
+"""`ensemble.fit` / `load` / `Ensemble` from Python: a user's own linen or NNX model on the user's own arrays."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import serialization
+
+import ensemble
+import user_models
+from conftest import run_main, synthetic_mnist, timeless, write_mnist
+from ensemble import evaluate, export, predict, writers
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# What every run here shares: small, so that two epochs of K=4 cost seconds; the learning rate of the tests' runs;
+# a constant rate, so that a 1-epoch run resumed to 2 trains as a 2-epoch run (a cosine's length is the run's).
+SETTINGS = {'epochs': 2, 'batch_size': 32, 'learning_rate': 0.05, 'schedule': 'constant', 'progress': False}
+
+evaluate.define_flags()  # for the command lines run in this process
+
+
+@pytest.fixture(scope='module')
+def arrays():
+  """MNIST-shaped synthetic digits, as `conftest.write_mnist` writes them to IDX files: the same arrays."""
+  (x_train, y_train), (x_test, y_test) = synthetic_mnist()
+  return x_train, y_train.astype(np.int64), x_test, y_test.astype(np.int64)
+
+
+@pytest.fixture(scope='module')
+def linen_run(arrays, tmp_path_factory):
+  """K=4 TinyNets (BatchNorm, Dropout) on 4 devices with pmap, two epochs, in a workdir of its own."""
+  x_train, y_train, x_test, y_test = arrays
+  workdir = str(tmp_path_factory.mktemp('linen') / 'run')
+  ens = ensemble.fit(user_models.TinyNet(width=32), (x_train, y_train), test=(x_test, y_test), ensemble_size=4,
+                     workdir=workdir, **SETTINGS)
+  return ens
+
+
+def _leaves(tree) -> dict:
+  return jax.tree.map(np.asarray, serialization.to_state_dict(tree))
+
+
+def test_fit_predict_evaluate_a_linen_model_with_batchnorm_and_dropout(linen_run, arrays):
+  ens, (_, _, x_test, y_test) = linen_run, arrays
+  assert isinstance(ens, ensemble.Ensemble) and ens.size == 4 and len(ens.devices) == 4
+  result = ens.predict(x_test)
+  assert result['probs'].shape == (len(x_test), 10)
+  np.testing.assert_allclose(result['probs'].sum(-1), 1.0, rtol=1e-5)
+  scores = ens.evaluate(x_test, y_test)
+  assert set(scores['ensemble']) >= {'accuracy', 'nll', 'brier', 'ece'}
+  assert set(scores['mean_member']) >= {'accuracy', 'nll', 'brier', 'ece'}
+  assert scores['ensemble']['accuracy'] == pytest.approx(np.mean(result['class'] == y_test))
+  assert scores['ensemble']['accuracy'] > 0.5  # ten classes: chance is 0.1
+  state = _leaves(ens.state)
+  # Each member its own initialisation, and BatchNorm's running averages moved by training.
+  assert not np.allclose(state['params']['Dense_0']['kernel'][0], state['params']['Dense_0']['kernel'][1])
+  assert np.abs(state['batch_stats']['BatchNorm_0']['mean']).max() > 1e-3
+  # The run reads as any other: its config names the model by import path, with its arguments.
+  with open(os.path.join(ens.workdir, 'config.json'), encoding='utf-8') as f:
+    config = json.load(f)
+  assert config['model'] == 'user_models:TinyNet' and config['model_kwargs'] == {'num_classes': 10, 'width': 32}
+  assert [line['epoch'] for line in writers.read_jsonl(os.path.join(ens.workdir, 'metrics.jsonl'))] == [1, 2]
+
+
+def test_dropout_draws_a_key_per_step_and_is_off_at_test_time(linen_run, arrays):
+  ens = linen_run
+  member, state = ens.member, jax.tree.map(lambda x: x[0], ens.state)
+  images = member.prepare(arrays[2][:8])
+  apply = lambda train, key: member.apply(state, state.params, images, train=train, key=key)[0]
+  one, two = jax.random.key(1), jax.random.key(2)
+  assert not np.allclose(apply(True, one), apply(True, two))
+  np.testing.assert_array_equal(apply(False, one), apply(False, two))
+
+
+def test_pmap_and_jit_train_the_same_members_of_a_user_model(linen_run, arrays, tmp_path):
+  x_train, y_train, x_test, y_test = arrays
+  jit = ensemble.fit(user_models.TinyNet(width=32), (x_train, y_train), test=(x_test, y_test), ensemble_size=4,
+                     backend='jit', **SETTINGS)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6),
+               _leaves(jit.state), _leaves(linen_run.state))
+
+
+def test_fit_resumes_a_workdir(linen_run, arrays, tmp_path):
+  x_train, y_train, x_test, y_test = arrays
+  workdir = str(tmp_path / 'run')
+  fit = functools.partial(ensemble.fit, user_models.TinyNet(width=32), (x_train, y_train), test=(x_test, y_test),
+                          ensemble_size=4, workdir=workdir, **{**SETTINGS, 'epochs': 1})
+  fit()
+  resumed = fit(epochs=2)
+  assert resumed.epoch == 2
+  read = lambda ens: timeless(writers.read_jsonl(os.path.join(ens.workdir, 'metrics.jsonl')))
+  assert read(resumed) == read(linen_run)  # a resume continues exactly where the first run stopped
+  with pytest.raises(ensemble.UsageError, match='a resume must keep the data settings'):
+    fit(epochs=3, seed=1)
+
+
+def test_the_programs_read_a_workdir_that_fit_wrote(linen_run, tmp_path):
+  """evaluate, predict and export, as for a run of `python -m ensemble.train`; the data from an IDX copy."""
+  mnist = write_mnist(str(tmp_path / 'mnist'))  # the same synthetic arrays as `arrays`
+  out = tmp_path / 'eval'
+  assert run_main(evaluate.main, 'evaluate', '--workdir', linen_run.workdir, '--data_dir', mnist, '--angles=0',
+                  '--output_dir', str(out)) == 0
+  with open(out / 'metrics.json', encoding='utf-8') as f:
+    assert json.load(f)['ensemble']['accuracy'] > 0.5
+  images = tmp_path / 'images.npy'
+  np.save(images, synthetic_mnist(8, 1)[0][0])
+  summary = predict.predict_files(linen_run.workdir, str(images), str(tmp_path / 'rows.csv'), flag=False)
+  assert summary['images'] == 8
+  exported = export.write(linen_run.workdir, str(tmp_path / 'model.jax'), platforms=['cpu'])
+  assert exported.out_avals[1].shape[1:] == (10,)
+
+
+def test_an_nnx_model_with_batchnorm_and_dropout(arrays):
+  x_train, y_train, x_test, y_test = arrays
+  ens = ensemble.fit(functools.partial(user_models.NNXNet, din=28 * 28), (x_train, y_train), test=(x_test, y_test),
+                     ensemble_size=2, **SETTINGS)
+  assert ens.evaluate(x_test, y_test)['ensemble']['accuracy'] > 0.5
+  state = _leaves(ens.state)
+  assert not np.allclose(state['params']['hidden']['kernel'][0], state['params']['hidden']['kernel'][1])
+  assert np.abs(state['batch_stats']['norm']['mean']).max() > 1e-3
+  member, first = ens.member, jax.tree.map(lambda x: x[0], ens.state)
+  images = member.prepare(x_test[:8])
+  apply = lambda train, key: member.apply(first, first.params, images, train=train, key=key)[0]
+  assert not np.allclose(apply(True, jax.random.key(1)), apply(True, jax.random.key(2)))
+  np.testing.assert_array_equal(apply(False, jax.random.key(1)), apply(False, jax.random.key(2)))
+  # config.json rebuilds it in another process: ensemble.load needs no model.
+  reloaded = ensemble.load(ens.workdir)
+  np.testing.assert_allclose(reloaded.predict(x_test)['probs'], ens.predict(x_test)['probs'], rtol=1e-6)
+
+
+def _tabular(n: int = 600):
+  """Three classes by two features on very different scales: standardisation matters."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(n, 6)) * np.array([1.0, 1000.0, 1.0, 1.0, 0.001, 1.0])
+  y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0)
+  return x, y
+
+
+def test_a_tabular_mlp_on_feature_vectors():
+  x, y = _tabular()
+  ens = ensemble.fit(user_models.TinyNet(num_classes=3), (x[:500], y[:500]), test=(x[500:], y[500:]),
+                     ensemble_size=2, standardize_features=True, **{**SETTINGS, 'epochs': 6, 'learning_rate': 0.3})
+  assert ens.member.inputs == 'features' and ens.member.augment == 'none'
+  np.testing.assert_allclose(ens.member.std, x[:450].std(0), rtol=1e-6)  # the training split's, held-out slice apart
+  assert ens.evaluate(x[500:], y[500:])['ensemble']['accuracy'] > 0.8
+  with pytest.raises(ensemble.UsageError, match='NaN or infinite'):
+    ens.predict(np.full((2, 6), np.nan))
+
+
+class _TokenModel(user_models.nn.Module):
+  @user_models.nn.compact
+  def __call__(self, tokens):
+    return user_models.nn.Dense(2)(user_models.nn.Embed(16, 8)(tokens).mean(1))
+
+
+def test_a_sequence_model_on_token_ids():
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 16, (600, 10))
+  labels = (tokens == 3).any(1).astype(np.int64)
+  ens = ensemble.fit(_TokenModel(), (tokens[:500], labels[:500]), test=(tokens[500:], labels[500:]), ensemble_size=2,
+                     **{**SETTINGS, 'epochs': 4, 'learning_rate': 0.5})
+  assert ens.member.inputs == 'tokens'
+  assert ens.evaluate(tokens[500:], labels[500:])['ensemble']['accuracy'] > 0.8
+  with pytest.raises(ensemble.UsageError, match='token ids of dtype float'):
+    ens.predict(tokens[:2].astype(np.float32))
+
+
+def _with_nan(images):
+  images = images.astype(np.float32) / 255
+  images[3, 4, 5] = np.nan
+  return images
+
+
+# case -> (fit's arguments from (x_train, y_train, x_test, y_test), the error it must raise)
+BAD_INPUTS = {
+    'too few logits': (lambda x, y, tx, ty: dict(model=user_models.TinyNet(num_classes=3), train=(x, y), test=(tx, ty)),
+                       r'not to \(batch, 10\) logits'),
+    'the wrong input shape': (lambda x, y, tx, ty: dict(model=user_models.WrongInputSize(), train=(x, y),
+                                                       test=(tx, ty)),
+                              r'fails on inputs of shape \(batch, 28, 28, 1\)'),
+    'float labels': (lambda x, y, tx, ty: dict(model=user_models.TinyNet(), train=(x, y + 0.5), test=(tx, ty)),
+                     'labels of dtype float64'),
+    'different lengths': (lambda x, y, tx, ty: dict(model=user_models.TinyNet(), train=(x, y[:-1]), test=(tx, ty)),
+                          '256 inputs but 255 labels'),
+    'NaN inputs': (lambda x, y, tx, ty: dict(model=user_models.TinyNet(), train=(_with_nan(x), y), test=(tx, ty)),
+                   'NaN or infinite'),
+    'a path that does not import': (lambda x, y, tx, ty: dict(model='no_such_module:Net', train=(x, y), test=(tx, ty)),
+                                    "module 'no_such_module' does not import"),
+    'a path to no model': (lambda x, y, tx, ty: dict(model='user_models:Missing', train=(x, y), test=(tx, ty)),
+                           "module 'user_models' has no 'Missing'"),
+    'no model at all': (lambda x, y, tx, ty: dict(model=user_models.NOT_A_MODEL, train=(x, y), test=(tx, ty)),
+                        'neither a flax.linen Module nor an NNX model'),
+    'an unknown field': (lambda x, y, tx, ty: dict(model=user_models.TinyNet(), train=(x, y), test=(tx, ty),
+                                                   learning_rat=0.1),
+                         r"unknown field 'learning_rat' \(did you mean learning_rate"),
+    'batchensemble without rank-1 layers': (lambda x, y, tx, ty: dict(model=user_models.TinyNet(), train=(x, y),
+                                                                      test=(tx, ty), method='batchensemble'),
+                                            'ensemble.models.rank1'),
+}
+
+
+@pytest.mark.parametrize('case', list(BAD_INPUTS))
+def test_bad_input_is_one_error_and_writes_nothing(arrays, tmp_path, case):
+  make, message = BAD_INPUTS[case]
+  workdir = tmp_path / 'run'
+  with pytest.raises(ensemble.UsageError, match=message) as error:
+    ensemble.fit(**make(*arrays), ensemble_size=2, workdir=str(workdir), **SETTINGS)
+  assert isinstance(error.value, ValueError) and '\n' not in str(error.value)
+  assert not workdir.exists()
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+  env = {**os.environ, 'PYTHONPATH': os.pathsep.join([TESTS, REPO]), **env}
+  return subprocess.run([sys.executable, '-c', code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+PROGRAM_WITH_ITS_OWN_FLAGS = '''
+import logging
+from absl import app, flags
+flags.DEFINE_string('workdir', None, 'This program's own workdir flag.')
+FLAGS = flags.FLAGS
+
+def main(argv):
+  import ensemble, numpy as np, user_models
+  root = logging.getLogger()
+  before = (list(root.handlers), root.level, [list(h.filters) for h in root.handlers])
+  x = np.random.default_rng(0).integers(0, 255, (64, 28, 28, 1), dtype=np.uint8)
+  y = np.arange(64) % 10
+  ensemble.fit(user_models.TinyNet(), (x, y), test=(x, y), ensemble_size=2, epochs=1, batch_size=32,
+               workdir=FLAGS.workdir, progress=False)
+  ens = ensemble.load(FLAGS.workdir)
+  assert (list(root.handlers), root.level, [list(h.filters) for h in root.handlers]) == before
+  assert not [name for name in ('angles', 'input', 'platforms', 'config', 'cpu_devices') if name in FLAGS]
+  print('members', ens.size)
+
+app.run(main)
+'''
+
+
+def test_a_program_with_its_own_workdir_flag_uses_the_library(tmp_path):
+  result = subprocess.run(
+      [sys.executable, '-c', PROGRAM_WITH_ITS_OWN_FLAGS, f'--workdir={tmp_path / "run"}'], cwd=REPO,
+      env={**os.environ, 'PYTHONPATH': os.pathsep.join([TESTS, REPO])}, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'members 2' in result.stdout
+
+
+def test_cpu_devices_before_and_after_jax_starts():
+  result = _python('import ensemble\n'
+                   'ensemble.cpu_devices(3)\n'
+                   'import jax\n'
+                   'assert jax.device_count() == 3, jax.devices()\n'
+                   'ensemble.cpu_devices(2)  # fewer than JAX has: fine\n'
+                   'try:\n'
+                   '  ensemble.cpu_devices(5)\n'
+                   'except ensemble.UsageError as e:\n'
+                   '  print(e)\n', XLA_FLAGS='')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'JAX has already started with 3 CPU devices; call ensemble.cpu_devices(5) before' in result.stdout
+
+
+def test_the_cli_trains_a_model_named_by_import_path(mnist_dir, tmp_path):
+  workdir = tmp_path / 'run'
+  result = subprocess.run(
+      [sys.executable, '-m', 'ensemble.train', '--config=configs/classic.py', f'--workdir={workdir}',
+       '--config.model=user_models:TinyNet', "--config.model_kwargs={'width': 16}", f'--config.data_dir={mnist_dir}',
+       '--cpu_devices=2', '--config.num_epochs=1', '--config.batch_size=32', '--config.learning_rate=0.05'],
+      cwd=REPO, env={**os.environ, 'XLA_FLAGS': '', 'PYTHONPATH': TESTS}, capture_output=True, text=True,
+      timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  ens = ensemble.load(str(workdir))
+  assert ens.size == 2 and _leaves(ens.state)['params']['Dense_0']['kernel'].shape == (2, 28 * 28, 16)
+
+
+@pytest.mark.parametrize('example', sorted(f for f in os.listdir(os.path.join(REPO, 'examples')) if f.endswith('.py')))
+def test_examples_run(example, monkeypatch, capsys):
+  """Each example as it is, with its --quick setting; in this process, whose 8 devices it asks for."""
+  import runpy  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(sys, 'argv', [example, '--quick'])
+  runpy.run_path(os.path.join(REPO, 'examples', example), run_name='__main__')
+  assert 'accuracy' in capsys.readouterr().out
