@@ -22,7 +22,7 @@ def get_config():
   # Used by fsdp only; here so that the two configs differ by the backend alone.
   config.min_weight_size = 2**14
   # Adam with a cosine decay: 98.5% test accuracy in 3 epochs on standardised MNIST pixels, where SGD at a
-  # constant 0.1 ended at 97.6% (README, "One model over a device mesh").
+  # constant 0.1 ended at 97.6% (docs/backends-and-devices.md, "One model over a device mesh").
   config.optimizer = 'adamw'
   config.learning_rate = 1e-3
   config.schedule = 'cosine'

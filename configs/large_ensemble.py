@@ -11,7 +11,7 @@ def get_config():
   config.backend = 'jit'
   config.ensemble_size = 32
   config.member_data = 'shuffled'
-  # Several members per device: the fast path measured 1.3x the plain one on CPU (BENCHMARKS.md).
+  # Several members per device: the fast path measured 1.3x the plain one on CPU (docs/benchmarks.md).
   config.steps_per_dispatch = 8
   config.num_epochs = 3
   return config

@@ -23,7 +23,7 @@ def get_config():
   config.logical = False
   config.logical_axis_rules = (('batch', 'data'), ('hidden', 'model'))
   # Adam with a cosine decay: on standardised MNIST pixels, 98.3% test accuracy in 3 epochs, where SGD at a
-  # constant 0.05 ended at 96.2% (README, "One model over a device mesh").
+  # constant 0.05 ended at 96.2% (docs/backends-and-devices.md, "One model over a device mesh").
   config.optimizer = 'adamw'
   config.learning_rate = 1e-3
   config.schedule = 'cosine'

@@ -4,7 +4,7 @@ Every field the trainer reads is here, with what it means. `ensemble.fit`
 starts from these values, and so does `python -m ensemble.train` with
 configs/default.py, which returns them; the other configs start from that one.
 The recipe (cosine schedule, 2-pixel shifts, weight decay 5e-4, each member its
-own data order) was chosen by measurement on the full MNIST: README, "Results".
+own data order) was chosen by measurement on the full MNIST: docs/data-and-models.md.
 configs/classic.py keeps the Flax guide's recipe for comparison.
 """
 
@@ -40,8 +40,8 @@ def get_config() -> ml_collections.ConfigDict:
   # member its own order of the training set, for more diversity between members. Method bagging sets
   # 'bootstrap': each member its own resample.
   config.member_data = 'shuffled'
-  # A tensorflow-datasets image-classification dataset ('mnist', 'fashion_mnist', 'cifar10', ...) and its
-  # split names; used when data_dir is empty.
+  # Used when data_dir is empty: 'mnist' with these splits is the copy bundled with the package (no download);
+  # any other name ('fashion_mnist', 'cifar10', ...) or split is a tensorflow-datasets dataset and its splits.
   config.dataset = 'mnist'
   config.train_split = 'train'
   config.test_split = 'test'
@@ -59,7 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.augment = 'shift'
   # 0: the plain path, a host batch per step. N > 0: the fast path, the training set kept
   # on the devices and N steps run per dispatch (same results). Meant for accelerators; on CPU
-  # it pays with several members per device, at N=8 (BENCHMARKS.md).
+  # it pays with several members per device, at N=8 (docs/benchmarks.md).
   config.steps_per_dispatch = 0
   # The last fraction of the training split is never trained on: `ensemble.evaluate` fits the
   # ensemble's temperature there (a temperature fitted on training data would sharpen it).

@@ -4,7 +4,7 @@
       [--config.backend=jit] [--cpu_devices=8]
 
 On several hosts, run it once per host with the same flags plus
---coordinator_address=HOST0:PORT --num_processes=N --process_id=I (README).
+--coordinator_address=HOST0:PORT --num_processes=N --process_id=I (docs/several-hosts.md).
 """
 
 import os

@@ -189,7 +189,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
         state, chunk_metrics = backends.train_chunk(backend, state, train_split, resident, chunk)
       # Block on every dispatch: with several simulated CPU devices, a deep queue of
       # in-flight multi-device programs starves XLA's collective rendezvous and
-      # aborts the process; waiting here costs no throughput (README, "Many devices on a CPU").
+      # aborts the process; waiting here costs no throughput (docs/backends-and-devices.md, "Many devices on a CPU").
       # Fetching the metrics waits, and lets a diverged member stop the run at once.
       train_outputs.append(backend.to_host(chunk_metrics))
       step += len(chunk)

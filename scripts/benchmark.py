@@ -1,6 +1,6 @@
 """Training and evaluation throughput of the ensemble backends against the classic recipe.
 
-  python scripts/benchmark.py --cpu_devices=8 --data_dir=../shared/mnist [--json=BENCH.json]
+  python scripts/benchmark.py --cpu_devices=8 [--data_dir=IDX_FOLDER] [--json=BENCH.json]   # the bundled MNIST
   python scripts/benchmark.py --cpu_devices=8 --model=resnet   # ResNet-20 on arrays of CIFAR-10's shape
 
 Measures, in one process on one machine: member-images/s of training (K members x batch x
@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import reference_recipe  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ensemble import backends, data, host_memory, steps  # pylint: disable=g-import-not-at-top,wrong-import-position
-from ensemble.data import idx  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ensemble.data import bundled, idx  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ensemble.models import cnn, resnet  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -148,7 +148,8 @@ def main():
   parser.add_argument('--cpu_devices', type=int, default=None, help='simulate N CPU devices')
   parser.add_argument('--model', choices=('cnn', 'resnet'), default='cnn',
                       help='cnn: the MNIST CNN on --data_dir; resnet: ResNet-20 on random CIFAR-10-shaped arrays')
-  parser.add_argument('--data_dir', default=os.path.join(os.path.dirname(__file__), '..', '..', 'shared', 'mnist'))
+  parser.add_argument('--data_dir', default=bundled.DATASETS['mnist'],
+                      help='cnn: a folder of MNIST-like IDX files (default: the bundled MNIST)')
   parser.add_argument('--num_train', type=int, default=10_000, help='resnet: training arrays to make')
   parser.add_argument('--ensemble_sizes', default=None, help='default: 8,16,32 (cnn), 8 (resnet)')
   parser.add_argument('--batch_sizes', default=None, help='default: 64,128 (cnn), 128 (resnet)')

@@ -1,6 +1,6 @@
 """Trains every ensembling method on the same data for the same epochs and prints one Markdown table.
 
-  python scripts/compare_methods.py --data_dir=../shared/mnist --cpu_devices=8 --epochs=10 --out=/tmp/compare
+  python scripts/compare_methods.py --cpu_devices=8 --epochs=10 --out=/tmp/compare
 
 Each method is one `python -m ensemble.train` run of configs/default.py with `--config.method=NAME`,
 scored by `python -m ensemble.evaluate` (the test set, and the test set rotated by --angle degrees)
@@ -129,7 +129,7 @@ def table(rows: list[dict], angle: int) -> str:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--data_dir', default='', help='IDX folder or .npz; empty for tensorflow-datasets')
+  parser.add_argument('--data_dir', default='', help="IDX folder or .npz; empty for the config's dataset (MNIST)")
   parser.add_argument('--config', default='configs/default.py')
   parser.add_argument('--epochs', type=int, default=10)
   parser.add_argument('--methods', default=','.join(METHODS), help='comma-separated, from ' + ', '.join(METHODS))

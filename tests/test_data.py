@@ -1,13 +1,16 @@
 import functools
 import gzip
+import hashlib
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from conftest import SHARED_MNIST, write_idx, write_mnist
 from ensemble import data
-from ensemble.data import base
+from ensemble.data import base, bundled
 from ensemble.errors import UsageError
 
 
@@ -161,9 +164,72 @@ def test_npz_that_cannot_be_read(tmp_path):
   _expect_error('cannot be read as .npz.*allow_pickle', data_dir=path)
 
 
+# The bundled MNIST.
+
+# The official MD5s of the four uncompressed files, as published with MNIST (and in ../shared/mnist/README.md).
+OFFICIAL_MNIST_MD5 = {
+    'train-images-idx3-ubyte': '6bbc9ace898e44ae57da46a324031adb',
+    'train-labels-idx1-ubyte': 'a25bea736e30d166cdddb491f175f624',
+    't10k-images-idx3-ubyte': '2646ac647ad5339dbf082846283269ea',
+    't10k-labels-idx1-ubyte': '27ae3e4e09519cfbb04c329615203637',
+}
+
+
+@pytest.fixture(scope='module')
+def bundled_mnist():
+  return data.load('mnist')
+
+
+def test_bundled_mnist_files_are_the_official_ones():
+  directory = bundled.DATASETS['mnist']
+  assert sorted(f for f in os.listdir(directory) if f.endswith('.gz')) == sorted(f + '.gz' for f in OFFICIAL_MNIST_MD5)
+  for name, md5 in OFFICIAL_MNIST_MD5.items():
+    with gzip.open(os.path.join(directory, name + '.gz'), 'rb') as f:
+      assert hashlib.md5(f.read()).hexdigest() == md5, name
+  credit = open(os.path.join(directory, 'README.md')).read()
+  assert all(author in credit for author in ('Yann LeCun', 'Corinna Cortes', 'Christopher J. C. Burges'))
+  assert 'CC BY-SA 3.0' in credit
+
+
+def test_default_dataset_is_the_bundled_mnist(bundled_mnist):
+  dataset = bundled_mnist
+  assert dataset.source.startswith('mnist (bundled copy') and dataset.num_classes == 10
+  assert dataset.train['image'].shape == (60000, 28, 28, 1) and dataset.test['image'].shape == (10000, 28, 28, 1)
+  # The class counts of the official files (TFDS's mnist holds the same examples, in another order).
+  assert np.bincount(dataset.train['label']).tolist() == [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
+  assert np.bincount(dataset.test['label']).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+  assert data.load().source == dataset.source  # load()'s defaults name it too
+
+
+@pytest.mark.skipif(not os.path.isdir(SHARED_MNIST), reason='../shared/mnist is not present')
+def test_bundled_mnist_equals_the_shared_copy(bundled_mnist):
+  shared = data.load(data_dir=SHARED_MNIST)
+  for split in ('train', 'test'):
+    for key in ('image', 'label'):
+      assert np.array_equal(getattr(bundled_mnist, split)[key], getattr(shared, split)[key])
+
+
+def test_bundled_mnist_loads_without_tensorflow():
+  code = ("import sys; from ensemble import data; dataset = data.load('mnist', ''); "
+          "assert 'bundled' in dataset.source, dataset.source; "
+          "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'tensorflow_datasets')); "
+          "assert not loaded, loaded")
+  result = subprocess.run([sys.executable, '-c', code], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_bundled_mnist_missing_a_file_names_the_fix(tmp_path, monkeypatch):
+  write_mnist(str(tmp_path), num_train=8, num_test=8)
+  os.remove(tmp_path / 't10k-labels-idx1-ubyte.gz')
+  monkeypatch.setitem(bundled.DATASETS, 'mnist', str(tmp_path))
+  _expect_error('the bundled mnist copy lacks t10k-labels-idx1-ubyte.gz .*reinstall the package', 'mnist')
+
+
 # tensorflow-datasets.
 
-@pytest.mark.parametrize('name, image_shape', [('mnist', (28, 28, 1)), ('cifar10', (32, 32, 3))])
+# 'mnist' with the default splits is the bundled copy (below): these use other names to reach tensorflow-datasets.
+@pytest.mark.parametrize('name, image_shape', [('fashion_mnist', (28, 28, 1)), ('cifar10', (32, 32, 3))])
 def test_tfds_under_mock_data(name, image_shape):
   tfds = pytest.importorskip('tensorflow_datasets')
   with tfds.testing.mock_data(num_examples=24):
@@ -248,8 +314,12 @@ def empty_tfds_dir(monkeypatch, tmp_path):
   return tfds
 
 
-@pytest.mark.parametrize('name, host', [('cifar10', 'www.cs.toronto.edu'), ('mnist', 'storage.googleapis.com')])
-def test_tfds_offline_fails_fast_with_the_data_dir_hint(empty_tfds_dir, monkeypatch, name, host):
+@pytest.mark.parametrize('name, splits, host', [
+    ('cifar10', {}, 'www.cs.toronto.edu'),
+    ('fashion_mnist', {}, 'fashion-mnist.s3-website.eu-central-1.amazonaws.com'),
+    ('mnist', {'train_split': 'train[:50%]'}, 'storage.googleapis.com'),  # a slice: tfds's mnist, not the bundled
+])
+def test_tfds_offline_fails_fast_with_the_data_dir_hint(empty_tfds_dir, monkeypatch, name, splits, host):
   probed = []
 
   def unreachable(host, port):
@@ -258,7 +328,7 @@ def test_tfds_offline_fails_fast_with_the_data_dir_hint(empty_tfds_dir, monkeypa
   monkeypatch.setattr(data.tfds, '_reachable', unreachable)
   monkeypatch.setattr(empty_tfds_dir.core.DatasetBuilder, 'download_and_prepare',
                       lambda *a, **k: pytest.fail('tried to download offline'))
-  message = _expect_error(f'tfds {name}: not prepared .* {host} cannot be reached.*--config.data_dir', name)
+  message = _expect_error(f'tfds {name}: not prepared .* {host} cannot be reached.*--config.data_dir', name, **splits)
   assert probed == [host] and 'tfds build' in message
 
 

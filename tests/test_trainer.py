@@ -137,7 +137,7 @@ def test_bad_config_is_refused_before_the_workdir_is_touched(make_config, tmp_pa
 
 
 def test_the_fast_path_writes_the_plain_paths_metrics(make_config, tmp_path):
-  """README: `steps_per_dispatch` computes exactly the plain path's steps; 8 steps an epoch: chunks of 3, 3, 2."""
+  """docs/speed.md: `steps_per_dispatch` computes exactly the plain path's steps; 8 steps an epoch: chunks 3, 3, 2."""
   trainer.train_and_evaluate(make_config(num_epochs=2), str(tmp_path / 'plain'))
   trainer.train_and_evaluate(make_config(num_epochs=2, steps_per_dispatch=3), str(tmp_path / 'fast'))
   plain = writers.read_jsonl(str(tmp_path / 'plain' / 'metrics.jsonl'))
@@ -147,7 +147,8 @@ def test_the_fast_path_writes_the_plain_paths_metrics(make_config, tmp_path):
 
 
 def test_survives_a_thousand_steps_on_eight_devices(make_config, tmp_path):
-  """README, "Many devices on a CPU": on 2 cores, unbounded async dispatch over 8 devices aborts within 300 steps."""
+  """docs/backends-and-devices.md, "Many devices on a CPU": on 2 cores, unbounded async dispatch over 8 devices
+  aborts within 300 steps."""
   config = make_config(backend='jit', num_epochs=8, batch_size=2, eval_batch_size=100)
   state, summary = trainer.train_and_evaluate(config, str(tmp_path / 'run'))
   assert int(np.asarray(state.step)[0]) == 8 * 128

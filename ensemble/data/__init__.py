@@ -1,7 +1,7 @@
-"""Image-classification data as uint8 numpy arrays on the host: from tensorflow-datasets, an IDX folder or a .npz.
+"""Image-classification data as uint8 numpy arrays on the host: the bundled MNIST, tensorflow-datasets, IDX or .npz.
 
-`load` picks the source from `data_dir`; `batches` turns a split into the
-batches every backend reads.
+`load` picks the source from the dataset name and `data_dir`; `batches` turns a
+split into the batches every backend reads.
 """
 
 import dataclasses
@@ -10,7 +10,7 @@ from typing import Callable
 
 import numpy as np
 
-from ensemble.data import arrays, idx, npz, tfds
+from ensemble.data import arrays, bundled, idx, npz, tfds
 from ensemble.data.base import DataError, Dataset, Split
 from ensemble.data.batches import (bootstrap, eval_batches, epoch_order, hold_out, steps_per_epoch,
                                    train_batch_indices, train_batches)
@@ -26,21 +26,25 @@ ARRAYS = 'arrays'
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-  accepts: Callable[[str], bool]  # given data_dir
-  load: Callable[[str, str, str, str], Dataset]  # (dataset, data_dir, train_split, test_split)
+  # Both are given (dataset, data_dir, train_split, test_split).
+  accepts: Callable[[str, str, str, str], bool]
+  load: Callable[[str, str, str, str], Dataset]
 
 
-# Tried in order: the first whose `accepts(data_dir)` holds loads the data.
+# Tried in order: the first whose `accepts` holds loads the data. The bundled copy comes before tfds, so that
+# the default dataset needs neither a network nor TensorFlow.
 SOURCES = {
-    'tfds': Source(lambda data_dir: not data_dir, lambda dataset, _, train, test: tfds.load(dataset, train, test)),
-    'idx': Source(os.path.isdir, lambda _, data_dir, *__: idx.load(data_dir)),
-    'npz': Source(lambda data_dir: data_dir.endswith('.npz'), lambda _, data_dir, *__: npz.load(data_dir)),
+    'bundled': Source(bundled.accepts, lambda dataset, *_: bundled.load(dataset)),
+    'tfds': Source(lambda _, data_dir, *__: not data_dir,
+                   lambda dataset, _, train, test: tfds.load(dataset, train, test)),
+    'idx': Source(lambda _, data_dir, *__: os.path.isdir(data_dir), lambda _, data_dir, *__: idx.load(data_dir)),
+    'npz': Source(lambda _, data_dir, *__: data_dir.endswith('.npz'), lambda _, data_dir, *__: npz.load(data_dir)),
 }
 
 
 def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
          test_split: str = 'test') -> Dataset:
-  """Loads a dataset: tensorflow-datasets' `dataset` when `data_dir` is empty, else the folder or file it names."""
+  """Loads a dataset: the bundled or tensorflow-datasets' `dataset` when `data_dir` is empty, else what it names."""
   data_dir = os.path.expanduser(data_dir or '')
   if dataset == ARRAYS and not data_dir:
     raise DataError('the run was trained on arrays in memory (ensemble.fit), which no file holds: give --data_dir '
@@ -51,7 +55,7 @@ def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
     raise DataError(f'--config.train_split={train_split} / --config.test_split={test_split}: split names apply to '
                     f'tensorflow-datasets only, {data_dir} has fixed train and test parts; leave them at train, test')
   for source in SOURCES.values():
-    if source.accepts(data_dir):
+    if source.accepts(dataset, data_dir, train_split, test_split):
       return source.load(dataset, data_dir, train_split, test_split)
   problem = 'neither a folder nor a .npz file' if os.path.exists(data_dir) else 'no such folder or .npz file'
   raise DataError(f'{data_dir}: {problem}; data_dir must name a folder of IDX files or a .npz file '
