@@ -223,7 +223,7 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 PROGRAM_WITH_ITS_OWN_FLAGS = '''
 import logging
 from absl import app, flags
-flags.DEFINE_string('workdir', None, 'This program's own workdir flag.')
+flags.DEFINE_string('workdir', None, 'Where this program keeps its runs.')
 FLAGS = flags.FLAGS
 
 def main(argv):

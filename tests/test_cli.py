@@ -41,6 +41,9 @@ def test_cli_trains_and_resumes(mnist_dir, tmp_path):
     (['--config.optimizer=lamb'], "error: unknown optimizer 'lamb': set --config.optimizer to one of"),
     (['--config.model=resnet', '--config.resnet_depth=10'], 'error: resnet_depth=10 is not 6n+2'),
     (['configs/dp.py', '--config.augment=shift'], "error: backend 'dp' trains one model on plain batches"),
+    (['--config.model=no_such_module:Net'],
+     "error: model 'no_such_module:Net': module 'no_such_module' does not import"),
+    (['--config.model=ensemble.models:MODELS'], "error: model ensemble.models:MODELS is neither a flax.linen Module"),
 ])
 def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, args, message):
   config = args.pop(0) if args[0].startswith('configs/') else 'configs/default.py'

@@ -67,10 +67,10 @@ def check(config):
     _require(config.schedule != 'constant',
              'method snapshot restarts the learning-rate schedule each cycle, and a constant rate has nothing to '
              'restart: set --config.schedule=cosine')
-  if method == 'batchensemble':
-    _require(config.model in RANK1_MODELS,
+  if method == 'batchensemble':  # a user's model (an import path) is checked for rank-1 layers once it is built
+    _require(config.model in RANK1_MODELS or ':' in config.model,
              f'method batchensemble needs a model with rank-1 layers, one of {list(RANK1_MODELS)}, not '
-             f'{config.model!r}: set --config.model=cnn')
+             f'{config.model!r}: set --config.model=cnn, or build a model of your own with ensemble.models.rank1')
   _require(config.member_data != 'bootstrap' or method == 'bagging',
            "member_data='bootstrap' is what method bagging sets: run with --config.method=bagging instead")
 

@@ -61,10 +61,15 @@ def _imported(config):
   return user.import_object(config.model)
 
 
+def _wrap_imported(config, num_classes: int | None = None):
+  kwargs = config.model_kwargs.to_dict() if config.get('model_kwargs') else {}
+  return user.wrap(_imported(config), kwargs, num_classes, name=config.model)
+
+
 def check(config):
   """Refuses an unknown model or bad model options; what does not depend on the data."""
   if user.is_import_path(config.model):
-    _imported(config)
+    _wrap_imported(config)
     return
   if config.model not in MODELS:
     raise UsageError(f'unknown model {config.model!r}: set --config.model to one of {sorted(MODELS)}, or name a '
@@ -80,8 +85,7 @@ def create(config, num_classes: int, image_shape: tuple[int, ...], model=None):
   if model is not None:
     return user.wrap(model)
   if user.is_import_path(config.model):
-    return user.wrap(_imported(config), config.get('model_kwargs', {}).to_dict() if config.get('model_kwargs')
-                     else {}, num_classes)
+    return _wrap_imported(config, num_classes)
   check(config)
   entry = MODELS[config.model]
   height, width = image_shape[:2]

@@ -147,12 +147,15 @@ def import_object(path: str) -> Any:
   return obj
 
 
-def wrap(model: Any, kwargs: dict[str, Any] | None = None, num_classes: int | None = None) -> Linen | NNX:
+def wrap(model: Any, kwargs: dict[str, Any] | None = None, num_classes: int | None = None,
+         name: str | None = None) -> Linen | NNX:
   """A linen Module (instance or class), an NNX Module class, or a function of `nnx.Rngs` -> its wrapper.
 
   A class is built with `kwargs`, and with `num_classes` from the data when it
-  has such a field or argument that `kwargs` leaves out.
+  has such a field or argument that `kwargs` leaves out. `name` (an import
+  path) names the model in errors.
   """
+  name = name or (repr(model) if len(repr(model)) <= 80 else type(model).__name__)
   kwargs = dict(kwargs or {})
   if isinstance(model, nn.Module):
     return Linen(model)
@@ -162,12 +165,12 @@ def wrap(model: Any, kwargs: dict[str, Any] | None = None, num_classes: int | No
     try:
       return Linen(model(**kwargs))
     except TypeError as e:
-      raise UsageError(f'model {model.__name__}: {e}; fix --config.model_kwargs') from None
+      raise UsageError(f'model {name}: {e}; fix --config.model_kwargs') from None
   if callable(model):
     if num_classes is not None and 'num_classes' in _parameters(model):
       kwargs.setdefault('num_classes', num_classes)
     return NNX(functools.partial(_build_nnx, model, kwargs) if kwargs else model)
-  raise UsageError(f'model {model!r} is neither a flax.linen Module nor an NNX model (a function of nnx.Rngs that '
+  raise UsageError(f'model {name} is neither a flax.linen Module nor an NNX model (a function of nnx.Rngs that '
                    'builds one); pass one of those')
 
 
