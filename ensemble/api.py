@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from ensemble import calibration, console, data, defaults, evaluation, steps
+from ensemble import calibration, checkpoint, console, data, defaults, evaluation, steps
 from ensemble.data import arrays
 from ensemble.errors import UsageError
 from ensemble.models import user
@@ -214,7 +214,7 @@ class Ensemble:
       raise UsageError(f'no folder {os.path.dirname(path)}; create it first')
     partial = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=f'.{os.path.basename(path)}.')
     try:
-      shutil.copytree(self.workdir, partial, dirs_exist_ok=True, ignore=shutil.ignore_patterns('*.lock'))
+      shutil.copytree(self.workdir, partial, dirs_exist_ok=True, ignore=shutil.ignore_patterns(checkpoint.LOCK_FILE))
       os.replace(partial, path)
     except BaseException:
       shutil.rmtree(partial, ignore_errors=True)

@@ -82,6 +82,12 @@ def setup(program_name: str):
                        'choose a writable folder') from None
 
 
+def interactive(file: TextIO | None = None) -> bool:
+  """Whether a live bar can be drawn: on a terminal, or in a notebook (where tqdm.auto draws a widget)."""
+  file = sys.stderr if file is None else file
+  return getattr(file, 'isatty', lambda: False)() or 'ipykernel' in sys.modules
+
+
 def _is_main_process() -> bool:
   import jax  # pylint: disable=g-import-not-at-top  # here, not at the top: see the module docstring
   return jax.process_index() == 0

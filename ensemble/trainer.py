@@ -121,8 +121,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
 
   The one loop under `python -m ensemble.train` and `ensemble.fit`: `dataset`
   replaces the data `config` names (arrays in memory), `model` the model it
-  names (a user's model object), and `progress` forces the progress bar on or
-  off (default: on a terminal, at absl's INFO verbosity).
+  names (a user's model object). `progress=True` shows a bar (on a terminal
+  or in a notebook) and writes a line per epoch, `False` neither; by default
+  the bar shows on a terminal at absl's INFO verbosity and the lines are logged.
   """
   config, devices = config_lib.resolve(config, jax.devices(), model)
   # Everything that can refuse the run does so before the workdir is written; a resume with other data
@@ -142,7 +143,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
   stats = data.input_stats(train_split['image'], dataset.inputs, config.get('standardize_features', False))
   data_info = config_lib.data_info(dataset.image_shape, dataset.num_classes, *stats, inputs=dataset.inputs)
   member = config_lib.member(config, data_info, steps_per_epoch, model)
-  num_classes = config_lib.check_model(member, dataset.num_classes, config.method)
+  # The mesh backends' models are the package's own, built for their mesh (backends/sharded.py).
+  num_classes = (dataset.num_classes if config.backend in backends.MESH_MODELS
+                 else config_lib.check_model(member, dataset.num_classes, config.method))
   if num_classes != dataset.num_classes:  # a user's model with more outputs than the training labels use
     data_info = {**data_info, 'num_classes': num_classes}
     member = config_lib.member(config, data_info, steps_per_epoch, model)
@@ -181,7 +184,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
                                        config.ensemble_size, config.member_data)
     train_outputs = []
     progress_bar = console.Progress(steps_per_epoch, f'epoch {epoch}/{config.num_epochs}',
-                                    items_per_step=config.batch_size * config.ensemble_size, bar=progress)
+                                    items_per_step=config.batch_size * config.ensemble_size,
+                                    bar=None if progress is None else progress and console.interactive())
     started = time.perf_counter()
     for start in range(0, len(indices), steps_per_dispatch):
       chunk = indices[start:start + steps_per_dispatch]

@@ -1,6 +1,7 @@
 """`ensemble.fit` / `load` / `Ensemble` from Python: a user's own linen or NNX model on the user's own arrays."""
 
 import functools
+import gc
 import json
 import os
 import subprocess
@@ -142,7 +143,7 @@ def _tabular(n: int = 600):
   return x, y
 
 
-def test_a_tabular_mlp_on_feature_vectors():
+def test_a_tabular_mlp_on_feature_vectors(tmp_path):
   x, y = _tabular()
   ens = ensemble.fit(user_models.TinyNet(num_classes=3), (x[:500], y[:500]), test=(x[500:], y[500:]),
                      ensemble_size=2, standardize_features=True, **{**SETTINGS, 'epochs': 6, 'learning_rate': 0.3})
@@ -151,6 +152,16 @@ def test_a_tabular_mlp_on_feature_vectors():
   assert ens.evaluate(x[500:], y[500:])['ensemble']['accuracy'] > 0.8
   with pytest.raises(ensemble.UsageError, match='NaN or infinite'):
     ens.predict(np.full((2, 6), np.nan))
+  # A temporary workdir goes with its Ensemble, unless saved; the saved copy loads, features standardised alike.
+  temporary, kept = ens.workdir, str(tmp_path / 'kept')
+  expected = ens.predict(x[500:])['probs']
+  ens.save(kept)
+  with pytest.raises(ensemble.UsageError, match='exists; save to a new path'):
+    ens.save(kept)
+  del ens
+  gc.collect()
+  assert not os.path.exists(temporary)
+  np.testing.assert_allclose(ensemble.load(kept).predict(x[500:])['probs'], expected, rtol=1e-6)
 
 
 class _TokenModel(user_models.nn.Module):
@@ -163,9 +174,12 @@ def test_a_sequence_model_on_token_ids():
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, 16, (600, 10))
   labels = (tokens == 3).any(1).astype(np.int64)
-  ens = ensemble.fit(_TokenModel(), (tokens[:500], labels[:500]), test=(tokens[500:], labels[500:]), ensemble_size=2,
+  # Without a test set, the held-out slice (the last 10% of the training arrays) is each epoch's test set.
+  ens = ensemble.fit(_TokenModel(), (tokens[:500], labels[:500]), ensemble_size=2,
                      **{**SETTINGS, 'epochs': 4, 'learning_rate': 0.5})
   assert ens.member.inputs == 'tokens'
+  with open(os.path.join(ens.workdir, 'config.json'), encoding='utf-8') as f:
+    assert json.load(f)['heldout_fraction'] == 0.1
   assert ens.evaluate(tokens[500:], labels[500:])['ensemble']['accuracy'] > 0.8
   with pytest.raises(ensemble.UsageError, match='token ids of dtype float'):
     ens.predict(tokens[:2].astype(np.float32))

@@ -174,6 +174,8 @@ _DATA_CHANGES = {
     'batch_size': lambda _: 16,
     'member_data': lambda _: 'shuffled',
     'method': lambda _: 'hyper',
+    'inputs': lambda _: 'features',
+    'standardize_features': lambda _: True,
 }
 
 
