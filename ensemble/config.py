@@ -18,7 +18,8 @@ DATA_SETTINGS = ('dataset', 'train_split', 'test_split', 'data_dir', 'heldout_fr
                  'member_data', 'inputs', 'standardize_features')
 # What else a resume must keep: another method's members have another state.
 RESUME_SETTINGS = DATA_SETTINGS + ('method',)
-MAX_SEED = 2**32 - 1  # jax.random.key folds larger seeds onto the same keys
+MAX_SEED = 2**32 - 1
+DTYPES = ('float32', 'bfloat16')  # jax.random.key folds larger seeds onto the same keys
 
 
 def _require(ok: bool, message: str):
@@ -60,6 +61,8 @@ def resolve(config: ml_collections.ConfigDict, available: Sequence[jax.Device],
   config = ml_collections.ConfigDict(config.to_dict())
   if model is None:
     models.check(config)
+  _require(config.get('dtype', 'float32') in DTYPES,
+           f'unknown dtype {config.get("dtype")!r}: set --config.dtype to one of {list(DTYPES)}')
   _require(config.get('inputs', 'auto') in ('auto', *steps.INPUTS),
            f'unknown inputs {config.inputs!r}: set --config.inputs to auto or one of {list(steps.INPUTS)}')
   method = methods.create(config)
@@ -113,7 +116,8 @@ def member(config: ml_collections.ConfigDict, data_info: dict[str, Any], steps_p
                       tx=optim.create(config, steps_per_epoch), image_shape=image_shape,
                       mean=tuple(data_info['mean']), std=tuple(data_info['std']),
                       augment=config.augment if inputs == 'images' else 'none',
-                      method=methods.create(config, steps_per_epoch), inputs=inputs)
+                      method=methods.create(config, steps_per_epoch), inputs=inputs,
+                      dtype=config.get('dtype', 'float32'))
 
 
 def data_info(image_shape: Sequence[int], num_classes: int, mean: Sequence[float], std: Sequence[float],

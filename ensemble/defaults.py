@@ -77,4 +77,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.weight_decay = 5e-4
   config.seed = 0
   config.checkpoints_to_keep = 3
+  # The forward pass's dtype: 'float32', or 'bfloat16' (activations and matmuls in bfloat16, for accelerators that
+  # run it faster; the parameters, optimizer state and loss stay float32).
+  config.dtype = 'float32'
+  # JAX's persistent compilation cache, so that a second run with the same shapes skips its compiles: 'auto' (a
+  # folder in the user's cache: $XDG_CACHE_HOME or ~/.cache, /ensemble/jax), a folder, or '' (off). A cache that
+  # the program (or the caller of ensemble.fit) has set up already is left as it is.
+  config.compilation_cache = 'auto'
   return config

@@ -1,9 +1,13 @@
-"""Simulated CPU devices for a library caller: what `--cpu_devices` is to the programs.
+"""JAX's settings for a process: simulated CPU devices (what `--cpu_devices` is to the programs, for a library
+caller) and the persistent compilation cache.
 
 Kept apart from `ensemble.api` so that asking for devices imports nothing heavy.
 """
 
+import os
+
 import jax
+from absl import logging
 
 from ensemble.errors import UsageError
 
@@ -26,3 +30,25 @@ def cpu_devices(count: int):
     raise UsageError(f'cpu_devices({count}): JAX has already started with {have} CPU device'
                      f'{"s" if have > 1 else ""}; call ensemble.cpu_devices({count}) before anything uses JAX (in '
                      'a notebook, restart the kernel and call it first)')
+
+
+def compilation_cache(setting: str) -> str | None:
+  """Turns on JAX's persistent compilation cache in the folder `setting` names, unless the process has one already;
+  returns the folder in use (None: off).
+
+  'auto' is the user's cache folder ($XDG_CACHE_HOME, else ~/.cache, then ensemble/jax), shared by every run, so
+  a second run with the same shapes loads its programs instead of compiling them. JAX reads the setting at its
+  first compile: a process that compiled before without a cache keeps going without one.
+  """
+  current = jax.config.jax_compilation_cache_dir
+  if current or not setting:
+    return current or None
+  if setting == 'auto':
+    setting = os.path.join(os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'), 'ensemble', 'jax')
+  try:
+    os.makedirs(setting, exist_ok=True)
+  except OSError as e:
+    logging.warning('Compiling without a persistent cache: %s cannot be made (%s).', setting, e.strerror or e)
+    return None
+  jax.config.update('jax_compilation_cache_dir', setting)
+  return setting

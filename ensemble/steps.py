@@ -7,6 +7,7 @@ probabilities into the ensemble prediction wherever the members live.
 """
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -66,6 +67,7 @@ class Member:
   augment: str = 'none'
   method: Any = Independent()
   inputs: str = 'images'
+  dtype: str = 'float32'  # of the forward pass (`apply`); the state is float32 either way
 
   def prepare(self, images: jnp.ndarray, key: jax.Array | None = None) -> jnp.ndarray:
     """Inputs as they arrive -> the model's input; images with a `key` are augmented first (training only)."""
@@ -97,16 +99,25 @@ class Member:
 
   def apply(self, state: TrainState, params, images: jnp.ndarray, *, train: bool,
             key: jax.Array | None = None) -> tuple[jnp.ndarray, Any]:
-    """(logits, batch statistics): updated from this batch in training, the running averages otherwise."""
-    variables = {'params': params}
-    rngs = {} if key is None else {'dropout': key}
+    """(logits, batch statistics): updated from this batch in training, the running averages otherwise.
+
+    With `dtype` bfloat16 the forward pass sees the parameters, inputs and
+    batch statistics cast to bfloat16, so that its activations and matmuls run
+    in it, while the state stays float32: the gradients flow back through the
+    casts as float32, and the logits (for the loss) and the updated statistics
+    come back as float32. float32 casts nothing.
+    """
+    compute = functools.partial(_cast_floats, dtype=jnp.dtype(self.dtype))
+    variables = {'params': compute(params)}
+    images, rngs = compute(images), ({} if key is None else {'dropout': key})
     if not state.batch_stats:
-      return state.apply_fn(variables, images, train=train, rngs=rngs), state.batch_stats
-    variables['batch_stats'] = state.batch_stats
+      return _float32(state.apply_fn(variables, images, train=train, rngs=rngs)), state.batch_stats
+    variables['batch_stats'] = compute(state.batch_stats)
     if not train:
-      return state.apply_fn(variables, images, train=False), state.batch_stats
+      return _float32(state.apply_fn(variables, images, train=False)), state.batch_stats
     logits, updates = state.apply_fn(variables, images, train=True, rngs=rngs, mutable=['batch_stats'])
-    return logits, updates['batch_stats']
+    return _float32(logits), jax.tree.map(lambda new, old: new.astype(old.dtype), updates['batch_stats'],
+                                          state.batch_stats)
 
   def train_step(self, state: TrainState, images: jnp.ndarray, labels: jnp.ndarray) -> tuple[TrainState, Metrics]:
     """One optimizer step of one member on its batch, augmented with the member's own key for this step.
@@ -156,6 +167,17 @@ class Member:
   def abstract_ensemble_state(self, ensemble_size: int) -> Any:
     """Shapes and dtypes of the stacked (K, ...) ensemble state, computed without allocating it."""
     return jax.eval_shape(jax.vmap(self.init), jax.eval_shape(lambda: member_keys(0, ensemble_size)))
+
+
+def _cast_floats(tree: Any, dtype: jnp.dtype) -> Any:
+  """`tree`'s floating-point leaves as `dtype`; integer leaves (token ids, counters) as they are."""
+  if dtype == jnp.float32:
+    return tree
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def _float32(logits: jnp.ndarray) -> jnp.ndarray:
+  return logits.astype(jnp.float32)
 
 
 def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:

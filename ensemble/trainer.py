@@ -13,7 +13,7 @@ from absl import logging
 from clu import periodic_actions
 
 from ensemble import backends, checkpoint, config as config_lib, data, distributed, metrics, writers
-from ensemble import console
+from ensemble import console, devices as devices_lib
 from ensemble.errors import UsageError
 
 
@@ -33,9 +33,14 @@ def evaluate(backend, state, split: data.Split, batch_size: int) -> dict[str, An
   return metrics.EvalMetrics.single_from_model_output(**outputs, mask=np.concatenate(masks)).compute()
 
 
-def _epoch_summary(train: dict[str, Any], test: dict[str, Any], epoch: int, train_seconds: float) -> dict[str, float]:
-  """The line metrics.jsonl gets for `epoch`; `train_seconds` is its training time (the first epoch's compiles too)."""
-  summary = {'epoch': epoch, 'train_seconds': train_seconds,
+def _epoch_summary(train: dict[str, Any], test: dict[str, Any], epoch: int, train_seconds: float,
+                   test_seconds: float) -> dict[str, float]:
+  """The line metrics.jsonl gets for `epoch`, but its checkpoint's save time (known only after the save).
+
+  `train_seconds` is its training time (the first epoch's compiles too),
+  `test_seconds` its test pass's: with `save_seconds`, where an epoch's time goes.
+  """
+  summary = {'epoch': epoch, 'train_seconds': train_seconds, 'test_seconds': test_seconds,
              'train_loss': train['loss'], 'train_accuracy': train['accuracy'],
              'test_loss': test['loss'], 'test_accuracy': test['accuracy']}
   for i, (loss, accuracy) in enumerate(zip(test['member_loss'], test['member_accuracy'])):
@@ -126,6 +131,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
   the bar shows on a terminal at absl's INFO verbosity and the lines are logged.
   """
   config, devices = config_lib.resolve(config, jax.devices(), model)
+  devices_lib.compilation_cache(config.get('compilation_cache', 'auto'))
   # Everything that can refuse the run does so before the workdir is written; a resume with other data
   # settings before any data is read.
   ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.checkpoints_to_keep)
@@ -204,16 +210,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
         lambda *xs: np.concatenate([x.reshape(config.ensemble_size, -1) for x in xs], axis=1), *train_outputs)
     train_seconds = time.perf_counter() - started
     train = metrics.TrainMetrics.single_from_model_output(**train_outputs).compute()
+    started = time.perf_counter()
     test = evaluate(backend, state, dataset.test, config.eval_batch_size)
-    summary = _epoch_summary(train, test, epoch, train_seconds)
+    summary = _epoch_summary(train, test, epoch, train_seconds, time.perf_counter() - started)
     canonical = backend.to_canonical(state)
     nonfinite = checkpoint.nonfinite_members(canonical, config.ensemble_size)
     if nonfinite:
       _diverged(config, epoch, step, f'members {nonfinite} have non-finite parameters')
     # Checkpoint first, with the summary: a crash before the line is written costs no metric, as the
     # resume writes it from the checkpoint.
+    started = time.perf_counter()
     ckpt.save(epoch, canonical, ckpt_meta, summary=(step, summary))
-    writer.epoch.write_scalars(step, summary)
+    writer.epoch.write_scalars(step, {**summary, 'save_seconds': time.perf_counter() - started})
     writer.epoch.flush()
     console.log_epoch(summary, config.num_epochs, progress_bar.close(), echo=bool(progress))
   writer.epoch.close()

@@ -77,8 +77,8 @@ def run_main(main, program: str, *args: str) -> int:
 
 
 def timeless(lines: list[dict]) -> list[dict]:
-  """metrics.jsonl lines without `train_seconds`: what two runs of the same steps must agree on."""
-  return [{k: v for k, v in line.items() if k != 'train_seconds'} for line in lines]
+  """metrics.jsonl lines without their timings (`*_seconds`): what two runs of the same steps must agree on."""
+  return [{k: v for k, v in line.items() if not k.endswith('_seconds')} for line in lines]
 
 
 def small_config(data_dir: str, **overrides):

@@ -1,5 +1,6 @@
 """`ensemble.fit` / `load` / `Ensemble` from Python: a user's own linen or NNX model on the user's own arrays."""
 
+import dataclasses
 import functools
 import gc
 import json
@@ -299,3 +300,22 @@ def test_examples_run(example, monkeypatch, capsys):
   monkeypatch.setattr(sys, 'argv', [example, '--quick'])
   runpy.run_path(os.path.join(REPO, 'examples', example), run_name='__main__')
   assert 'accuracy' in capsys.readouterr().out
+
+
+def test_bfloat16_learns_keeps_float32_state_and_pmap_equals_jit(arrays):
+  x_train, y_train, x_test, y_test = arrays
+  fit = functools.partial(ensemble.fit, user_models.TinyNet(width=32), (x_train, y_train), test=(x_test, y_test),
+                          ensemble_size=2, dtype='bfloat16', **SETTINGS)
+  pmap, jit = fit(backend='pmap'), fit(backend='jit')
+  floats = [leaf for leaf in jax.tree.leaves((pmap.state.params, pmap.state.opt_state, pmap.state.batch_stats))
+            if np.issubdtype(leaf.dtype, np.floating)]
+  assert {leaf.dtype for leaf in floats} == {np.dtype('float32')}
+  first = jax.tree.map(lambda x: x[0], pmap.state)
+  images = pmap.member.prepare(x_test[:16])
+  logits = pmap.member.apply(first, first.params, images, train=False)[0]
+  exact = dataclasses.replace(pmap.member, dtype='float32').apply(first, first.params, images, train=False)[0]
+  assert logits.dtype == np.float32 and not np.array_equal(logits, exact)  # computed in bfloat16, returned float32
+  np.testing.assert_allclose(logits, exact, rtol=0.1, atol=0.1)
+  assert pmap.evaluate(x_test, y_test)['ensemble']['accuracy'] > 0.5
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6),
+               _leaves(jit.state), _leaves(pmap.state))
