@@ -136,7 +136,7 @@ class Predictor:
 
   def __init__(self, member: steps.Member, state: steps.TrainState, devices: Sequence[jax.Device], batch_size: int):
     members, whole = P(backends.ENSEMBLE_AXIS), P()
-    log_probs = lambda state, images: jax.nn.log_softmax(member.predict(state, images))
+    log_probs = lambda state, images: member.task.member_output(member.predict(state, images))
     mapped = jax.shard_map(backends.map_members(log_probs, (0, None), devices),
                            mesh=backends.ensemble_mesh(devices), in_specs=(members, whole), out_specs=members)
     self._log_probs = jax.jit(mapped)
@@ -148,7 +148,10 @@ class Predictor:
     return np.exp(self.log_probs(split))
 
   def log_probs(self, split: data.Split) -> np.ndarray:
-    """(K, N, C) float64 log-probabilities: the ensemble's NLL is computed from them (`calibration.ensemble_nll`)."""
+    """(K, N, C) float64 log-probabilities: the ensemble's NLL is computed from them (`calibration.ensemble_nll`).
+
+    For regression, the members' raw outputs (`tasks.regression.Regression.components` reads them).
+    """
     batches = [np.asarray(self._log_probs(self._state, images))[:, mask]
                for images, _, mask in data.eval_batches(split, self._batch_size)]
     return np.concatenate(batches, axis=1).astype(np.float64)
