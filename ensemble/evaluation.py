@@ -406,6 +406,12 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
   member, state, epoch = restore(workdir, config, step, devices)
   logging.info('Restored epoch %d of %s: %d members on %d devices.', epoch, workdir,
                config.ensemble_size, len(devices))
+  if member.task.name == 'regression':
+    if ood_names:
+      raise UsageError(f'--ood detects unfamiliar images, and {workdir} is a regression ensemble: leave --ood out')
+    from ensemble import regression_report  # pylint: disable=g-import-not-at-top
+    return regression_report.evaluate(workdir, config, member, state, devices, epoch, data_dir=data_dir,
+                                      output_dir=output_dir, alphas=alphas)
   data_dir = config.data_dir if data_dir is None else data_dir
   dataset = data.load(config.get('dataset', 'mnist'), data_dir, config.get('train_split', 'train'),
                       config.get('test_split', 'test'))

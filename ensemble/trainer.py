@@ -140,7 +140,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
   ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.checkpoints_to_keep)
   _check_resume(config, workdir, ckpt)
   if dataset is None:
-    dataset = data.load(config.dataset, config.data_dir, config.train_split, config.test_split)
+    dataset = data.load(config.dataset, config.data_dir, config.train_split, config.test_split,
+                        task=config.get('task', 'classification'), target=config.get('target', ''))
   if config.get('inputs', 'auto') not in ('auto', dataset.inputs):
     raise UsageError(f'{dataset.source} holds {dataset.inputs}, not {config.inputs}: set --config.inputs=auto')
   if dataset.task != config.get('task', 'classification'):

@@ -57,8 +57,10 @@ def _as_inputs(inputs: np.ndarray, kind: str, name: str) -> np.ndarray:
   return features
 
 
-def _split(split: Any, kind: str, name: str, task: str = 'classification') -> base.Split:
+def _split(split: Any, kind: str, name: str, task: str = 'classification', source: str = 'arrays') -> base.Split:
   inputs, labels = pair(split, name)
+  if source != 'arrays':
+    name = f'{source}: {name}'
   if len(inputs) != len(labels):
     raise base.DataError(f'{name}: {len(inputs)} inputs but {len(labels)} labels; give one label per example')
   if task == 'regression':
@@ -77,17 +79,18 @@ def _split(split: Any, kind: str, name: str, task: str = 'classification') -> ba
   return {'image': _as_inputs(inputs, kind, name), 'label': base.as_labels(labels, f'{name} labels')}
 
 
-def from_arrays(train: Any, test: Any, inputs: str = 'auto', task: str = 'classification') -> base.Dataset:
-  """(x, y) pairs -> a Dataset of `inputs` ('auto': `kind_of` the training inputs); `source` is 'arrays'.
+def from_arrays(train: Any, test: Any, inputs: str = 'auto', task: str = 'classification',
+                source: str = 'arrays') -> base.Dataset:
+  """(x, y) pairs -> a Dataset of `inputs` ('auto': `kind_of` the training inputs) from `source`.
 
   For task 'regression', y holds float targets (N,) or (N, D).
   """
   kind = kind_of(pair(train, 'train')[0]) if inputs == 'auto' else inputs
-  splits = {name: _split(split, kind, name, task) for name, split in (('train', train), ('test', test))}
+  splits = {name: _split(split, kind, name, task, source) for name, split in (('train', train), ('test', test))}
   names = {name: (f'{name} inputs', f'{name} labels') for name in splits}
   if task == 'regression':
-    return regression_dataset(splits['train'], splits['test'], 'arrays', names, kind)
-  return base.make_dataset(splits['train'], splits['test'], 'arrays', names, inputs=kind)
+    return regression_dataset(splits['train'], splits['test'], source, names, kind)
+  return base.make_dataset(splits['train'], splits['test'], source, names, inputs=kind)
 
 
 def regression_dataset(train: base.Split, test: base.Split, source: str, names: dict[str, tuple[str, str]],
