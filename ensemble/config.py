@@ -43,6 +43,8 @@ def _check_single_model(config: ml_collections.ConfigDict):
            'backend pmap or jit for the ensembling methods')
   _require(config.member_data == 'shared',
            f"backend {backend!r} trains one model: set --config.member_data=shared")
+  _require(tasks.name(config) == 'classification',
+           f'backend {backend!r} trains one classifier: use backend pmap or jit for --config.task=regression')
   _require(config.augment == 'none',
            f'backend {backend!r} trains one model on plain batches: set --config.augment=none, or use backend '
            'pmap or jit for augmented training')

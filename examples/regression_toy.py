@@ -37,10 +37,15 @@ def toy(n: int, seed: int, low: float = -4.0, high: float = 4.0):
 
 def main(quick: bool, output: str = 'regression_toy.png'):
   x, y = toy(20, 0)
-  ens = ensemble.fit(MLP(), (x, y), test=toy(100, 1), task='regression', ensemble_size=5,
+  x_test, y_test = toy(1000, 1)
+  ens = ensemble.fit(MLP(), (x, y), test=(x_test, y_test), task='regression', ensemble_size=5,
                      epochs=5 if quick else 100, batch_size=5, optimizer='adamw', learning_rate=0.01,
                      weight_decay=0.0, schedule='constant', heldout_fraction=0.0, standardize_features=True,
                      progress=False)
+  scores = ens.evaluate(x_test, y_test)
+  for who in ('ensemble', 'mean_member'):
+    print(f'{who}: RMSE {scores[who]["rmse"]:.2f}, NLL {scores[who]["nll"]:.2f}, CRPS {scores[who]["crps"]:.2f}, '
+          f'90% interval coverage {scores[who]["coverage_90"]:.3f}')
   grid = np.linspace(-6, 6, 241, dtype=np.float32)[:, None]
   result = ens.predict(grid, members=True)
   member_std = np.sqrt(result['member_variances'][0, :, 0])

@@ -204,6 +204,14 @@ def test_bad_regression_input_is_one_line_and_writes_nothing(run, data, tmp_path
     run.member_probs(x)
   with pytest.raises(ensemble.UsageError, match='regression needs float targets'):
     run.evaluate(x, y.astype(np.int32))
+  classes = (y > 0).astype(np.int32)
+  classifier = ensemble.fit(user_models.Regressor(width=8), (x, classes),
+                            test=(test[0], (test[1] > 0).astype(np.int32)), ensemble_size=2,
+                            **{**SETTINGS, 'task': 'classification', 'epochs': 1})
+  with pytest.raises(ensemble.UsageError, match='for regression ensembles'):
+    classifier.components(x)
+  with pytest.raises(ensemble.UsageError, match='integer class'):
+    classifier.evaluate(x, y)
 
 
 def _train_cli(workdir: str, *args: str) -> subprocess.CompletedProcess:
