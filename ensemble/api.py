@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from ensemble import calibration, console, data, defaults, evaluation, steps
+from ensemble import calibration, console, data, defaults, evaluation, steps, tasks
 from ensemble.data import arrays
 from ensemble.errors import UsageError
 from ensemble.models import user
@@ -390,6 +390,7 @@ def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None,
   ensemble.train`. `progress` shows a bar and a line per epoch.
   """
   config = _config(config, {'ensemble_size': ensemble_size, 'epochs': epochs, 'method': method, **fields})
+  tasks.check(config)  # the task decides how the arrays are read
   dataset = _dataset(train, test, config)
   if dataset.inputs != 'images' and config.augment != 'none':
     if 'augment' in fields:

@@ -198,6 +198,8 @@ def test_bad_regression_input_is_one_line_and_writes_nothing(run, data, tmp_path
                  **SETTINGS)
   with pytest.raises(ensemble.UsageError, match='unknown loss'):
     fit((x, y), loss='huber')
+  with pytest.raises(ensemble.UsageError, match='unknown task'):
+    fit((x, y), task='ranking')
   assert not workdir.exists()
   # A regression ensemble asked for classification output, and the reverse.
   with pytest.raises(ensemble.UsageError, match='for classification ensembles'):

@@ -50,8 +50,8 @@ def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
   targets.
   """
   data_dir = os.path.expanduser(data_dir or '')
-  if task == 'regression' or data_dir.endswith('.csv'):
-    return _load_regression(dataset, data_dir, task, target)
+  if task == 'regression':
+    return _load_regression(dataset, data_dir, target)
   if dataset == ARRAYS and not data_dir:
     raise DataError('the run was trained on arrays in memory (ensemble.fit), which no file holds: give --data_dir '
                     'a folder of IDX files or an .npz file of the same data, or score it from Python with '
@@ -68,18 +68,15 @@ def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
                   '(x_train, y_train, x_test, y_test), or be empty for tensorflow-datasets')
 
 
-def _load_regression(dataset: str, data_dir: str, task: str, target: str) -> Dataset:
+def _load_regression(dataset: str, data_dir: str, target: str) -> Dataset:
   if dataset == ARRAYS and not data_dir:
     raise DataError('the run was trained on arrays in memory (ensemble.fit), which no file holds: give --data_dir '
                     'an .npz or .csv file of the same data, or score it from Python with '
                     'ensemble.load(workdir).evaluate(x, y)')
-  if task != 'regression':
-    raise DataError(f'{data_dir}: a .csv file holds regression targets; set --config.task=regression and '
-                    '--config.target to its target column(s)')
   if data_dir.endswith('.csv'):
     return csv.load(data_dir, target)
   if data_dir.endswith('.npz'):
-    return npz.load(data_dir, task)
+    return npz.load(data_dir, 'regression')
   raise DataError(f'{data_dir or "an empty data_dir"}: regression reads an .npz file (x_train, float y_train, '
                   'x_test, y_test) or a .csv file with --config.target; set --config.data_dir to one')
 

@@ -23,10 +23,8 @@ def name(config) -> str:
 
 def create(config, data_info: dict[str, Any] | None = None):
   """The task `config` names, for data described by `data_info` (its target statistics, for regression)."""
-  task = name(config)
-  if task not in NAMES:
-    raise UsageError(f'unknown task {task!r}: set --config.task to one of {list(NAMES)}')
-  if task == 'classification':
+  check(config)
+  if name(config) == 'classification':
     return classification.Classification()
   data_info = data_info or {}
   return regression.Regression(loss_name=config.get('loss', 'nll'), beta=float(config.get('beta', 0.5)),
