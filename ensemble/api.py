@@ -26,10 +26,11 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from ensemble import calibration, checkpoint, console, data, defaults, evaluation, steps
+from ensemble import calibration, checkpoint, console, data, defaults, evaluation, steps, tasks
 from ensemble.data import arrays
 from ensemble.errors import UsageError
 from ensemble.models import user
+from ensemble.tasks import regression
 from ensemble.uncertainty import decomposition, selective
 
 DEFAULT_FLAG_RISK = 0.01
@@ -48,7 +49,8 @@ def bucket(n: int, batch_size: int) -> int:
 
 
 def _fitted_temperature(workdir: str, epoch: int) -> float | None:
-  """The temperature `ensemble.evaluate` fitted for this checkpoint (in WORKDIR/eval/metrics.json), if any."""
+  """The temperature `ensemble.evaluate` fitted for this checkpoint (in WORKDIR/eval/metrics.json), if any; for
+  a regression workdir its variance scale, regression's temperature."""
   path = os.path.join(workdir, 'eval', 'metrics.json')
   try:
     with open(path, encoding='utf-8') as f:
@@ -58,7 +60,8 @@ def _fitted_temperature(workdir: str, epoch: int) -> float | None:
   except (OSError, ValueError) as e:
     logging.warning('%s cannot be read (%s): predicting without temperature scaling.', path, e)
     return None
-  temperature = results.get('temperature_scaling', {}).get('temperature')
+  temperature = results.get('temperature_scaling', {}).get('temperature',
+                                                          results.get('variance_scaling', {}).get('scale'))
   if temperature is not None and results.get('epoch') != epoch:
     logging.warning('%s was fitted for epoch %s, not %d: predicting without temperature scaling; run python -m '
                     'ensemble.evaluate --workdir=%s --step=%d to fit one.', path, results.get('epoch'), epoch,
@@ -71,8 +74,9 @@ class Ensemble:
   """A trained ensemble, restored onto the devices at hand, that answers about new inputs.
 
   What `fit` and `load` return. `temperature` scales the mean probabilities
-  (1: left as averaged); `load` takes it from `ensemble.evaluate`'s report
-  when there is one.
+  (1: left as averaged), or for regression every component's variance (the
+  variance scale); `load` takes it from `ensemble.evaluate`'s report when
+  there is one.
   """
 
   def __init__(self, workdir: str, config: ml_collections.ConfigDict, member: steps.Member, state: steps.TrainState,
@@ -143,8 +147,18 @@ class Ensemble:
                          'by 255, or give uint8')
     return images
 
-  def member_probs(self, images: Any, *, progress: bool = False) -> np.ndarray:
-    """(K, N, C) float64: every member's probabilities, `batch_size` images at a time, the last batch bucketed."""
+  @property
+  def task(self):
+    """What the members predict (ensemble/tasks/): `task.name` is 'classification' or 'regression'."""
+    return self.member.task
+
+  def _require_task(self, task: str, what: str):
+    if self.task.name != task:
+      raise UsageError(f'{self.workdir} holds a {self.task.name} ensemble; {what} is for {task} ensembles')
+
+  def member_outputs(self, images: Any, *, progress: bool = False) -> np.ndarray:
+    """(K, N, W) float64: every member's output (log-probabilities; a regression member's raw outputs),
+    `batch_size` inputs at a time, the last batch bucketed."""
     images = self.check(images)
     starts = range(0, len(images), self.batch_size)
     if progress and len(starts) > 1:
@@ -156,8 +170,19 @@ class Ensemble:
       if self.member.inputs == 'images':
         chunk = chunk.astype(np.float32) / 255.0 if chunk.dtype == np.uint8 else chunk.astype(np.float32)
       split = {'image': chunk, 'label': np.zeros(len(chunk), np.int32)}
-      batches.append(self._predictor(bucket(len(chunk), self.batch_size))(split))
+      batches.append(self._predictor(bucket(len(chunk), self.batch_size)).log_probs(split))
     return np.concatenate(batches, axis=1)
+
+  def member_probs(self, images: Any, *, progress: bool = False) -> np.ndarray:
+    """(K, N, C) float64: every member's probabilities, `batch_size` images at a time, the last batch bucketed."""
+    self._require_task('classification', 'member_probs')
+    return np.exp(self.member_outputs(images, progress=progress))
+
+  def components(self, inputs: Any, *, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Regression: the mixture's components' (means, variances), each (K M, N, D) in the targets' units: M = 1
+    Gaussian per member, or the snapshot_cycles snapshots of a snapshot member."""
+    self._require_task('regression', 'components')
+    return self.task.components(self.member_outputs(inputs, progress=progress))
 
   def _predictor(self, batch_size: int) -> evaluation.Predictor:
     if batch_size not in self._predictors:
@@ -168,12 +193,15 @@ class Ensemble:
     """Per image: 'probs' (N, C), the members' mean, temperature-scaled; 'class' (N,); and, in nats, 'entropy'
     (total predictive), 'aleatoric' (expected member entropy), 'mutual_information' (epistemic: their
     difference) and 'disagreement' (share of member pairs voting differently). 'member_probs' (K, N, C) with
-    `members`.
+    `members`. A regression ensemble returns the mixture's mean, std, aleatoric and epistemic variance and
+    central intervals instead (`_predict_regression`).
 
     The uncertainty is split on the members' own probabilities, where total =
     aleatoric + epistemic holds; the temperature only rescales 'probs' (and
     leaves 'class' as it is).
     """
+    if self.task.name == 'regression':
+      return self._predict_regression(images, members=members, progress=progress)
     member_probs = self.member_probs(images, progress=progress)
     probs = member_probs.mean(0)
     if self.temperature != 1.0:
@@ -183,13 +211,52 @@ class Ensemble:
       result['member_probs'] = member_probs
     return result
 
+  def _predict_regression(self, inputs: Any, *, members: bool, progress: bool,
+                          levels: Sequence[float] = regression.LEVELS) -> dict[str, np.ndarray]:
+    """Regression's `predict`: the mixture's 'mean', 'std', 'variance' = 'aleatoric' + 'epistemic', and the
+    central intervals 'lower_P', 'upper_P' holding P% of it (exact mixture quantiles); each (N, D), or (N,)
+    for one target; the components' variances times the variance scale (`temperature`). 'member_means' and
+    'member_variances' (K M, N, D) with `members`."""
+    means, variances = self.components(inputs, progress=progress)
+    variances = variances * self.temperature  # the variance scale ensemble.evaluate fitted (1 without one)
+    result = regression.mixture_moments(means, variances)
+    for level in levels:
+      result[f'lower_{round(100 * level)}'], result[f'upper_{round(100 * level)}'] = regression.mixture_interval(
+          means, variances, level)
+    if self.task.targets == 1:
+      result = {k: v[:, 0] for k, v in result.items()}
+    if members:
+      result['member_means'], result['member_variances'] = means, variances
+    return result
+
+  def _evaluate_regression(self, inputs: Any, targets: Any) -> dict[str, Any]:
+    """Regression's `evaluate`: `regression.score` of the mixture ('ensemble'), of each member ('members') and
+    their mean ('mean_member')."""
+    inputs = self.check(inputs)
+    targets = np.asarray(targets)
+    if targets.shape[:1] != (len(inputs),):
+      raise UsageError(f'targets of shape {targets.shape}; give {len(inputs)} targets, one row per input')
+    targets = data.base.as_targets(targets, 'targets').astype(np.float64)
+    if targets.shape[1] != self.task.targets:
+      raise UsageError(f'{targets.shape[1]} targets per input, but {self.workdir} predicts {self.task.targets}')
+    means, variances = self.components(inputs)
+    per_member = len(means) // self.size
+    members = [regression.score(means[k * per_member:(k + 1) * per_member],
+                                variances[k * per_member:(k + 1) * per_member], targets) for k in range(self.size)]
+    return {'ensemble': regression.score(means, variances, targets), 'members': members,
+            'mean_member': {key: float(np.mean([m[key] for m in members])) for key in members[0]}}
+
   def evaluate(self, inputs: Any, labels: Any) -> dict[str, Any]:
     """The report's scores on labelled inputs: 'ensemble' and 'mean_member' accuracy, NLL, Brier and ECE, and
     'members', 'best_member', the gains and the ensemble-size curve (`evaluation.score_test_set`).
 
     The NLL comes from the members' log-probabilities, so a confident mistake
     keeps its cost; the temperature is not applied (the scores are the members').
+    A regression ensemble takes float targets and returns RMSE, NLL, CRPS and
+    interval coverage (`_evaluate_regression`).
     """
+    if self.task.name == 'regression':
+      return self._evaluate_regression(inputs, labels)
     inputs = self.check(inputs)
     labels = np.asarray(labels)
     if labels.shape != (len(inputs),) or not np.issubdtype(labels.dtype, np.integer):
@@ -231,6 +298,7 @@ class Ensemble:
     data the run was trained with). Also returns the held-out 'coverage' and
     'risk' at that threshold.
     """
+    self._require_task('classification', 'flag_threshold')
     dataset = data.load(self.config.get('dataset', 'mnist'), self.config.data_dir if data_dir is None else data_dir,
                         self.config.get('train_split', 'train'), self.config.get('test_split', 'test'))
     if tuple(dataset.image_shape) != self.image_shape:
@@ -322,6 +390,7 @@ def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None,
   ensemble.train`. `progress` shows a bar and a line per epoch.
   """
   config = _config(config, {'ensemble_size': ensemble_size, 'epochs': epochs, 'method': method, **fields})
+  tasks.check(config)  # the task decides how the arrays are read
   dataset = _dataset(train, test, config)
   if dataset.inputs != 'images' and config.augment != 'none':
     if 'augment' in fields:
@@ -362,4 +431,4 @@ def _dataset(train: Any, test: Any, config: ml_collections.ConfigDict) -> data.D
     inputs, labels = arrays.pair(train, 'train')
     start = len(labels) - int(round(config.heldout_fraction * len(labels)))
     test = (inputs[start:], labels[start:])
-  return arrays.from_arrays(train, test, config.inputs)
+  return arrays.from_arrays(train, test, config.inputs, config.task)

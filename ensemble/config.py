@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from ensemble import backends, distributed, methods, models, optim, steps
+from ensemble import backends, distributed, methods, models, optim, steps, tasks
 from ensemble.data import augment
 from ensemble.errors import UsageError
 
@@ -15,11 +15,11 @@ MEMBER_DATA = ('shared', 'shuffled', 'bootstrap')
 # `ensemble.evaluate`: a resume must keep these as the workdir was started with them. Add new dataset
 # fields here.
 DATA_SETTINGS = ('dataset', 'train_split', 'test_split', 'data_dir', 'heldout_fraction', 'seed', 'batch_size',
-                 'member_data', 'inputs', 'standardize_features')
-# What else a resume must keep: another method's members have another state.
-RESUME_SETTINGS = DATA_SETTINGS + ('method',)
-MAX_SEED = 2**32 - 1
-DTYPES = ('float32', 'bfloat16')  # jax.random.key folds larger seeds onto the same keys
+                 'member_data', 'inputs', 'standardize_features', 'target')
+# What else a resume must keep: another method's or another task's members have another state.
+RESUME_SETTINGS = DATA_SETTINGS + ('method', 'task')
+MAX_SEED = 2**32 - 1  # jax.random.key folds larger seeds onto the same keys
+DTYPES = ('float32', 'bfloat16')
 
 
 def _require(ok: bool, message: str):
@@ -44,6 +44,8 @@ def _check_single_model(config: ml_collections.ConfigDict):
            'backend pmap or jit for the ensembling methods')
   _require(config.member_data == 'shared',
            f"backend {backend!r} trains one model: set --config.member_data=shared")
+  _require(tasks.name(config) == 'classification',
+           f'backend {backend!r} trains one classifier: use backend pmap or jit for --config.task=regression')
   _require(config.augment == 'none',
            f'backend {backend!r} trains one model on plain batches: set --config.augment=none, or use backend '
            'pmap or jit for augmented training')
@@ -95,6 +97,7 @@ def resolve(config: ml_collections.ConfigDict, available: Sequence[jax.Device],
   _require(config.steps_per_dispatch >= 0,
            f'steps_per_dispatch={config.steps_per_dispatch} must be 0 (plain path) or positive (fast path)')
   optim.check(config)
+  tasks.check(config)
   _require(0 <= config.heldout_fraction < 1, f'heldout_fraction={config.heldout_fraction} must be in [0, 1)')
   _require(0 <= config.seed <= MAX_SEED, f'seed={config.seed} must be in [0, {MAX_SEED}]: set --config.seed')
   distributed.check_layout(config, devices)
@@ -117,17 +120,22 @@ def member(config: ml_collections.ConfigDict, data_info: dict[str, Any], steps_p
                       mean=tuple(data_info['mean']), std=tuple(data_info['std']),
                       augment=config.augment if inputs == 'images' else 'none',
                       method=methods.create(config, steps_per_epoch), inputs=inputs,
-                      dtype=config.get('dtype', 'float32'))
+                      dtype=config.get('dtype', 'float32'), task=tasks.create(config, data_info))
 
 
 def data_info(image_shape: Sequence[int], num_classes: int, mean: Sequence[float], std: Sequence[float],
-              inputs: str = 'images') -> dict:
+              inputs: str = 'images', target_stats: tuple[Sequence[float], Sequence[float]] | None = None) -> dict:
   """What a member needs to know of its data; checkpoints keep it, so a workdir can predict on its own.
 
   `image_shape` is one input's shape, whatever `inputs` (steps.INPUTS) it is.
+  For regression, `num_classes` is the model's number of outputs (2 D) and
+  `target_stats` the training targets' per-target mean and standard deviation.
   """
-  return {'image_shape': [int(s) for s in image_shape], 'num_classes': int(num_classes),
+  info = {'image_shape': [int(s) for s in image_shape], 'num_classes': int(num_classes),
           'mean': [float(m) for m in mean], 'std': [float(s) for s in std], 'inputs': inputs}
+  if target_stats is not None:
+    info['target_mean'], info['target_std'] = ([float(v) for v in values] for values in target_stats)
+  return info
 
 
 def check_model(member: steps.Member, num_classes: int, method: str) -> int:
@@ -149,7 +157,14 @@ def check_model(member: steps.Member, num_classes: int, method: str) -> int:
     message = str(e).strip().splitlines()[0] if str(e).strip() else ''
     raise UsageError(f'the model fails on inputs of shape {shape} ({type(e).__name__}: {message[:300]}); make it '
                      f'take a batch of {member.inputs} of that shape, or reshape the data') from None
-  if not hasattr(logits, 'shape') or len(logits.shape) != 2 or logits.shape[0] != 1 or logits.shape[1] < num_classes:
+  if member.task.name == 'regression':
+    targets = num_classes // 2
+    if not hasattr(logits, 'shape') or len(logits.shape) != 2 or logits.shape[1] != num_classes:
+      got = getattr(logits, 'shape', type(logits).__name__)
+      raise UsageError(f'the model maps inputs {shape} to {got}, not to (batch, {num_classes}): for {targets} '
+                       f'target(s) give its last layer {num_classes} outputs, a mean and a raw scale per target')
+  elif (not hasattr(logits, 'shape') or len(logits.shape) != 2 or logits.shape[0] != 1
+        or logits.shape[1] < num_classes):
     got = getattr(logits, 'shape', type(logits).__name__)
     raise UsageError(f'the model maps inputs {shape} to {got}, not to (batch, {num_classes}) logits, one per class; '
                      f'give its last layer {num_classes} outputs (the labels run 0..{num_classes - 1})')

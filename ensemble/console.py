@@ -270,6 +270,8 @@ def _member_accuracies(record: Mapping[str, Any]) -> list[float]:
 
 
 def _figures(record: Mapping[str, Any]) -> str:
+  if 'test_rmse' in record:  # regression
+    return f'ensemble RMSE {_figure(record["test_rmse"])}, NLL {_figure(record["test_loss"])}'
   members = _member_accuracies(record)
   if len(members) <= 1:
     return f'accuracy {_figure(record["test_accuracy"])}, NLL {_figure(record["test_loss"])}'

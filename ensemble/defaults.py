@@ -33,6 +33,16 @@ def get_config() -> ml_collections.ConfigDict:
   # member keeping its parameters at the end of each; K x C snapshots averaged) or 'batchensemble' (members share
   # their weights and differ in rank-1 factors; cnn or resnet).
   config.method = 'independent'
+  # What the members predict (ensemble/tasks/): 'classification' (logits, one per class; integer labels) or
+  # 'regression' (float targets (N,) or (N, D); the model's last layer gives 2 D numbers, a mean and a raw scale
+  # per target, and the ensemble predicts the uniform mixture of the members' Gaussians). docs/python-api.md.
+  config.task = 'classification'
+  # Regression's loss: 'nll' (the Gaussian negative log-likelihood), 'beta_nll' (each target's NLL weighted by
+  # its predicted variance to the power beta, Seitzer et al. 2022) or 'mse' (squared error of the mean only).
+  config.loss = 'nll'
+  config.beta = 0.5
+  # Regression from a .csv data_dir: the target column(s), comma-separated; every other column is a feature.
+  config.target = ''
   config.hyper_learning_rate = (0.04, 0.12)
   config.hyper_weight_decay = (1e-4, 1e-3)
   config.snapshot_cycles = 5

@@ -136,7 +136,7 @@ class Predictor:
 
   def __init__(self, member: steps.Member, state: steps.TrainState, devices: Sequence[jax.Device], batch_size: int):
     members, whole = P(backends.ENSEMBLE_AXIS), P()
-    log_probs = lambda state, images: jax.nn.log_softmax(member.predict(state, images))
+    log_probs = lambda state, images: member.task.member_output(member.predict(state, images))
     mapped = jax.shard_map(backends.map_members(log_probs, (0, None), devices),
                            mesh=backends.ensemble_mesh(devices), in_specs=(members, whole), out_specs=members)
     self._log_probs = jax.jit(mapped)
@@ -148,7 +148,10 @@ class Predictor:
     return np.exp(self.log_probs(split))
 
   def log_probs(self, split: data.Split) -> np.ndarray:
-    """(K, N, C) float64 log-probabilities: the ensemble's NLL is computed from them (`calibration.ensemble_nll`)."""
+    """(K, N, C) float64 log-probabilities: the ensemble's NLL is computed from them (`calibration.ensemble_nll`).
+
+    For regression, the members' raw outputs (`tasks.regression.Regression.components` reads them).
+    """
     batches = [np.asarray(self._log_probs(self._state, images))[:, mask]
                for images, _, mask in data.eval_batches(split, self._batch_size)]
     return np.concatenate(batches, axis=1).astype(np.float64)
@@ -403,6 +406,12 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
   member, state, epoch = restore(workdir, config, step, devices)
   logging.info('Restored epoch %d of %s: %d members on %d devices.', epoch, workdir,
                config.ensemble_size, len(devices))
+  if member.task.name == 'regression':
+    if ood_names:
+      raise UsageError(f'--ood detects unfamiliar images, and {workdir} is a regression ensemble: leave --ood out')
+    from ensemble import regression_report  # pylint: disable=g-import-not-at-top
+    return regression_report.evaluate(workdir, config, member, state, devices, epoch, data_dir=data_dir,
+                                      output_dir=output_dir, alphas=alphas)
   data_dir = config.data_dir if data_dir is None else data_dir
   dataset = data.load(config.get('dataset', 'mnist'), data_dir, config.get('train_split', 'train'),
                       config.get('test_split', 'test'))

@@ -46,13 +46,34 @@ def forward(model: api.Ensemble) -> Callable[[jnp.ndarray], dict[str, jnp.ndarra
   the program's constants.
   """
   state = jax.device_get(model.state.replace(opt_state=None))
-  log_probs = lambda state, images: jax.nn.log_softmax(model.member.predict(state, images))
-  members = backends.map_members(log_probs, (0, None), jax.devices()[:1])
+  output = lambda state, images: model.task.member_output(model.member.predict(state, images))
+  members = backends.map_members(output, (0, None), jax.devices()[:1])
+  if model.task.name == 'regression':
+    return _regression_forward(model, state, members)
 
   def fn(images):
     member_log_probs = members(state, images)
     mean_log_probs = jax.nn.logsumexp(member_log_probs, axis=0) - jnp.log(model.size)
     return {'member_log_probs': member_log_probs, 'probs': jax.nn.softmax(mean_log_probs / model.temperature)}
+  return fn
+
+
+def _regression_forward(model: api.Ensemble, state, members) -> Callable[[jnp.ndarray], dict[str, jnp.ndarray]]:
+  """A regression ensemble's forward pass: the mixture's components 'member_means' and 'member_variances'
+  (K M, N, D) in the targets' units, and its 'mean', 'variance', 'aleatoric' and 'epistemic' (N, D)
+  (`tasks.regression.mixture_moments`). Intervals need the mixture's quantiles: `regression.mixture_interval`
+  computes them from the components."""
+  from ensemble.tasks import regression  # pylint: disable=g-import-not-at-top
+  task = model.task
+
+  def fn(inputs):
+    means, variances = regression.split_outputs(members(state, inputs), task.targets)  # (K, M, N, D)
+    std = jnp.asarray(task.target_std)
+    means = means.reshape(-1, *means.shape[2:]) * std + jnp.asarray(task.target_mean)
+    variances = variances.reshape(-1, *variances.shape[2:]) * std ** 2
+    moments = regression.mixture_moments(means, variances)
+    return {'member_means': means, 'member_variances': variances,
+            **{key: moments[key] for key in ('mean', 'variance', 'aleatoric', 'epistemic')}}
   return fn
 
 

@@ -3,7 +3,9 @@
   python -m ensemble.predict --workdir=/tmp/mnist --input=PATH [--output=FILE.csv|FILE.jsonl]
 
 PATH is an .npy or .npz array, an IDX images file, a PNG or JPEG image, or a
-folder of them (`ensemble.data.inputs`). One row per image: its name, the
+folder of them (`ensemble.data.inputs`). For a regression workdir, one row
+per input: the mixture's mean and std, its aleatoric and epistemic std and
+the 90% interval's bounds (`regression_rows`). One row per image: its name, the
 predicted class and its probability, the predictive entropy, the mutual
 information between the prediction and the members (the part of the
 uncertainty the members disagree on), and `flag`: whether the image is more
@@ -56,6 +58,27 @@ def rows(names: Sequence[str], result: dict[str, np.ndarray],
     yield row
 
 
+def regression_rows(names: Sequence[str], result: dict[str, np.ndarray]) -> tuple[list[str], Iterator[dict]]:
+  """(columns, rows) of a regression ensemble's prediction: per target the mixture's mean and std, its aleatoric
+  and epistemic std, and the bounds of the 90% central interval; a suffix _d per target when there are several."""
+  figure = lambda x: float(f'{x:.6g}')
+  parts = {'mean': result['mean'], 'std': result['std'], 'aleatoric_std': np.sqrt(result['aleatoric']),
+           'epistemic_std': np.sqrt(result['epistemic']), 'lower_90': result['lower_90'],
+           'upper_90': result['upper_90']}
+  targets = 1 if result['mean'].ndim == 1 else result['mean'].shape[1]
+  columns = [name if targets == 1 else f'{name}_{d}' for d in range(targets) for name in parts]
+  flat = {name: values.reshape(len(names), targets) for name, values in parts.items()}
+
+  def rows_():
+    for i, name in enumerate(names):
+      row = {'name': name}
+      for d in range(targets):
+        for part, values in flat.items():
+          row[part if targets == 1 else f'{part}_{d}'] = figure(values[i, d])
+      yield row
+  return ['name', *columns], rows_()
+
+
 def _output_format(output: str | None) -> str:
   suffix = '.csv' if output is None else os.path.splitext(output)[1].lower()
   if suffix not in OUTPUT_FORMATS:
@@ -97,6 +120,12 @@ def predict_files(workdir: str, input_path: str, output: str | None = None, *, s
     model.check(images)
   except UsageError as e:
     raise UsageError(f'{input_path}: {e}') from None
+  if model.task.name == 'regression':
+    logging.info('Predicting %d inputs.', len(images))
+    columns, rows_ = regression_rows(names, model.predict(images, progress=True))
+    write(rows_, output, columns)
+    logging.info('Wrote %d rows to %s.', len(names), output or 'stdout')
+    return {'images': len(names), 'flagged': None, 'threshold': None}
   threshold = None
   if flag:
     fitted = model.flag_threshold(flag_risk, data_dir)

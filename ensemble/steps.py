@@ -18,6 +18,9 @@ from flax.training import train_state
 
 from ensemble.data import augment as augment_lib
 from ensemble.methods.independent import Independent
+from ensemble.tasks import classification
+# The classification task's functions, where the backends and tests have always found them.
+from ensemble.tasks.classification import cross_entropy, ensemble_probs, eval_outputs, log_mean_exp  # noqa: F401
 
 AxisName = str | Sequence[str]
 Metrics = dict[str, jnp.ndarray]
@@ -57,7 +60,8 @@ class Member:
   of any kind. `model` is a linen Module that takes `train`, or one of
   `models.user`'s wrappers (a user's linen or NNX model). `method`
   (ensemble/methods/) is the ensembling method: how a member starts, what it
-  keeps after each step and what it predicts.
+  keeps after each step and what it predicts. `task` (ensemble/tasks/) says
+  what the outputs mean: the loss, and how the members' outputs combine.
   """
   model: Any
   tx: optax.GradientTransformation
@@ -68,6 +72,7 @@ class Member:
   method: Any = Independent()
   inputs: str = 'images'
   dtype: str = 'float32'  # of the forward pass (`apply`); the state is float32 either way
+  task: Any = classification.Classification()
 
   def prepare(self, images: jnp.ndarray, key: jax.Array | None = None) -> jnp.ndarray:
     """Inputs as they arrive -> the model's input; images with a `key` are augmented first (training only)."""
@@ -138,11 +143,11 @@ class Member:
 
     def loss_fn(params):
       logits, batch_stats = self.apply(state, params, inputs, train=True, key=dropout_key)
-      return cross_entropy(logits, labels).mean(), (logits, batch_stats)
+      loss, metrics = self.task.loss(logits, labels)
+      return loss, (metrics, batch_stats)
 
-    (loss, (logits, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
-    return grads, (batch_stats, {'loss': loss, 'accuracy': accuracy})
+    (_, (metrics, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return grads, (batch_stats, metrics)
 
   def update(self, state: TrainState, grads, aux: tuple[Any, Metrics]) -> tuple[TrainState, Metrics]:
     """Applies a step's gradients; the method then keeps what it keeps (a snapshot at a cycle's end)."""
@@ -162,7 +167,7 @@ class Member:
   def eval_step(self, state: TrainState, images: jnp.ndarray, labels: jnp.ndarray, *,
                 axis_name: AxisName) -> Metrics:
     """Per-example losses and hits of this member and of the whole ensemble."""
-    return eval_outputs(self.predict(state, images), labels, axis_name=axis_name)
+    return self.task.eval_outputs(self.predict(state, images), labels, axis_name=axis_name)
 
   def abstract_ensemble_state(self, ensemble_size: int) -> Any:
     """Shapes and dtypes of the stacked (K, ...) ensemble state, computed without allocating it."""
@@ -178,10 +183,6 @@ def _cast_floats(tree: Any, dtype: jnp.dtype) -> Any:
 
 def _float32(logits: jnp.ndarray) -> jnp.ndarray:
   return logits.astype(jnp.float32)
-
-
-def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
 def train_steps(state: TrainState, images: jnp.ndarray, labels: jnp.ndarray,
@@ -213,36 +214,6 @@ def train_steps(state: TrainState, images: jnp.ndarray, labels: jnp.ndarray,
 def stack(trees: Sequence[Any]) -> Any:
   """Equally shaped pytrees -> one pytree with a new leading axis: what a traced loop would return."""
   return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
-
-
-def ensemble_probs(probs: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray:
-  """The ensemble prediction: the mean of the members' probabilities over the mapped axes."""
-  return jax.lax.pmean(probs, axis_name)
-
-
-def log_mean_exp(log_values: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray:
-  """log(mean(exp(log_values))) over the mapped axes, without leaving log space.
-
-  The ensemble's log-probability of a label from its members': shifted by the
-  members' maximum, the largest term is exp(0) = 1, so a confident mistake
-  (every member's probability below float32's smallest) keeps its cost
-  instead of being clipped at float32 tiny (87 nats).
-  """
-  peak = jax.lax.pmax(log_values, axis_name)
-  return peak + jnp.log(jax.lax.pmean(jnp.exp(log_values - peak), axis_name))
-
-
-def eval_outputs(logits: jnp.ndarray, labels: jnp.ndarray, *, axis_name: AxisName) -> Metrics:
-  """A member's eval step from its logits: backends that compute the logits their own way use it."""
-  log_probs = jax.nn.log_softmax(logits)
-  ensemble = ensemble_probs(jnp.exp(log_probs), axis_name)
-  label_log_prob = jnp.take_along_axis(log_probs, labels[:, None], axis=-1)[:, 0]
-  return {
-      'member_loss': cross_entropy(logits, labels),
-      'member_correct': (jnp.argmax(logits, -1) == labels).astype(jnp.float32),
-      'ensemble_loss': -log_mean_exp(label_log_prob, axis_name),
-      'ensemble_correct': (jnp.argmax(ensemble, -1) == labels).astype(jnp.float32),
-  }
 
 
 def member_keys(seed: int, ensemble_size: int) -> jax.Array:

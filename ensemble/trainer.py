@@ -17,8 +17,9 @@ from ensemble import console, devices as devices_lib
 from ensemble.errors import UsageError
 
 
-def evaluate(backend, state, split: data.Split, batch_size: int) -> dict[str, Any]:
-  """Ensemble and member metrics over the whole split, each example counted once.
+def evaluate(backend, state, split: data.Split, batch_size: int, task: Any = None) -> dict[str, Any]:
+  """Ensemble and member metrics over the whole split, each example counted once (the `task`'s, by default
+  classification's).
 
   Each process feeds only its rows of every batch; the outputs cover whole batches.
   """
@@ -30,23 +31,32 @@ def evaluate(backend, state, split: data.Split, batch_size: int) -> dict[str, An
   outputs = jax.tree.map(lambda *xs: np.concatenate(xs, axis=-1), *backend.to_host(outputs))
   # The ensemble outputs are the same on every member; member 0's copy is enough.
   outputs = {k: v[0] if k.startswith('ensemble_') else v.T for k, v in outputs.items()}
-  return metrics.EvalMetrics.single_from_model_output(**outputs, mask=np.concatenate(masks)).compute()
+  eval_metrics = metrics.EvalMetrics if task is None else task.eval_metrics
+  return eval_metrics.single_from_model_output(**outputs, mask=np.concatenate(masks)).compute()
 
 
 def _epoch_summary(train: dict[str, Any], test: dict[str, Any], epoch: int, train_seconds: float,
-                   test_seconds: float) -> dict[str, float]:
+                   test_seconds: float, task: Any) -> dict[str, float]:
   """The line metrics.jsonl gets for `epoch`, but its checkpoint's save time (known only after the save).
 
   `train_seconds` is its training time (the first epoch's compiles too),
   `test_seconds` its test pass's: with `save_seconds`, where an epoch's time goes.
   """
   summary = {'epoch': epoch, 'train_seconds': train_seconds, 'test_seconds': test_seconds,
-             'train_loss': train['loss'], 'train_accuracy': train['accuracy'],
-             'test_loss': test['loss'], 'test_accuracy': test['accuracy']}
-  for i, (loss, accuracy) in enumerate(zip(test['member_loss'], test['member_accuracy'])):
-    summary[f'member_test_loss/{i}'] = loss
-    summary[f'member_test_accuracy/{i}'] = accuracy
+             **task.summary(train, test)}
   return {k: float(v) for k, v in summary.items()}
+
+
+def _standardise_targets(dataset: data.Dataset, train_split: data.Split):
+  """Regression: (train split, test split, (mean, std)) with targets standardised by the training split's
+  per-target mean and standard deviation (a constant target's taken as 1); classification: as they are."""
+  if dataset.task != 'regression':
+    return train_split, dataset.test, None
+  targets = train_split['label'].astype(np.float64)
+  mean, std = targets.mean(0), targets.std(0)
+  std = np.where(std > 0, std, 1.0)
+  scale = lambda split: {**split, 'label': ((split['label'] - mean) / std).astype(np.float32)}
+  return scale(train_split), scale(dataset.test), (mean, std)
 
 
 def _releases_the_workdir(train):
@@ -137,22 +147,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
   ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.checkpoints_to_keep)
   _check_resume(config, workdir, ckpt)
   if dataset is None:
-    dataset = data.load(config.dataset, config.data_dir, config.train_split, config.test_split)
+    dataset = data.load(config.dataset, config.data_dir, config.train_split, config.test_split,
+                        task=config.get('task', 'classification'), target=config.get('target', ''))
   if config.get('inputs', 'auto') not in ('auto', dataset.inputs):
     raise UsageError(f'{dataset.source} holds {dataset.inputs}, not {config.inputs}: set --config.inputs=auto')
+  if dataset.task != config.get('task', 'classification'):
+    raise UsageError(f'{dataset.source} holds {dataset.task} data but task={config.get("task", "classification")!r}: '
+                     f'set --config.task={dataset.task}')
   train_split, _ = data.hold_out(dataset.train, config.heldout_fraction)
+  train_split, test_split, target_stats = _standardise_targets(dataset, train_split)
   num_train = len(train_split['label'])
   if config.batch_size > num_train:
     raise UsageError(f'batch_size={config.batch_size} exceeds the {num_train} training examples; '
                      'lower --config.batch_size')
   steps_per_epoch = data.steps_per_epoch(num_train, config.batch_size)
   stats = data.input_stats(train_split['image'], dataset.inputs, config.get('standardize_features', False))
-  data_info = config_lib.data_info(dataset.image_shape, dataset.num_classes, *stats, inputs=dataset.inputs)
+  # A regression member gives a mean and a raw scale per target.
+  outputs = 2 * dataset.num_classes if target_stats else dataset.num_classes
+  data_info = config_lib.data_info(dataset.image_shape, outputs, *stats, inputs=dataset.inputs,
+                                   target_stats=target_stats)
   member = config_lib.member(config, data_info, steps_per_epoch, model)
   # The mesh backends' models are the package's own, built for their mesh (backends/sharded.py).
-  num_classes = (dataset.num_classes if config.backend in backends.MESH_MODELS
-                 else config_lib.check_model(member, dataset.num_classes, config.method))
-  if num_classes != dataset.num_classes:  # a user's model with more outputs than the training labels use
+  num_classes = (outputs if config.backend in backends.MESH_MODELS
+                 else config_lib.check_model(member, outputs, config.method))
+  if num_classes != outputs:  # a user's model with more outputs than the training labels use
     data_info = {**data_info, 'num_classes': num_classes}
     member = config_lib.member(config, data_info, steps_per_epoch, model)
   backend = backends.create(config.backend, member=member, devices=devices, ensemble_size=config.ensemble_size,
@@ -209,10 +227,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
     train_outputs = jax.tree.map(
         lambda *xs: np.concatenate([x.reshape(config.ensemble_size, -1) for x in xs], axis=1), *train_outputs)
     train_seconds = time.perf_counter() - started
-    train = metrics.TrainMetrics.single_from_model_output(**train_outputs).compute()
+    train = member.task.train_metrics.single_from_model_output(**train_outputs).compute()
     started = time.perf_counter()
-    test = evaluate(backend, state, dataset.test, config.eval_batch_size)
-    summary = _epoch_summary(train, test, epoch, train_seconds, time.perf_counter() - started)
+    test = evaluate(backend, state, test_split, config.eval_batch_size, member.task)
+    summary = _epoch_summary(train, test, epoch, train_seconds, time.perf_counter() - started, member.task)
     canonical = backend.to_canonical(state)
     nonfinite = checkpoint.nonfinite_members(canonical, config.ensemble_size)
     if nonfinite:

@@ -49,3 +49,17 @@ class NNXNet(nnx.Module):
 
 
 NOT_A_MODEL = 3.0
+
+
+class Regressor(nn.Module):
+  """Features -> two tanh layers -> `num_classes` outputs: for regression, a mean and a raw scale per target."""
+  width: int = 32
+  num_classes: int = 2
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    del train
+    x = x.reshape((x.shape[0], -1))
+    x = nn.tanh(nn.Dense(self.width)(x))
+    x = nn.tanh(nn.Dense(self.width)(x))
+    return nn.Dense(self.num_classes)(x)

@@ -158,7 +158,7 @@ def evaluate_members(member: steps.Member, devices: Sequence[jax.Device]):
   needs the members as a named (vmapped) axis, which with 'ensemble' spans all.
   """
   predict = map_members(member.predict, (0, None), devices)
-  outputs = jax.vmap(functools.partial(steps.eval_outputs, axis_name=(ENSEMBLE_AXIS, MEMBER_AXIS)),
+  outputs = jax.vmap(functools.partial(member.task.eval_outputs, axis_name=(ENSEMBLE_AXIS, MEMBER_AXIS)),
                      in_axes=(0, None), axis_name=MEMBER_AXIS)
   return lambda state, images, labels: outputs(predict(state, images), labels)
 

@@ -1,4 +1,4 @@
-"""Image-classification data as uint8 numpy arrays on the host: the bundled MNIST, tensorflow-datasets, IDX or .npz.
+"""Data as numpy arrays on the host: the bundled MNIST, tensorflow-datasets, IDX, .npz, or a .csv for regression.
 
 `load` picks the source from the dataset name and `data_dir`; `batches` turns a
 split into the batches every backend reads.
@@ -10,7 +10,7 @@ from typing import Callable
 
 import numpy as np
 
-from ensemble.data import arrays, bundled, idx, npz, tfds
+from ensemble.data import arrays, bundled, csv, idx, npz, tfds
 from ensemble.data.base import DataError, Dataset, Split
 from ensemble.data.batches import (bootstrap, eval_batches, epoch_order, hold_out, steps_per_epoch,
                                    train_batch_indices, train_batches)
@@ -43,9 +43,15 @@ SOURCES = {
 
 
 def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
-         test_split: str = 'test') -> Dataset:
-  """Loads a dataset: the bundled or tensorflow-datasets' `dataset` when `data_dir` is empty, else what it names."""
+         test_split: str = 'test', *, task: str = 'classification', target: str = '') -> Dataset:
+  """Loads a dataset: the bundled or tensorflow-datasets' `dataset` when `data_dir` is empty, else what it names.
+
+  Regression (`task`) reads an .npz file with float targets, or a .csv file whose `target` columns are the
+  targets.
+  """
   data_dir = os.path.expanduser(data_dir or '')
+  if task == 'regression':
+    return _load_regression(dataset, data_dir, target)
   if dataset == ARRAYS and not data_dir:
     raise DataError('the run was trained on arrays in memory (ensemble.fit), which no file holds: give --data_dir '
                     'a folder of IDX files or an .npz file of the same data, or score it from Python with '
@@ -60,6 +66,19 @@ def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
   problem = 'neither a folder nor a .npz file' if os.path.exists(data_dir) else 'no such folder or .npz file'
   raise DataError(f'{data_dir}: {problem}; data_dir must name a folder of IDX files or a .npz file '
                   '(x_train, y_train, x_test, y_test), or be empty for tensorflow-datasets')
+
+
+def _load_regression(dataset: str, data_dir: str, target: str) -> Dataset:
+  if dataset == ARRAYS and not data_dir:
+    raise DataError('the run was trained on arrays in memory (ensemble.fit), which no file holds: give --data_dir '
+                    'an .npz or .csv file of the same data, or score it from Python with '
+                    'ensemble.load(workdir).evaluate(x, y)')
+  if data_dir.endswith('.csv'):
+    return csv.load(data_dir, target)
+  if data_dir.endswith('.npz'):
+    return npz.load(data_dir, 'regression')
+  raise DataError(f'{data_dir or "an empty data_dir"}: regression reads an .npz file (x_train, float y_train, '
+                  'x_test, y_test) or a .csv file with --config.target; set --config.data_dir to one')
 
 
 def input_stats(inputs: np.ndarray, kind: str,

@@ -57,10 +57,18 @@ def _as_inputs(inputs: np.ndarray, kind: str, name: str) -> np.ndarray:
   return features
 
 
-def _split(split: Any, kind: str, name: str) -> base.Split:
+def _split(split: Any, kind: str, name: str, task: str = 'classification', source: str = 'arrays') -> base.Split:
   inputs, labels = pair(split, name)
+  if source != 'arrays':
+    name = f'{source}: {name}'
   if len(inputs) != len(labels):
     raise base.DataError(f'{name}: {len(inputs)} inputs but {len(labels)} labels; give one label per example')
+  if task == 'regression':
+    targets = base.as_targets(labels, f'{name} targets')
+    if kind == 'images':
+      return {**base.make_split(inputs, np.zeros(len(inputs), np.int32), f'{name} images', f'{name} targets'),
+              'label': targets}
+    return {'image': _as_inputs(inputs, kind, name), 'label': targets}
   if not np.issubdtype(labels.dtype, np.integer):
     raise base.DataError(f'{name}: labels of dtype {labels.dtype}; give integer class indices 0..C-1 '
                          '(y.astype(np.int32), or y.argmax(-1) for one-hot labels)')
@@ -71,12 +79,30 @@ def _split(split: Any, kind: str, name: str) -> base.Split:
   return {'image': _as_inputs(inputs, kind, name), 'label': base.as_labels(labels, f'{name} labels')}
 
 
-def from_arrays(train: Any, test: Any, inputs: str = 'auto') -> base.Dataset:
-  """(x, y) pairs -> a Dataset of `inputs` ('auto': `kind_of` the training inputs); `source` is 'arrays'."""
+def from_arrays(train: Any, test: Any, inputs: str = 'auto', task: str = 'classification',
+                source: str = 'arrays') -> base.Dataset:
+  """(x, y) pairs -> a Dataset of `inputs` ('auto': `kind_of` the training inputs) from `source`.
+
+  For task 'regression', y holds float targets (N,) or (N, D).
+  """
   kind = kind_of(pair(train, 'train')[0]) if inputs == 'auto' else inputs
-  splits = {name: _split(split, kind, name) for name, split in (('train', train), ('test', test))}
+  splits = {name: _split(split, kind, name, task, source) for name, split in (('train', train), ('test', test))}
   names = {name: (f'{name} inputs', f'{name} labels') for name in splits}
-  return base.make_dataset(splits['train'], splits['test'], 'arrays', names, inputs=kind)
+  if task == 'regression':
+    return regression_dataset(splits['train'], splits['test'], source, names, kind)
+  return base.make_dataset(splits['train'], splits['test'], source, names, inputs=kind)
+
+
+def regression_dataset(train: base.Split, test: base.Split, source: str, names: dict[str, tuple[str, str]],
+                       inputs: str) -> base.Dataset:
+  """Checks that the splits agree in input shape and number of targets."""
+  for index, what in ((0, inputs), (1, 'targets')):
+    key = 'image' if index == 0 else 'label'
+    if train[key].shape[1:] != test[key].shape[1:]:
+      raise base.DataError(f'{names["test"][index]}: {what} of shape {test[key].shape[1:]} per example, but the '
+                           f'training {what} have {train[key].shape[1:]}; give both splits the same')
+  return base.Dataset(train=train, test=test, source=source, num_classes=train['label'].shape[1], inputs=inputs,
+                      task='regression')
 
 
 def feature_stats(features: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -33,8 +33,9 @@ class Dataset:
   train: Split
   test: Split
   source: str  # what it came from, for logs and reports
-  num_classes: int
+  num_classes: int  # for regression: the number of targets D
   inputs: str = 'images'  # what the inputs are: steps.INPUTS
+  task: str = 'classification'  # 'regression': labels are float32 targets (N, D)
 
   def __post_init__(self):
     # A loader that breaks the layout would otherwise fail far away, inside a jitted step.
@@ -45,7 +46,11 @@ class Dataset:
       images, labels = split['image'], split['label']
       if images.dtype != dtype or images.ndim < 2 or (self.inputs == 'images' and images.ndim != 4):
         raise ValueError(f'Dataset.{name}: {self.inputs} must be {layout}, got {images.dtype} {images.shape}')
-      if labels.dtype != np.int32 or labels.shape != images.shape[:1]:
+      if self.task == 'regression':
+        if labels.dtype != np.float32 or labels.ndim != 2 or labels.shape[0] != len(images):
+          raise ValueError(f'Dataset.{name}: targets must be float32 ({len(images)}, D), got {labels.dtype} '
+                           f'{labels.shape}')
+      elif labels.dtype != np.int32 or labels.shape != images.shape[:1]:
         raise ValueError(f'Dataset.{name}: labels must be int32 ({len(images)},), got {labels.dtype} {labels.shape}')
     if self.train['image'].shape[1:] != self.test['image'].shape[1:]:
       raise ValueError(f'Dataset: train images {self.train["image"].shape[1:]} but test images '
@@ -112,6 +117,21 @@ def as_labels(labels: np.ndarray, name: str) -> np.ndarray:
   if len(labels) and labels.max() > np.iinfo(np.int32).max:
     raise DataError(f'{name}: label {labels.max()} does not fit int32; labels must be class indices 0..C-1')
   return labels.astype(np.int32, copy=False)
+
+
+def as_targets(targets: np.ndarray, name: str) -> np.ndarray:
+  """float32 (N, D) regression targets from (N,) or (N, D) finite floats."""
+  if not np.issubdtype(targets.dtype, np.floating):
+    raise DataError(f'{name}: targets of dtype {targets.dtype}; regression needs float targets (y.astype(np.float32)), '
+                    "or task='classification' for class indices")
+  if targets.ndim not in (1, 2):
+    raise DataError(f'{name}: targets of shape {targets.shape}; give (N,) or (N, D) float targets')
+  targets = targets.reshape(len(targets), -1)
+  finite = np.isfinite(targets).all(1)
+  if not finite.all():
+    raise DataError(f'{name}: targets hold NaN or infinite values (first at example {int(np.argmin(finite))}); '
+                    'drop those examples first')
+  return targets.astype(np.float32)
 
 
 def make_split(images: np.ndarray, labels: np.ndarray, images_name: str, labels_name: str) -> Split:

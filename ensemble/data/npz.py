@@ -5,14 +5,17 @@ import zipfile
 
 import numpy as np
 
-from ensemble.data import base
+from ensemble.data import arrays, base
 
 KEYS = ('x_train', 'y_train', 'x_test', 'y_test')
 _FIX = 'save one with np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)'
 
 
-def load(path: str) -> base.Dataset:
-  """Reads the four arrays; images HxW or HxWxC, uint8 or float in [0, 1]; labels integer class indices."""
+def load(path: str, task: str = 'classification') -> base.Dataset:
+  """Reads the four arrays; images HxW or HxWxC, uint8 or float in [0, 1]; labels integer class indices.
+
+  For regression, x may also be float features and y holds float targets (N,) or (N, D).
+  """
   if not os.path.isfile(path):
     raise base.DataError(f'{path}: no such file; data_dir must name a .npz file with {", ".join(KEYS)}')
   try:
@@ -22,12 +25,15 @@ def load(path: str) -> base.Dataset:
       if missing:
         held = ', '.join(npz.files) or 'no arrays'
         raise base.DataError(f'{path}: no array {missing[0]} (it holds {held}); {_FIX}')
-      arrays = {key: npz[key] for key in KEYS}
+      loaded = {key: npz[key] for key in KEYS}
   except base.DataError:  # a ValueError too, and already says what to do
     raise
   except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
     raise base.DataError(f'{path}: cannot be read as .npz ({base.first_line(e)}); {_FIX}') from e
+  if task == 'regression':
+    return arrays.from_arrays((loaded['x_train'], loaded['y_train']), (loaded['x_test'], loaded['y_test']),
+                              task='regression', source=path)
   names = {split: (f'{path}: x_{split}', f'{path}: y_{split}') for split in ('train', 'test')}
-  splits = {split: base.make_split(arrays[f'x_{split}'], arrays[f'y_{split}'], *names[split])
+  splits = {split: base.make_split(loaded[f'x_{split}'], loaded[f'y_{split}'], *names[split])
             for split in ('train', 'test')}
   return base.make_dataset(splits['train'], splits['test'], path, names)

@@ -5,7 +5,8 @@ step of each cycle the member's parameters (and BatchNorm statistics) go into
 the next of its C slots in `TrainState.snapshots`, so checkpoints hold them and
 a resume continues exactly. A member predicts with the mean probability of its
 kept snapshots (its current parameters until the first cycle ends), so the
-ensemble's mean over K members is the mean over all K x C snapshots.
+ensemble's mean over K members is the mean over all K x C snapshots. For regression each snapshot is a
+component of the mixture (`tasks.regression`).
 """
 
 import dataclasses
@@ -48,12 +49,11 @@ class Snapshot(Independent):
     return state.replace(snapshots=jax.lax.cond(cycle_ends, keep, lambda kept: kept, state.snapshots))
 
   def predict(self, member, state, images):
-    """log of the mean probability of the kept snapshots; the current parameters' logits before the first."""
+    """The kept snapshots combined as the task combines them (classification: log of their mean probability; the
+    current parameters' logits before the first); regression: each snapshot a mixture component."""
     kept = state.snapshots
     count = jnp.minimum(kept['count'], self.cycles)
     slot = lambda c: state.replace(params=jax.tree.map(lambda x: x[c], kept['params']),
                                    batch_stats=jax.tree.map(lambda x: x[c], kept['batch_stats']))
-    log_probs = jnp.stack([jax.nn.log_softmax(member.logits(slot(c), images)) for c in range(self.cycles)])
-    kept_mask = (jnp.arange(self.cycles) < count)[:, None, None]
-    mean = jax.nn.logsumexp(jnp.where(kept_mask, log_probs, -jnp.inf), axis=0) - jnp.log(jnp.maximum(count, 1))
-    return jnp.where(count > 0, mean, member.logits(state, images))
+    outputs = jnp.stack([member.logits(slot(c), images) for c in range(self.cycles)])
+    return member.task.combine_snapshots(outputs, count, member.logits(state, images))

@@ -1,0 +1,85 @@
+"""Classification: each member gives logits; the ensemble predicts the mean of the members' probabilities."""
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ensemble import metrics
+
+AxisName = str | Sequence[str]
+Metrics = dict[str, jnp.ndarray]
+
+
+def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def ensemble_probs(probs: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray:
+  """The ensemble prediction: the mean of the members' probabilities over the mapped axes."""
+  return jax.lax.pmean(probs, axis_name)
+
+
+def log_mean_exp(log_values: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray:
+  """log(mean(exp(log_values))) over the mapped axes, without leaving log space.
+
+  The ensemble's log-probability of a label from its members': shifted by the
+  members' maximum, the largest term is exp(0) = 1, so a confident mistake
+  (every member's probability below float32's smallest) keeps its cost
+  instead of being clipped at float32 tiny (87 nats).
+  """
+  peak = jax.lax.pmax(log_values, axis_name)
+  return peak + jnp.log(jax.lax.pmean(jnp.exp(log_values - peak), axis_name))
+
+
+def eval_outputs(logits: jnp.ndarray, labels: jnp.ndarray, *, axis_name: AxisName) -> Metrics:
+  """A member's eval step from its logits: backends that compute the logits their own way use it."""
+  log_probs = jax.nn.log_softmax(logits)
+  ensemble = ensemble_probs(jnp.exp(log_probs), axis_name)
+  label_log_prob = jnp.take_along_axis(log_probs, labels[:, None], axis=-1)[:, 0]
+  return {
+      'member_loss': cross_entropy(logits, labels),
+      'member_correct': (jnp.argmax(logits, -1) == labels).astype(jnp.float32),
+      'ensemble_loss': -log_mean_exp(label_log_prob, axis_name),
+      'ensemble_correct': (jnp.argmax(ensemble, -1) == labels).astype(jnp.float32),
+  }
+
+
+@dataclasses.dataclass(frozen=True)
+class Classification:
+  """Logits, one per class; trained by cross-entropy."""
+  name: str = 'classification'
+  train_metrics = metrics.TrainMetrics
+  eval_metrics = metrics.EvalMetrics
+
+  def member_output(self, logits: jnp.ndarray) -> jnp.ndarray:
+    """What prediction takes from a member: its log-probabilities."""
+    return jax.nn.log_softmax(logits)
+
+  def loss(self, logits: jnp.ndarray, labels: jnp.ndarray) -> tuple[jnp.ndarray, Metrics]:
+    """(mean cross-entropy of the batch, the step's metrics)."""
+    loss = cross_entropy(logits, labels).mean()
+    return loss, {'loss': loss, 'accuracy': jnp.mean(jnp.argmax(logits, -1) == labels)}
+
+  def eval_outputs(self, logits: jnp.ndarray, labels: jnp.ndarray, *, axis_name: AxisName) -> Metrics:
+    return eval_outputs(logits, labels, axis_name=axis_name)
+
+  def combine_snapshots(self, outputs: jnp.ndarray, count: jnp.ndarray, current: jnp.ndarray) -> jnp.ndarray:
+    """log of the mean probability of the `count` kept snapshots (`outputs` (C, N, classes)); `current` before
+    the first."""
+    cycles = outputs.shape[0]
+    log_probs = jax.nn.log_softmax(outputs)
+    kept_mask = (jnp.arange(cycles) < count)[:, None, None]
+    mean = jax.nn.logsumexp(jnp.where(kept_mask, log_probs, -jnp.inf), axis=0) - jnp.log(jnp.maximum(count, 1))
+    return jnp.where(count > 0, mean, current)
+
+  def summary(self, train, test) -> dict[str, float]:
+    """The task's part of metrics.jsonl's line for an epoch."""
+    summary = {'train_loss': train['loss'], 'train_accuracy': train['accuracy'],
+               'test_loss': test['loss'], 'test_accuracy': test['accuracy']}
+    for i, (loss, accuracy) in enumerate(zip(test['member_loss'], test['member_accuracy'])):
+      summary[f'member_test_loss/{i}'] = loss
+      summary[f'member_test_accuracy/{i}'] = accuracy
+    return summary

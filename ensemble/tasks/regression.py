@@ -1,0 +1,296 @@
+"""Regression: each member predicts a Gaussian per target; the ensemble is the uniform mixture of the members'.
+
+A member's model gives 2 D numbers per input for D targets: D means mu and D
+raw scales r, and its predictive variance is softplus(r) + VARIANCE_FLOOR, so
+any model of the Python API can be a regression member. The member works in
+standardised units (targets minus the training split's mean, over its
+standard deviation: `target_mean`, `target_std`, kept in the checkpoint);
+predictions and scores are in the original units.
+
+The ensemble of M Gaussians N(mu_m, s_m^2) (Lakshminarayanan et al. 2017) is
+their uniform mixture p(y) = 1/M sum_m N(y; mu_m, s_m^2), with
+
+  mean      mu*  = 1/M sum_m mu_m
+  variance  s*^2 = 1/M sum_m s_m^2  +  1/M sum_m (mu_m - mu*)^2
+                   aleatoric (mean of the variances) + epistemic (variance of the means)
+
+Its intervals, NLL and CRPS come from the mixture itself, not from a Gaussian
+with those two moments. A snapshot member contributes each of its snapshots as
+a component.
+"""
+
+import dataclasses
+from typing import Sequence
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.special
+import scipy.stats
+from clu import metrics as clu_metrics
+
+from ensemble import metrics
+from ensemble.errors import UsageError
+
+AxisName = str | Sequence[str]
+Metrics = dict[str, jnp.ndarray]
+
+LOSSES = ('nll', 'beta_nll', 'mse')
+# The smallest variance a member predicts, in standardised units: keeps the NLL finite when a member is sure.
+VARIANCE_FLOOR = 1e-6
+# The central intervals that predict returns and evaluate scores.
+LEVELS = (0.5, 0.8, 0.9, 0.95)
+_LOG_2PI = float(np.log(2 * np.pi))
+
+
+def check(config):
+  if config.get('loss', 'nll') not in LOSSES:
+    raise UsageError(f'unknown loss {config.loss!r} for regression: set --config.loss to one of {list(LOSSES)}')
+  beta = config.get('beta', 0.5)
+  if not (isinstance(beta, (int, float)) and 0 <= beta <= 1):
+    raise UsageError(f'beta={beta!r} must lie in [0, 1] (0: the Gaussian NLL, 1: gradients of the mean as MSE)')
+
+
+def split_outputs(outputs, targets: int, xp=jnp):
+  """Raw outputs (..., N, M 2 D) -> (means, variances), each (..., M, N, D), standardised units.
+
+  Per component, D means then D raw scales; the variance is softplus(raw) + VARIANCE_FLOOR.
+  """
+  shape = outputs.shape
+  parts = xp.reshape(outputs, (*shape[:-1], -1, 2, targets))
+  parts = xp.moveaxis(parts, -3, -4)  # (..., M, N, 2, D)
+  softplus = jax.nn.softplus if xp is jnp else lambda x: np.logaddexp(0.0, x)
+  return parts[..., 0, :], softplus(parts[..., 1, :]) + VARIANCE_FLOOR
+
+
+def gaussian_nll(mean, variance, y):
+  """Per-target NLL of y under N(mean, variance): (log(2 pi variance) + (y - mean)^2 / variance) / 2."""
+  return 0.5 * (_LOG_2PI + jnp.log(variance) + (y - mean) ** 2 / variance)
+
+
+@flax.struct.dataclass
+class TrainMetrics(clu_metrics.Collection):
+  """The members' training loss, in standardised units, averaged over the members and the steps."""
+  loss: clu_metrics.Average.from_output('loss')
+
+
+@flax.struct.dataclass
+class EvalMetrics(clu_metrics.Collection):
+  """Test NLL of the mixture and of each member (nats per input, original units) and their squared errors."""
+  loss: clu_metrics.Average.from_output('ensemble_loss')
+  squared_error: clu_metrics.Average.from_output('ensemble_squared_error')
+  member_loss: metrics.PerMember.from_output('member_loss')
+  member_squared_error: metrics.PerMember.from_output('member_squared_error')
+
+
+@dataclasses.dataclass(frozen=True)
+class Regression:
+  """A mean and a variance per target, trained by `loss`:
+
+    nll       the Gaussian NLL, sum_d (log s_d^2 + (y_d - mu_d)^2 / s_d^2) / 2 (+ const)
+    beta_nll  the NLL of each target weighted by stop_gradient(s_d^2)^beta (Seitzer et al. 2022): beta = 0 is
+              the NLL, beta = 1 gives the mean the gradient of the squared error; 0.5 is the paper's choice
+    mse       sum_d (y_d - mu_d)^2 / 2 for the mean; the variance head is not trained and a member's variance
+              stays at its initial value, so the ensemble's spread is mostly its members' disagreement
+  """
+  loss_name: str = 'nll'
+  beta: float = 0.5
+  target_mean: tuple[float, ...] = (0.0,)
+  target_std: tuple[float, ...] = (1.0,)
+  name: str = 'regression'
+  train_metrics = TrainMetrics
+  eval_metrics = EvalMetrics
+
+  @property
+  def targets(self) -> int:
+    return len(self.target_std)
+
+  def standardise(self, y: np.ndarray) -> np.ndarray:
+    return ((y - np.asarray(self.target_mean)) / np.asarray(self.target_std)).astype(np.float32)
+
+  def member_output(self, outputs: jnp.ndarray) -> jnp.ndarray:
+    """What prediction takes from a member: its raw outputs (`components` reads them on the host)."""
+    return outputs
+
+  def loss(self, outputs: jnp.ndarray, labels: jnp.ndarray) -> tuple[jnp.ndarray, Metrics]:
+    """(the batch's mean loss, the step's metrics); `labels` are standardised targets (N, D)."""
+    mean, variance = split_outputs(outputs, self.targets)
+    mean, variance = mean[0], variance[0]
+    if self.loss_name == 'mse':
+      per_target = 0.5 * (labels - mean) ** 2
+    else:
+      per_target = gaussian_nll(mean, variance, labels)
+      if self.loss_name == 'beta_nll':
+        per_target = per_target * jax.lax.stop_gradient(variance) ** self.beta
+    loss = per_target.sum(-1).mean()
+    return loss, {'loss': loss}
+
+  def eval_outputs(self, outputs: jnp.ndarray, labels: jnp.ndarray, *, axis_name: AxisName) -> Metrics:
+    """Per input: the member's and the mixture's NLL (exact mixture density) and squared error, original units.
+
+    A member with several components (snapshots) is their mixture; the
+    ensemble's log-density is log mean_k p_k(y), computed in log space over the
+    members (`classification.log_mean_exp`).
+    """
+    from ensemble.tasks import classification  # pylint: disable=g-import-not-at-top
+    std = jnp.asarray(self.target_std)
+    means, variances = split_outputs(outputs, self.targets)  # (M, N, D)
+    component = -gaussian_nll(means, variances, labels).sum(-1)  # (M, N)
+    member_log_density = jax.nn.logsumexp(component, axis=0) - jnp.log(component.shape[0])
+    log_jacobian = jnp.log(std).sum()  # densities in original units: p(y) = p(z) / prod std
+    member_mean = means.mean(0)
+    ensemble_mean = jax.lax.pmean(member_mean, axis_name)
+    squared_error = lambda mean: (((mean - labels) * std) ** 2).mean(-1)
+    return {
+        'member_loss': -member_log_density + log_jacobian,
+        'member_squared_error': squared_error(member_mean),
+        'ensemble_loss': -classification.log_mean_exp(member_log_density, axis_name) + log_jacobian,
+        'ensemble_squared_error': squared_error(ensemble_mean),
+    }
+
+  def combine_snapshots(self, outputs: jnp.ndarray, count: jnp.ndarray, current: jnp.ndarray) -> jnp.ndarray:
+    """The C snapshots' outputs (C, N, 2D) side by side, (N, C 2D): each a mixture component.
+
+    Slots not yet filled (before the last cycle ends) hold the current
+    parameters' outputs, so an epoch's test score during training is that of
+    the kept snapshots and the current network; after training all C are kept.
+    """
+    cycles = outputs.shape[0]
+    kept = (jnp.arange(cycles) < count)[:, None, None]
+    outputs = jnp.where(kept, outputs, current[None])
+    return jnp.moveaxis(outputs, 0, 1).reshape(outputs.shape[1], -1)
+
+  def summary(self, train, test) -> dict[str, float]:
+    summary = {'train_loss': train['loss'], 'test_loss': test['loss'],
+               'test_rmse': np.sqrt(test['squared_error'])}
+    for i, (loss, squared_error) in enumerate(zip(test['member_loss'], test['member_squared_error'])):
+      summary[f'member_test_loss/{i}'] = loss
+      summary[f'member_test_rmse/{i}'] = np.sqrt(squared_error)
+    return summary
+
+  def components(self, member_outputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(K, N, M 2D) member outputs -> the K M mixture components' (means, variances), each (K M, N, D) float64,
+    in the original units."""
+    outputs = np.asarray(member_outputs, np.float64)
+    means, variances = split_outputs(outputs, self.targets, xp=np)  # (K, M, N, D)
+    means = means.reshape(-1, *means.shape[2:])
+    variances = variances.reshape(-1, *variances.shape[2:])
+    mean, std = np.asarray(self.target_mean), np.asarray(self.target_std)
+    return means * std + mean, variances * std ** 2
+
+
+# The uniform mixture of Gaussians, on the host in float64. `means` and `variances` are (M, N, D): M components,
+# N inputs, D targets; each target's marginal is a one-dimensional mixture.
+
+def mixture_moments(means: np.ndarray, variances: np.ndarray) -> dict[str, np.ndarray]:
+  """'mean', 'variance' = 'aleatoric' + 'epistemic' and 'std', each (N, D): the law of total variance.
+
+  numpy or jax arrays alike (`ensemble.export` traces it).
+  """
+  mean = means.mean(0)
+  aleatoric = variances.mean(0)
+  epistemic = ((means - mean) ** 2).mean(0)
+  variance = aleatoric + epistemic
+  return {'mean': mean, 'variance': variance, 'std': variance ** 0.5, 'aleatoric': aleatoric,
+          'epistemic': epistemic}
+
+
+def mixture_log_density(means: np.ndarray, variances: np.ndarray, y: np.ndarray) -> np.ndarray:
+  """(N,) log p(y) of the D-dimensional mixture of diagonal Gaussians: log mean_m prod_d N(y_d; mu_md, s_md^2)."""
+  component = -0.5 * (_LOG_2PI + np.log(variances) + (y - means) ** 2 / variances).sum(-1)
+  return scipy.special.logsumexp(component, axis=0) - np.log(len(means))
+
+
+def mixture_cdf(means: np.ndarray, variances: np.ndarray, x: np.ndarray) -> np.ndarray:
+  """(N, D) P(Y_d <= x_d) of each target's mixture marginal."""
+  return scipy.stats.norm.cdf((x - means) / np.sqrt(variances)).mean(0)
+
+
+def mixture_quantile(means: np.ndarray, variances: np.ndarray, q: float, iterations: int = 100) -> np.ndarray:
+  """(N, D) the q-quantile of each target's mixture marginal: the root of cdf(x) = q, by bisection.
+
+  The mixture's CDF is continuous and increasing, and its q-quantile lies
+  between the smallest and the largest of the components' q-quantiles (at the
+  one, every component's CDF is at most q; at the other, at least q), so
+  bisection on that bracket converges; 100 halvings reach float64's resolution.
+  """
+  component = means + np.sqrt(variances) * scipy.stats.norm.ppf(q)
+  low, high = component.min(0), component.max(0)
+  for _ in range(iterations):
+    middle = 0.5 * (low + high)
+    below = mixture_cdf(means, variances, middle) < q
+    low, high = np.where(below, middle, low), np.where(below, high, middle)
+  return 0.5 * (low + high)
+
+
+def mixture_interval(means: np.ndarray, variances: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
+  """The central interval holding `level` of each target's mixture: its (1-level)/2 and (1+level)/2 quantiles."""
+  return (mixture_quantile(means, variances, (1 - level) / 2),
+          mixture_quantile(means, variances, (1 + level) / 2))
+
+
+def _crps_term(mu: np.ndarray, variance: np.ndarray) -> np.ndarray:
+  """E|X| for X ~ N(mu, variance): 2 s phi(mu/s) + mu (2 Phi(mu/s) - 1), s = sqrt(variance)."""
+  s = np.sqrt(variance)
+  z = mu / s
+  return 2 * s * scipy.stats.norm.pdf(z) + mu * (2 * scipy.stats.norm.cdf(z) - 1)
+
+
+def mixture_crps(means: np.ndarray, variances: np.ndarray, y: np.ndarray) -> np.ndarray:
+  """(N, D) CRPS of each target's mixture marginal at y, in closed form (Grimit et al. 2006):
+
+    CRPS = E|X - y| - E|X - X'| / 2
+         = 1/M sum_m A(y - mu_m, s_m^2) - 1/(2 M^2) sum_m,n A(mu_m - mu_n, s_m^2 + s_n^2),  A(mu, v) = E|N(mu, v)|.
+
+  Lower is better; for a point forecast it is the absolute error.
+  """
+  first = _crps_term(y - means, variances).mean(0)
+  pairs = _crps_term(means[:, None] - means[None], variances[:, None] + variances[None])
+  return first - 0.5 * pairs.mean((0, 1))
+
+
+def score(means: np.ndarray, variances: np.ndarray, y: np.ndarray, levels: Sequence[float] = LEVELS) -> dict:
+  """RMSE, NLL (nats per input, exact mixture density), CRPS (mean over targets) and the coverage of the central
+  intervals at `levels`, of the mixture of the (M, N, D) components at targets y (N, D)."""
+  mean = means.mean(0)
+  result = {'rmse': float(np.sqrt(((mean - y) ** 2).mean())),
+            'nll': float(-mixture_log_density(means, variances, y).mean()),
+            'crps': float(mixture_crps(means, variances, y).mean())}
+  for level in levels:
+    low, high = mixture_interval(means, variances, level)
+    result[f'coverage_{round(level * 100)}'] = float(((low <= y) & (y <= high)).mean())
+  return result
+
+
+def scale_variances(means: np.ndarray, variances: np.ndarray, y: np.ndarray) -> float:
+  """The factor s that minimises the mixture's NLL of y when every component's variance becomes s * variance:
+  regression's temperature, fitted on a held-out slice. A one-dimensional, smooth problem in log s, bounded to
+  [e^-8, e^8]."""
+  import scipy.optimize  # pylint: disable=g-import-not-at-top
+  nll = lambda log_s: -mixture_log_density(means, variances * np.exp(log_s), y).mean()
+  return float(np.exp(scipy.optimize.minimize_scalar(nll, bounds=(-8.0, 8.0), method='bounded').x))
+
+
+def conformal_quantile(mean: np.ndarray, std: np.ndarray, y: np.ndarray, alpha: float) -> np.ndarray:
+  """(D,) q of split-conformal intervals mean +/- q std normalised by the predicted std (Lei et al. 2018),
+  calibrated on n held-out examples: q is the ceil((n + 1)(1 - alpha))-th smallest of the scores |y - mean| / std.
+
+  For a test point exchangeable with them, P(y in mean +/- q std) >= 1 - alpha, whatever the model (and at most
+  1 - alpha + 1/(n + 1) without ties). Infinite when n < 1/alpha - 1: too few examples to promise it.
+  """
+  scores = np.sort(np.abs(y - mean) / std, axis=0)
+  n = len(scores)
+  rank = int(np.ceil((n + 1) * (1 - alpha)))
+  return np.full(scores.shape[1:], np.inf) if rank > n else scores[rank - 1]
+
+
+def selective_rmse(mean: np.ndarray, std: np.ndarray, y: np.ndarray, coverages: Sequence[float]) -> list[dict]:
+  """RMSE of the `coverage` share of inputs with the smallest predicted std (mean over targets), per coverage:
+  how much the error drops when the least certain predictions are left to a person."""
+  order = np.argsort(std.mean(-1), kind='stable')
+  rows = []
+  for coverage in coverages:
+    kept = order[:max(1, int(round(coverage * len(order))))]
+    rows.append({'coverage': float(coverage), 'rmse': float(np.sqrt(((mean[kept] - y[kept]) ** 2).mean()))})
+  return rows
