@@ -179,6 +179,8 @@ _DATA_CHANGES = {
     'method': lambda _: 'hyper',
     'inputs': lambda _: 'features',
     'standardize_features': lambda _: True,
+    'task': lambda _: 'regression',
+    'target': lambda _: 'price',
 }
 
 
