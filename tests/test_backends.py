@@ -220,6 +220,12 @@ def test_fewer_members_than_devices_split_each_members_batch_and_reduce_among_it
   hlo = backend._train.lower(backend.init(0), *batch).compile().as_text()  # pylint: disable=protected-access
   assert 'all-gather(' not in hlo
   assert 'replica_groups=[2,4]<=[8]' in hlo  # the gradient sum: among each member's 4 devices only
+  # The fast path splits the batches it gathers from the resident set likewise: 4 of a member's 16 per device.
+  indices = np.zeros((2, 3, 16), np.int32)
+  indices = jax.make_array_from_process_local_data(backend._indices, indices, indices.shape)  # pylint: disable=protected-access
+  dataset = backend.put_dataset({'image': images[0, 0], 'label': labels[0, 0]})
+  hlo = backend._train_steps.lower(backend.init(0), *dataset, indices).compile().as_text()  # pylint: disable=protected-access
+  assert re.search(r'= f32\[4,28,28,32\]\S* convolution', hlo) and 'all-gather(' not in hlo
 
 
 @pytest.mark.parametrize('backend, k, message', [

@@ -43,8 +43,9 @@ class JitBackend:
     # devices only, so the member trains as it would on a device of its own.
     spread = devices_per_member(ensemble_size, len(self.devices)) > 1
     rows = (lambda spec: P(*spec, DATA_AXIS)) if spread else (lambda spec: spec)
+    index_rows = (lambda spec: P(*spec, None, DATA_AXIS)) if spread else (lambda spec: spec)  # (S, batch) per member
     self._replicated = NamedSharding(mesh, whole)
-    self._members = NamedSharding(mesh, members)
+    self._indices = NamedSharding(mesh, index_rows(members))
     self._shared_data = member_data == 'shared'
     # One process feeds whole shared batches; several each feed their devices' slices
     # (distributed.process_rows), which every device then gathers.
@@ -55,19 +56,20 @@ class JitBackend:
     data_axis, data_spec, index_spec = (None, batch_spec, whole) if self._shared_data else (0, members, members)
     self._data = NamedSharding(mesh, rows(data_spec))
 
-    def compile_mapped(member_fn, in_specs, out_specs, donate=(), batches=0, state_in=True, state_out=True):
+    def compile_mapped(member_fn, in_specs, out_specs, donate=(), batches=0, state_in=True, state_out=True,
+                       split=rows):
       """jit(shard_map(member_fn)) with the shardings of its specs stated and `donate` donated.
 
       The first input and output are the members' state (unless `state_in`, `state_out` say otherwise), laid
-      out by `self._state`; the last `batches` inputs are batches, whose rows go over 'data' when members are
-      spread. shard_map maps 'ensemble' only, and leaves 'data' to XLA.
+      out by `self._state`; the last `batches` inputs are batches (or their indices), whose rows `split` puts
+      over 'data' when members are spread. shard_map maps 'ensemble' only, and leaves 'data' to XLA.
       """
       # check_vma=False: JAX's varying-axes check cannot yet follow a pmean that spans a
       # mesh axis and a vmapped axis together, which is what the ensemble mean is.
       mapped = jax.shard_map(member_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False,
                              axis_names={ENSEMBLE_AXIS})
       named = lambda spec: NamedSharding(mesh, spec)
-      inputs = [named(rows(spec) if i >= len(in_specs) - batches else spec) for i, spec in enumerate(in_specs)]
+      inputs = [named(split(spec) if i >= len(in_specs) - batches else spec) for i, spec in enumerate(in_specs)]
       outputs = list(out_specs) if isinstance(out_specs, tuple) else [out_specs]
       outputs = [jax.tree.map(named, spec) for spec in outputs]
       if state_in:
@@ -83,7 +85,8 @@ class JitBackend:
     self._train = compile_mapped(
         gather(train) if self._shared_data else train, (members, data_spec, data_spec), (members, members),
         donate=0, batches=2)
-    self._train_steps = compile_mapped(many, (members, whole, whole, index_spec), (members, members), donate=0)
+    self._train_steps = compile_mapped(many, (members, whole, whole, index_spec), (members, members), donate=0,
+                                       batches=1, split=index_rows)
     self._eval = compile_mapped(
         gather(evaluate_members(member, self.devices)),
         (members, batch_spec, batch_spec), members, batches=2, state_out=False)
@@ -107,7 +110,7 @@ class JitBackend:
     if not self._shared_data:
       members = np.moveaxis(indices, 1, 0)
       own = members[distributed.process_rows(self.devices, self.ensemble_size)]
-      indices = jax.make_array_from_process_local_data(self._members, own, members.shape)
+      indices = jax.make_array_from_process_local_data(self._indices, own, members.shape)
     return self._train_steps(state, *dataset, indices)
 
   def eval_step(self, state, images: np.ndarray, labels: np.ndarray) -> steps.Metrics:
