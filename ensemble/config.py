@@ -54,6 +54,26 @@ def _check_single_model(config: ml_collections.ConfigDict):
   config.ensemble_size = 1
 
 
+def _check_placement(backend: str, k: int, num_devices: int):
+  """K members go on D devices when K is a multiple of D (K/D a device) or, on jit, a divisor (D/K devices each)."""
+  _require(k > 0, f'ensemble_size={k} must be positive (0: one member per device)')
+  if k % num_devices == 0:
+    return
+  _require(backend == 'jit' or k > num_devices,
+           f'ensemble_size={k} is fewer members than the {num_devices} devices, which backend {backend!r} cannot '
+           'spread a member over: set --config.backend=jit, or --config.num_devices to a divisor of '
+           f'{k}')
+  _require(jax.process_count() == 1,
+           f'ensemble_size={k} is fewer members than the {num_devices} devices, which runs in one process only '
+           f'for now: use a multiple of {num_devices}')
+  divisors = [str(d) for d in range(1, num_devices) if num_devices % d == 0]
+  _require(backend == 'jit' and num_devices % k == 0,
+           f'ensemble_size={k} cannot be placed on {num_devices} devices: use a multiple of {num_devices} '
+           f'({num_devices}, {2 * num_devices}, {3 * num_devices}, ...)'
+           + (f" or a divisor ({', '.join(divisors)})" if backend == 'jit' and jax.process_count() == 1 else '')
+           + f', or set --config.num_devices to a divisor of {k}')
+
+
 def resolve(config: ml_collections.ConfigDict, available: Sequence[jax.Device],
             model: Any = None) -> tuple[ml_collections.ConfigDict, list[jax.Device]]:
   """Returns a validated copy of `config` with `ensemble_size` filled in, and the devices to use.
@@ -88,12 +108,22 @@ def resolve(config: ml_collections.ConfigDict, available: Sequence[jax.Device],
   elif config.ensemble_size == 0:
     config.ensemble_size = num_devices
   k = config.ensemble_size
-  _require(single_model or (k > 0 and k % num_devices == 0),
-           f'ensemble_size={k} cannot be placed on {num_devices} devices: use a multiple of '
-           f'{num_devices} ({num_devices}, {2 * num_devices}, {4 * num_devices}, ...), or set '
-           f'--config.num_devices to a divisor of {k}')
+  if not single_model:
+    _check_placement(config.backend, k, num_devices)
+  layout = config.get('member_sharding', 'replicated')
+  _require(layout in backends.MEMBER_SHARDINGS, f'unknown member_sharding {layout!r}: set '
+           f'--config.member_sharding to one of {list(backends.MEMBER_SHARDINGS)}')
+  _require(layout == 'replicated' or (config.backend == 'jit' and k < num_devices),
+           f'member_sharding={layout} splits a member over the devices it has when there are fewer members than '
+           f'devices, on backend jit; here each member has one: set --config.backend=jit and --config.ensemble_size '
+           f'to a divisor of {num_devices} below it, or leave --config.member_sharding at replicated')
   for name in ('num_epochs', 'batch_size', 'eval_batch_size', 'checkpoints_to_keep'):
     _require(config[name] > 0, f'{name}={config[name]} must be positive')
+  per_member = 1 if single_model else backends.devices_per_member(k, num_devices)
+  for name in ('batch_size', 'eval_batch_size'):
+    _require(config[name] % per_member == 0,
+             f"{name}={config[name]} cannot be split over each member's {per_member} devices: set "
+             f'--config.{name} to a multiple of {per_member}')
   _require(config.steps_per_dispatch >= 0,
            f'steps_per_dispatch={config.steps_per_dispatch} must be 0 (plain path) or positive (fast path)')
   optim.check(config)

@@ -23,8 +23,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.resnet_width = 1
   # 'pmap' (the classic recipe) or 'jit' (NamedSharding over an 'ensemble' mesh axis).
   config.backend = 'pmap'
-  # Members; 0 means one per device. K members need a device count that divides K.
+  # Members; 0 means one per device. K must be a multiple of the device count D, or with backend jit a divisor of
+  # it: then each member trains data-parallel on D/K devices of its own (docs/backends-and-devices.md).
   config.ensemble_size = 0
+  # With fewer members than devices (backend jit): 'replicated', each of a member's devices holds its whole state,
+  # or 'fsdp', each holds 1/(D/K) of every large parameter and its optimizer state, gathered for each step.
+  config.member_sharding = 'replicated'
   # Devices to use; 0 means all of them.
   config.num_devices = 0
   # The ensembling method (ensemble/methods/): 'independent' (a deep ensemble), 'bagging' (each member its own

@@ -198,6 +198,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
   logging.info('Training %d members on %d devices with the %s backend, %d steps per epoch; data: %s, '
                '%d classes, images %s.', config.ensemble_size, len(devices), config.backend, steps_per_epoch,
                dataset.source, dataset.num_classes, 'x'.join(map(str, dataset.image_shape)))
+  if config.ensemble_size < len(devices):
+    member_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(backend.abstract_state()))
+    logging.info('Each member data-parallel on %d devices, member_sharding=%s: %.2f MB of its state per device '
+                 '(replicated: %.2f MB).', len(devices) // config.ensemble_size,
+                 config.get('member_sharding', 'replicated'),
+                 backends.bytes_per_device(state) / 1e6, member_bytes / config.ensemble_size / 1e6)
 
   # The fast path keeps the training set on the devices and runs several steps per dispatch.
   resident = backend.put_dataset(train_split) if config.steps_per_dispatch else None

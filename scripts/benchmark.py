@@ -7,9 +7,11 @@ Measures, in one process on one machine: member-images/s of training (K members 
 steps / seconds, steady state after compilation, median of --repeats timings) for the
 reference recipe (scripts/reference_recipe.py, one member per device) and for the trainer's
 paths: pmap and jit, each plain (a host batch per step) and fast (resident data, several steps
-per dispatch). Also the ratio of each to the reference, achieved FLOP/s as a fraction of a
-matmul peak measured in the same run (the step's FLOPs from XLA's cost analysis of the compiled
-program), evaluation throughput and compile time.
+per dispatch). An ensemble size that divides the device count runs on jit only, twice: on K
+devices (one each) and spread over all of them (each member data-parallel over D/K). Also the
+ratio of each to the reference, achieved FLOP/s as a fraction of a matmul peak measured in the
+same run (the step's FLOPs from XLA's cost analysis of the compiled program), evaluation
+throughput and compile time.
 
 `--model=resnet` times ResNet-20 members with crop-and-flip augmentation (configs/cifar10.py's
 member) on random uint8 arrays of CIFAR-10's shape: no download, and speed does not depend on
@@ -107,7 +109,8 @@ def bench_reference(split, devices, batch: int, steps: int, repeats: int) -> dic
     nonlocal state
     state, _, _ = reference_recipe.train_epoch(state, split, batch, jax.random.key(1), max_steps=n)
   first, seconds = _time(run, steps, repeats)
-  return {'path': 'reference', 'K': len(devices), 'batch': batch, 'compile_s': first - seconds / steps,
+  return {'path': 'reference', 'K': len(devices), 'D': len(devices), 'batch': batch,
+          'compile_s': first - seconds / steps,
           'member_images_per_s': len(devices) * batch * steps / seconds}
 
 
@@ -130,7 +133,7 @@ def bench_backend(name, fast, member, split, test, devices, k, batch, steps, rep
       position += chunk
   dispatches = max(1, steps // chunk)
   first, seconds = _time(run, dispatches, repeats)
-  result = {'path': f'{name}-fast' if fast else name, 'K': k, 'batch': batch,
+  result = {'path': f'{name}-fast' if fast else name, 'K': k, 'D': len(devices), 'batch': batch,
             'compile_s': first - seconds / dispatches,
             'member_images_per_s': k * batch * dispatches * chunk / seconds}
   if not fast and batch == 128:
@@ -188,23 +191,29 @@ def main():
       results[-1]['path'] = 'reference, freed memory kept'
       print(results[-1], flush=True)
   for k in [int(k) for k in ensemble_sizes.split(',')]:
-    if k % len(devices):
+    if k % len(devices) and len(devices) % k:
       continue
+    # Fewer members than devices (jit only): on K devices, a device each, then spread over all of them.
+    placements = [devices] if k >= len(devices) else [devices[:k], devices]
     for batch in batch_sizes:
       for path in args.paths.split(','):
-        results.append(bench_backend(path.removesuffix('-fast'), path.endswith('-fast'), member, split, test,
-                                     devices, k, batch, args.steps, args.repeats, args.steps_per_dispatch))
-        print(results[-1], flush=True)
+        if k < len(devices) and not path.startswith('jit'):
+          continue  # pmap places K = m x D members only
+        for placed in placements:
+          results.append(bench_backend(path.removesuffix('-fast'), path.endswith('-fast'), member, split, test,
+                                       placed, k, batch, args.steps, args.repeats, args.steps_per_dispatch))
+          print(results[-1], flush=True)
 
   reference = {r['batch']: r['member_images_per_s'] for r in results if r['path'] == 'reference'}
-  print('\n| path | K | batch | member-images/s | vs reference | % of matmul peak | eval images/s | compile s |')
-  print('| --- | --- | --- | --- | --- | --- | --- | --- |')
+  print('\n| path | K | devices | batch | member-images/s | vs reference | % of matmul peak | eval images/s | '
+        'compile s |')
+  print('| --- | --- | --- | --- | --- | --- | --- | --- | --- |')
   for r in results:
     r['vs_reference'] = r['member_images_per_s'] / reference[r['batch']] if reference else None
     ratio = f"{r['vs_reference']:.2f}x" if reference else ''
     r['peak_fraction'] = r['member_images_per_s'] * flops_per_image / peak
     eval_rate = f"{r['eval_images_per_s']:.0f}" if 'eval_images_per_s' in r else ''
-    print(f"| {r['path']} | {r['K']} | {r['batch']} | {r['member_images_per_s']:.0f} | "
+    print(f"| {r['path']} | {r['K']} | {r['D']} | {r['batch']} | {r['member_images_per_s']:.0f} | "
           f"{ratio} | {100 * r['peak_fraction']:.1f}% | {eval_rate} | {r['compile_s']:.1f} |")
   with open(args.json, 'w', encoding='utf-8') as f:
     json.dump({'platform': platform, 'jax': jax.__version__, 'model': args.model, 'data': dataset.source,

@@ -1,13 +1,16 @@
 """The backends: placement only, so both must compute the same ensemble."""
 
 import functools
+import re
 
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from conftest import make_member, synthetic_mnist
-from ensemble import backends, models, steps
+from conftest import make_member, small_config, synthetic_mnist
+from ensemble import backends, config as config_lib, models, steps
+from ensemble.errors import UsageError
 
 
 def _backend(name, ensemble_size=8, num_devices=8, member_data='shared', **overrides):
@@ -173,3 +176,80 @@ def test_augmented_resnet_members_do_not_depend_on_backend_or_device_count(name,
   # The members really differ in their running averages: each saw its own views with its own weights.
   mean = ref_stats['BatchNorm_0']['mean']
   assert all(not np.allclose(mean[0], mean[i]) for i in range(1, 8))
+
+
+def _train_fast(backend, ensemble_size, num_steps, member_data='shared'):
+  """`_train` on the fast path: the batches resident, every step in one dispatch."""
+  images, labels = _batches(num_steps, ensemble_size=ensemble_size, member_data=member_data)
+  split = {'image': images.reshape(-1, 28, 28, 1), 'label': labels.reshape(-1)}
+  indices = np.arange(len(split['label'])).reshape(labels.shape)
+  state, metrics = backend.train_steps(backend.init(0), backend.put_dataset(split), indices)
+  return backend.to_canonical(state), backend.to_host(metrics)['loss'].T
+
+
+SPREAD_MODELS = {'cnn': {}, 'resnet': RESNET, 'batchensemble': dict(method='batchensemble')}
+
+
+@functools.cache
+def _two_members_on_two_devices(model, member_data):
+  state, losses = _train(_backend('jit', 2, 2, member_data, **SPREAD_MODELS[model]), 2, 2, member_data)
+  return jax.tree.map(np.asarray, (state.params, state.batch_stats)), losses
+
+
+@pytest.mark.parametrize('model, member_data, fast', [
+    ('cnn', 'shared', False), ('cnn', 'shuffled', True), ('resnet', 'shuffled', False), ('resnet', 'shared', True),
+    ('batchensemble', 'shared', False)])
+def test_fewer_members_than_devices_train_as_on_devices_of_their_own(model, member_data, fast):
+  """K=2 on 8 devices: each member data-parallel over 4, its gradients and BatchNorm statistics over its whole batch."""
+  backend = _backend('jit', 2, 8, member_data, **SPREAD_MODELS[model])
+  state, losses = (_train_fast if fast else _train)(backend, 2, 2, member_data)
+  kernel = jax.tree.leaves(state.params)[0]
+  assert kernel.sharding.mesh.shape == {'ensemble': 2, 'data': 4}
+  assert kernel.sharding.is_equivalent_to(backends.member_sharding(jax.devices(), 2), kernel.ndim)
+  (ref_params, ref_stats), ref_losses = _two_members_on_two_devices(model, member_data)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  for ours, reference in ((state.params, ref_params), (state.batch_stats, ref_stats)):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5), ours, reference)
+
+
+def test_fewer_members_than_devices_split_each_members_batch_and_reduce_among_its_devices():
+  backend = _backend('jit', 2, 8, 'shuffled')
+  images, labels = _batches(1, ensemble_size=2, member_data='shuffled')
+  batch = jax.make_array_from_process_local_data(backend._data, (images[0], labels[0]))  # pylint: disable=protected-access
+  assert batch[0].addressable_shards[0].data.shape == (1, 4, 28, 28, 1)  # 16 rows of a member over its 4 devices
+  hlo = backend._train.lower(backend.init(0), *batch).compile().as_text()  # pylint: disable=protected-access
+  assert 'all-gather(' not in hlo
+  assert 'replica_groups=[2,4]<=[8]' in hlo  # the gradient sum: among each member's 4 devices only
+  # The fast path splits the batches it gathers from the resident set likewise: 4 of a member's 16 per device.
+  indices = np.zeros((2, 3, 16), np.int32)
+  indices = jax.make_array_from_process_local_data(backend._indices, indices, indices.shape)  # pylint: disable=protected-access
+  dataset = backend.put_dataset({'image': images[0, 0], 'label': labels[0, 0]})
+  hlo = backend._train_steps.lower(backend.init(0), *dataset, indices).compile().as_text()  # pylint: disable=protected-access
+  assert re.search(r'= f32\[4,28,28,32\]\S* convolution', hlo) and 'all-gather(' not in hlo
+
+
+@pytest.mark.parametrize('backend, k, message', [
+    ('jit', 3, 'ensemble_size=3 cannot be placed on 8 devices: use a multiple of 8 (8, 16, 24, ...) or a divisor '
+     '(1, 2, 4), or set --config.num_devices to a divisor of 3'),
+    ('pmap', 2, "ensemble_size=2 is fewer members than the 8 devices, which backend 'pmap' cannot spread a member "
+     'over: set --config.backend=jit'),
+    ('pmap', 12, 'ensemble_size=12 cannot be placed on 8 devices: use a multiple of 8 (8, 16, 24, ...), or set'),
+])
+def test_sizes_that_do_not_fit_the_devices_are_refused_in_one_line(backend, k, message):
+  with pytest.raises(UsageError, match=re.escape(message)):
+    config_lib.resolve(small_config('', backend=backend, ensemble_size=k), jax.devices())
+
+
+def test_fsdp_members_hold_a_quarter_of_their_state_per_device_and_train_the_same():
+  """K=2 on 8 devices with member_sharding=fsdp: the large leaves split over a member's 4 devices."""
+  spread = lambda layout: backends.create('jit', member=make_member(), devices=jax.devices(), ensemble_size=2,
+                                          member_data='shuffled', config=small_config('', member_sharding=layout))
+  state, losses = _train(spread('fsdp'), 2, 2, 'shuffled')
+  assert state.params['Dense_0']['kernel'].sharding.spec == P('ensemble', 'data', None)
+  (ref_params, _), ref_losses = _two_members_on_two_devices('cnn', 'shuffled')
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5), state.params,
+               ref_params)
+  replicated = backends.bytes_per_device(spread('replicated').init(0))
+  # Biases and the small kernels stay whole (FSDP_MIN_WEIGHT_SIZE); they are 1% of the CNN's bytes.
+  assert replicated / 4 <= backends.bytes_per_device(state) < replicated / 4 * 1.02

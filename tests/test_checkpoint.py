@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from flax import serialization
 
-from conftest import checkpoint_state, make_member, small_config, timeless, write_mnist
-from ensemble import backends, checkpoint, config as config_lib, evaluation, steps, trainer, writers
+from conftest import checkpoint_state, make_member, small_config, synthetic_mnist, timeless, write_mnist
+from ensemble import api, backends, checkpoint, config as config_lib, evaluation, steps, trainer, writers
 from ensemble.errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -295,3 +295,31 @@ def test_a_checkpoint_from_before_a_new_empty_field_restores(tmp_path):
   ckpt.close()
   assert epoch == 1 and restored.snapshots == {}
   _assert_same(jax.tree.map(np.asarray, serialization.to_state_dict(restored)), serialization.to_state_dict(state))
+
+
+def _restored(workdir: str, devices, ensemble_size: int = 2) -> dict:
+  """The epoch-1 checkpoint of `workdir` restored onto `devices` in their canonical layout, as numpy."""
+  config = small_config('', ensemble_size=ensemble_size)
+  ckpt = checkpoint.Checkpointer(workdir)
+  member = config_lib.member(config, ckpt.meta(1)['data'])
+  abstract = backends.abstract_member_state(member, ensemble_size, devices)
+  state = ckpt.restore(1, abstract, {'model': config.model, 'ensemble_size': ensemble_size})
+  ckpt.close()
+  leaf = jax.tree.leaves(state.params)[0]
+  assert leaf.sharding.is_equivalent_to(backends.member_sharding(devices, ensemble_size), leaf.ndim)
+  return jax.tree.map(np.asarray, serialization.to_state_dict(state))
+
+
+def test_checkpoints_move_between_fewer_members_than_devices_and_a_device_each(trained, tmp_path):
+  """K=2 members spread over 8 devices (jit) and K=2 on 2 devices (pmap) write the same canonical checkpoints."""
+  spread, own = str(tmp_path / 'spread'), str(tmp_path / 'own')
+  trainer.train_and_evaluate(small_config(trained[0], backend='jit', ensemble_size=2), spread)
+  trainer.train_and_evaluate(small_config(trained[0], backend='pmap', ensemble_size=2, num_devices=2), own)
+  two, eight = jax.devices()[:2], jax.devices()
+  on_two, on_eight = _restored(spread, two), _restored(own, eight)
+  jax.tree.map(np.testing.assert_array_equal, on_two, _restored(spread, eight))
+  # Eight steps of sums in another order (a member's batch over 4 devices) drift by float rounding only.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4), on_two, on_eight)
+  images = synthetic_mnist(8, 8)[1][0]
+  predictions = [api.load(workdir).predict(images)['probs'] for workdir in (spread, own)]
+  np.testing.assert_allclose(*predictions, rtol=1e-4, atol=1e-6)

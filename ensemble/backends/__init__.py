@@ -14,31 +14,81 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ensemble import distributed, steps
+from ensemble import distributed, parallel, steps
+from ensemble.parallel import fsdp
 from ensemble.errors import UsageError
 
 ENSEMBLE_AXIS = 'ensemble'
+DATA_AXIS = parallel.DATA_AXIS  # a member's own devices, when there are fewer members than devices (backend jit)
 MEMBER_AXIS = 'member'  # the members that one device holds
+# How a member's state lies on its devices when it has several (backend jit, fewer members than devices):
+# 'replicated' (a copy on each) or 'fsdp' (each leaf split over them, as parallel/fsdp.py splits one model).
+MEMBER_SHARDINGS = ('replicated', 'fsdp')
+# An fsdp member's leaves with fewer values stay whole, as configs/fsdp.py's min_weight_size keeps them.
+FSDP_MIN_WEIGHT_SIZE = 2**14
 NAMES = ('pmap', 'jit', 'sharded', 'dp', 'fsdp')
 # The mesh backends (backends/sharded.py) train one model, not an ensemble, and
 # each trains the model its placement is written for.
 MESH_MODELS = {'sharded': 'mlp', 'dp': 'classifier', 'fsdp': 'classifier'}
 
 
-def ensemble_mesh(devices: Sequence[jax.Device]) -> Mesh:
-  return Mesh(np.asarray(devices), (ENSEMBLE_AXIS,))
+def devices_per_member(ensemble_size: int | None, num_devices: int) -> int:
+  """How many devices one member spans: 1 unless there are fewer members than devices."""
+  return 1 if not ensemble_size or ensemble_size >= num_devices else num_devices // ensemble_size
 
 
-def member_sharding(devices: Sequence[jax.Device]) -> NamedSharding:
-  """The canonical sharding: members split in contiguous blocks over the devices."""
-  return NamedSharding(ensemble_mesh(devices), P(ENSEMBLE_AXIS))
+def ensemble_mesh(devices: Sequence[jax.Device], ensemble_size: int | None = None) -> Mesh:
+  """The 1-D 'ensemble' mesh; with fewer members than devices, ('ensemble', 'data'): a row of devices per member.
+
+  A member's devices are adjacent, so on a multi-device host (and across
+  processes) a member's gradient reductions stay on its closest devices.
+  """
+  per_member = devices_per_member(ensemble_size, len(devices))
+  if per_member == 1:
+    return Mesh(np.asarray(devices), (ENSEMBLE_AXIS,))
+  return Mesh(np.asarray(devices).reshape(-1, per_member), (ENSEMBLE_AXIS, DATA_AXIS))
 
 
-def abstract_member_state(member: steps.Member, ensemble_size: int, devices: Sequence[jax.Device]):
+def member_sharding(devices: Sequence[jax.Device], ensemble_size: int | None = None) -> NamedSharding:
+  """The canonical sharding: members split in contiguous blocks over the devices (each on its row of them)."""
+  return NamedSharding(ensemble_mesh(devices, ensemble_size), P(ENSEMBLE_AXIS))
+
+
+def abstract_member_state(member: steps.Member, ensemble_size: int, devices: Sequence[jax.Device],
+                          layout: str = 'replicated'):
   """The canonical ensemble state as shapes, dtypes and shardings: a restore target."""
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=member_sharding(devices)),
-      member.abstract_ensemble_state(ensemble_size))
+  abstract = member.abstract_ensemble_state(ensemble_size)
+  return jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                      abstract, state_shardings(abstract, devices, ensemble_size, layout))
+
+
+def state_shardings(abstract_state: Any, devices: Sequence[jax.Device], ensemble_size: int,
+                    layout: str = 'replicated') -> Any:
+  """Each (K, ...) leaf's sharding: members over 'ensemble'; with `layout` fsdp also split over a member's 'data'.
+
+  Either way a leaf stays one global (K, ...) array, so checkpoints do not
+  see the layout, and XLA gathers an fsdp member's weights where its step
+  needs them and reduce-scatters their gradients.
+  """
+  mesh = ensemble_mesh(devices, ensemble_size)
+  per_member = devices_per_member(ensemble_size, len(devices))
+
+  def sharding(x):
+    dim = fsdp.split_dimension(x.shape[1:], per_member, FSDP_MIN_WEIGHT_SIZE) if layout == 'fsdp' else None
+    spec = [None] * (len(x.shape) - 1)
+    if dim is not None:
+      spec[dim] = DATA_AXIS
+    return NamedSharding(mesh, P(ENSEMBLE_AXIS, *spec))
+  return jax.tree.map(sharding, abstract_state)
+
+
+def bytes_per_device(state: Any) -> int:
+  """The state's bytes on its fullest device: what a layout costs each device."""
+  per_device = {}
+  for leaf in jax.tree.leaves(state):
+    for shard in leaf.addressable_shards:
+      per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+  return max(per_device.values())
 
 
 class Backend(Protocol):

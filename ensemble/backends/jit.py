@@ -9,7 +9,8 @@ and computes all K members (seen in the compiled HLO; on 8 CPU
 devices about 20x slower). The backend's layout is the canonical one, so
 conversions are free. Across processes, batches are global arrays built from
 each process's rows, and a shared batch arrives split over all devices and is
-gathered back on each of them.
+gathered back on each of them. With fewer members than devices, each member
+has a row of the mesh's 'data' axis to itself (`backends.ensemble_mesh`).
 """
 
 import functools
@@ -20,52 +21,75 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
-from ensemble.backends import (ENSEMBLE_AXIS, abstract_member_state, ensemble_mesh, evaluate_members,
-                               gathering_batches, train_functions)
+from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, abstract_member_state, devices_per_member, ensemble_mesh,
+                               evaluate_members, gathering_batches, train_functions)
 
 
 class JitBackend:
-  """One jitted program per step over a 1-D 'ensemble' mesh, members mapped with shard_map + map_members."""
+  """One jitted program per step over the 'ensemble' mesh (with a 'data' axis when members span several devices)."""
 
   def __init__(self, *, member: steps.Member, devices: Sequence[jax.Device], ensemble_size: int,
                member_data: str, config=None):
-    del config  # everything it needs is in `member`
     self.devices = list(devices)
     self.ensemble_size = ensemble_size
-    self._abstract = functools.partial(abstract_member_state, member, ensemble_size, devices)
-    mesh = ensemble_mesh(self.devices)
+    layout = config.get('member_sharding', 'replicated') if config is not None else 'replicated'
+    self._abstract = functools.partial(abstract_member_state, member, ensemble_size, devices, layout)
+    self._state = jax.tree.map(lambda x: x.sharding, self._abstract())
+    mesh = ensemble_mesh(self.devices, ensemble_size)
     members, whole = P(ENSEMBLE_AXIS), P()
+    # Fewer members than devices: a member's batch rows are split over its row of the mesh, 'data', which
+    # shard_map leaves to XLA's partitioner. It then computes each member's step data-parallel, as jit does
+    # one model's: gradients and BatchNorm statistics over the member's whole batch, reduced among its
+    # devices only, so the member trains as it would on a device of its own.
+    spread = devices_per_member(ensemble_size, len(self.devices)) > 1
+    rows = (lambda spec: P(*spec, DATA_AXIS)) if spread else (lambda spec: spec)
+    index_rows = (lambda spec: P(*spec, None, DATA_AXIS)) if spread else (lambda spec: spec)  # (S, batch) per member
     self._replicated = NamedSharding(mesh, whole)
-    self._members = NamedSharding(mesh, members)
+    self._indices = NamedSharding(mesh, index_rows(members))
     self._shared_data = member_data == 'shared'
     # One process feeds whole shared batches; several each feed their devices' slices
     # (distributed.process_rows), which every device then gathers.
     split = distributed.spans_processes(self.devices)
     batch_spec, gather = (members, gathering_batches) if split else (whole, lambda fn: fn)
-    self._batches = NamedSharding(mesh, batch_spec)
+    self._batches = NamedSharding(mesh, rows(batch_spec))
     # Per step: a batch (plain path), or its indices into the resident training set (fast path).
     data_axis, data_spec, index_spec = (None, batch_spec, whole) if self._shared_data else (0, members, members)
-    self._data = NamedSharding(mesh, data_spec)
+    self._data = NamedSharding(mesh, rows(data_spec))
 
-    def compile_mapped(member_fn, in_specs, out_specs, donate=()):
-      """jit(shard_map(member_fn)) with the shardings of its specs stated and `donate` donated."""
+    def compile_mapped(member_fn, in_specs, out_specs, donate=(), batches=0, state_in=True, state_out=True,
+                       split=rows):
+      """jit(shard_map(member_fn)) with the shardings of its specs stated and `donate` donated.
+
+      The first input and output are the members' state (unless `state_in`, `state_out` say otherwise), laid
+      out by `self._state`; the last `batches` inputs are batches (or their indices), whose rows `split` puts
+      over 'data' when members are spread. shard_map maps 'ensemble' only, and leaves 'data' to XLA.
+      """
       # check_vma=False: JAX's varying-axes check cannot yet follow a pmean that spans a
       # mesh axis and a vmapped axis together, which is what the ensemble mean is.
-      mapped = jax.shard_map(member_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
-      named = lambda specs: jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
-      return jax.jit(mapped, in_shardings=named(in_specs), out_shardings=named(out_specs),
+      mapped = jax.shard_map(member_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False,
+                             axis_names={ENSEMBLE_AXIS})
+      named = lambda spec: NamedSharding(mesh, spec)
+      inputs = [named(split(spec) if i >= len(in_specs) - batches else spec) for i, spec in enumerate(in_specs)]
+      outputs = list(out_specs) if isinstance(out_specs, tuple) else [out_specs]
+      outputs = [jax.tree.map(named, spec) for spec in outputs]
+      if state_in:
+        inputs[0] = self._state
+      if state_out:
+        outputs[0] = self._state
+      return jax.jit(mapped, in_shardings=tuple(inputs),
+                     out_shardings=tuple(outputs) if isinstance(out_specs, tuple) else outputs[0],
                      donate_argnums=donate)
 
-    self._init = compile_mapped(jax.vmap(member.init), members, members)
+    self._init = compile_mapped(jax.vmap(member.init), (members,), members, state_in=False)
     train, many = train_functions(member, self.devices, data_axis)
     self._train = compile_mapped(
         gather(train) if self._shared_data else train, (members, data_spec, data_spec), (members, members),
-        donate=0)
-    self._train_steps = compile_mapped(many, (members, whole, whole, index_spec), (members, members), donate=0)
+        donate=0, batches=2)
+    self._train_steps = compile_mapped(many, (members, whole, whole, index_spec), (members, members), donate=0,
+                                       batches=1, split=index_rows)
     self._eval = compile_mapped(
         gather(evaluate_members(member, self.devices)),
-        (members, batch_spec, batch_spec), members)
+        (members, batch_spec, batch_spec), members, batches=2, state_out=False)
 
   def init(self, seed: int) -> steps.TrainState:
     keys = steps.member_keys(seed, self.ensemble_size)
@@ -86,7 +110,7 @@ class JitBackend:
     if not self._shared_data:
       members = np.moveaxis(indices, 1, 0)
       own = members[distributed.process_rows(self.devices, self.ensemble_size)]
-      indices = jax.make_array_from_process_local_data(self._members, own, members.shape)
+      indices = jax.make_array_from_process_local_data(self._indices, own, members.shape)
     return self._train_steps(state, *dataset, indices)
 
   def eval_step(self, state, images: np.ndarray, labels: np.ndarray) -> steps.Metrics:

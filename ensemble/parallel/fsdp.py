@@ -16,6 +16,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ensemble import steps
 
@@ -42,6 +43,24 @@ def rebox(template: PyTree, tree: PyTree) -> PyTree:
                       template, tree, is_leaf=_is_partitioned)
 
 
+def split_dimension(shape: tuple[int, ...], size: int, min_weight_size: int,
+                    names: tuple[str | None, ...] | None = None) -> int | None:
+  """The dimension a weight of `shape` is split along over `size` devices, None to keep it whole.
+
+  Its largest dimension that `size` divides and no other axis splits
+  already; weights under `min_weight_size` values stay whole, since gathering
+  them would cost more than storing them. `shard_params` and the ensemble's
+  fsdp members (`backends.state_shardings`) split by this one rule.
+  """
+  if size == 1 or int(np.prod(shape)) < min_weight_size:
+    return None
+  names = names or (None,) * len(shape)
+  for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
+    if names[dim] is None and shape[dim] % size == 0:
+      return dim
+  return None
+
+
 def shard_params(params: PyTree, axis_name: str, min_weight_size: int) -> PyTree:
   """Keeps this device's slice of every weight of at least `min_weight_size` values.
 
@@ -55,14 +74,12 @@ def shard_params(params: PyTree, axis_name: str, min_weight_size: int) -> PyTree
 
   def split(x):
     value, names = (x.value, x.names) if _is_partitioned(x) else (x, (None,) * x.ndim)
-    if axis_name in names or value.size < min_weight_size:
+    dim = None if axis_name in names else split_dimension(value.shape, size, min_weight_size, names)
+    if dim is None:
       return x
-    for dim in sorted(range(value.ndim), key=lambda d: -value.shape[d]):
-      if names[dim] is None and value.shape[dim] % size == 0:
-        part = value.shape[dim] // size
-        return nn.Partitioned(jax.lax.dynamic_slice_in_dim(value, index * part, part, axis=dim),
-                              names=names[:dim] + (axis_name,) + names[dim + 1:])
-    return x  # no dimension the axis divides: replicated
+    part = value.shape[dim] // size
+    return nn.Partitioned(jax.lax.dynamic_slice_in_dim(value, index * part, part, axis=dim),
+                          names=names[:dim] + (axis_name,) + names[dim + 1:])
 
   return jax.tree.map(split, params, is_leaf=_is_partitioned)
 
