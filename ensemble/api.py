@@ -15,6 +15,7 @@ line. Every mistake a caller can make raises `UsageError`, a ValueError.
 
 import functools
 import json
+import numbers
 import os
 import shutil
 import tempfile
@@ -27,6 +28,7 @@ import numpy as np
 from absl import logging
 
 from ensemble import calibration, checkpoint, console, data, defaults, evaluation, steps, tasks
+from ensemble import config as config_lib
 from ensemble.data import arrays
 from ensemble.errors import UsageError
 from ensemble.models import user
@@ -48,9 +50,10 @@ def bucket(n: int, batch_size: int) -> int:
   return min(batch_size, 1 << max(n - 1, 0).bit_length())
 
 
-def _fitted_temperature(workdir: str, epoch: int) -> float | None:
-  """The temperature `ensemble.evaluate` fitted for this checkpoint (in WORKDIR/eval/metrics.json), if any; for
-  a regression workdir its variance scale, regression's temperature."""
+def _fitted_temperature(workdir: str, config: ml_collections.ConfigDict, epoch: int) -> float | None:
+  """The temperature `ensemble.evaluate` fitted (in WORKDIR/eval/metrics.json; for a regression workdir its
+  variance scale, regression's temperature), if it was fitted for this checkpoint and on the held-out slice of the
+  data this run was trained on; None, with a warning that says why, if not."""
   path = os.path.join(workdir, 'eval', 'metrics.json')
   try:
     with open(path, encoding='utf-8') as f:
@@ -62,12 +65,23 @@ def _fitted_temperature(workdir: str, epoch: int) -> float | None:
     return None
   temperature = results.get('temperature_scaling', {}).get('temperature',
                                                           results.get('variance_scaling', {}).get('scale'))
-  if temperature is not None and results.get('epoch') != epoch:
-    logging.warning('%s was fitted for epoch %s, not %d: predicting without temperature scaling; run python -m '
-                    'ensemble.evaluate --workdir=%s --step=%d to fit one.', path, results.get('epoch'), epoch,
-                    workdir, epoch)
+  if temperature is None:
     return None
-  return temperature
+  fitted_on, trained_on = (config_lib.data_location(results.get('data_dir', '')),
+                           config_lib.data_location(config.get('data_dir', '')))
+  if results.get('epoch') != epoch:
+    problem = f'was fitted for epoch {results.get("epoch")}, not {epoch}'
+  elif results.get('checkpoint') != evaluation.checkpoint_id(workdir, epoch):
+    problem = (f'was fitted for another checkpoint of epoch {epoch} (the run was trained again since)'
+               if results.get('checkpoint') else 'does not record the checkpoint it was fitted for (an older version)')
+  elif config.get('dataset') != data.ARRAYS and fitted_on != trained_on:  # arrays in memory: --data_dir names them
+    problem = (f'was fitted on the held-out slice of {fitted_on or "the named dataset"}, not of the data the run was '
+               f'trained on ({trained_on or config.get("dataset")})')
+  else:
+    return temperature
+  logging.warning('The temperature in %s %s: predicting without temperature scaling; run python -m '
+                  'ensemble.evaluate --workdir=%s --step=%d to fit one.', path, problem, workdir, epoch)
+  return None
 
 
 class Ensemble:
@@ -81,12 +95,21 @@ class Ensemble:
 
   def __init__(self, workdir: str, config: ml_collections.ConfigDict, member: steps.Member, state: steps.TrainState,
                devices: Sequence[jax.Device], epoch: int, temperature: float = 1.0, batch_size: int = 1000):
-    if not isinstance(batch_size, int) or batch_size < 1:
-      raise UsageError(f'batch_size={batch_size} must be a positive number of inputs per device program')
     self.workdir, self.config, self.member, self.state = workdir, config, member, state
     self.devices, self.epoch, self.temperature, self.batch_size = list(devices), epoch, temperature, batch_size
     self._temporary: weakref.finalize | None = None  # removes the workdir `fit` made, unless `save` kept it
     self._predictors: dict[int, evaluation.Predictor] = {}
+
+  @property
+  def batch_size(self) -> int:
+    """Inputs per device program; checked whenever it is set, as a batch size below 1 would predict nothing."""
+    return self._batch_size
+
+  @batch_size.setter
+  def batch_size(self, value: int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+      raise UsageError(f'batch_size={value!r} must be a positive number of inputs per device program')
+    self._batch_size = int(value)
 
   @property
   def size(self) -> int:
@@ -326,13 +349,14 @@ def load(workdir: str, step: int | None = None, *, model: Any = None, batch_size
   checkpoint (1 when there is none); `batch_size` to the run's eval_batch_size.
   """
   config = evaluation.load_run_config(workdir)
+  evaluation.refuse_single_model(config, workdir)
   devices = evaluation.evaluation_devices(config.ensemble_size)
   member, state, epoch = evaluation.restore(workdir, config, step, devices, model)
   if temperature is None:
-    temperature = _fitted_temperature(workdir, epoch) or 1.0
+    temperature = _fitted_temperature(workdir, config, epoch) or 1.0
   if not temperature > 0:
     raise UsageError(f'temperature={temperature} must be positive')
-  batch_size = batch_size or config.eval_batch_size
+  batch_size = config.eval_batch_size if batch_size is None else batch_size
   logging.info('Restored epoch %d of %s: %d members on %d devices; temperature %.4g.', epoch, workdir,
                config.ensemble_size, len(devices), temperature)
   return Ensemble(workdir, config, member, state, devices, epoch, temperature, batch_size)

@@ -16,14 +16,21 @@ newest intact one. `WorkdirLock` keeps a second trainer off a workdir that a
 running one writes.
 """
 
+import contextlib
 import errno
 import fcntl
 import functools
+import gc
+import logging as py_logging
 import os
 import re
 import shutil
 import socket
+import sys
 import time
+import traceback
+import types
+import weakref
 from typing import Any
 
 import jax
@@ -37,6 +44,7 @@ from flax import serialization, traverse_util
 from ensemble import distributed
 from ensemble.errors import UsageError
 
+CHECKPOINTS_DIR = 'checkpoints'
 DAMAGED_DIR = 'checkpoints_damaged'
 LOCK_FILE = 'lock'
 _MAX_FOUND_CHARS = 300  # what a warning quotes of the error that a damaged checkpoint raised
@@ -94,6 +102,82 @@ def describe(error: BaseException) -> str:
   return text if len(text) <= _MAX_FOUND_CHARS else text[:_MAX_FOUND_CHARS - 3] + '...'
 
 
+def is_dropped_io(unraisable) -> bool:
+  """Whether an error that Python could not raise anywhere (`sys.unraisablehook`'s argument) is the debris of a
+  checkpoint read or write that failed, which the one error or warning about that failure covers.
+
+  When one TensorStore read or write fails, orbax closes its event loop and drops the operations still in flight:
+  those that finish later raise 'Event loop is closed' in a TensorStore thread, and each dropped read coroutine,
+  closed when it is collected, raises an orbax exception that quotes the whole TensorStore spec (dozens of lines,
+  once per shard: hundreds for an ensemble of 8).
+  """
+  error, source = unraisable.exc_value, unraisable.object
+  if isinstance(error, RuntimeError) and str(error) == 'Event loop is closed':
+    return True
+  code = getattr(source, 'cr_code', None)  # a coroutine
+  return code is not None and '/orbax/' in code.co_filename
+
+
+def drop_io_debris(hook):
+  """`hook` (an unraisablehook) behind a filter that drops what `is_dropped_io` describes."""
+  def filtered(unraisable):
+    if not is_dropped_io(unraisable):
+      hook(unraisable)
+  return filtered
+
+
+class DroppedTasks(py_logging.Filter):
+  """For asyncio's logger: drops its report of an orbax task whose failure nobody retrieved, a sibling of the
+  read or write that failed (one per shard when a file is missing), with a traceback each."""
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    if not record.getMessage().startswith('Task exception was never retrieved') or not record.exc_info:
+      return True
+    frames = traceback.extract_tb(record.exc_info[2])
+    return not any('/orbax/' in frame.filename for frame in frames)
+
+
+@contextlib.contextmanager
+def _quiet_failed_reads():
+  """Drops the debris of a failed read (`is_dropped_io`, `DroppedTasks`) until its dropped operations are over.
+
+  The caller's own hook and logger are as they were once the read is over: a
+  library must not keep them changed. The debris comes late, so a failure waits
+  for it first (`_settle`).
+  """
+  previous, tasks, asyncio_logger = sys.unraisablehook, DroppedTasks(), py_logging.getLogger('asyncio')
+  quiet = drop_io_debris(previous)
+  sys.unraisablehook = quiet
+  asyncio_logger.addFilter(tasks)
+  try:
+    yield
+  except BaseException:
+    _settle()
+    raise
+  finally:
+    asyncio_logger.removeFilter(tasks)
+    if sys.unraisablehook is quiet:
+      sys.unraisablehook = previous
+
+
+def _settle(timeout_s: float = 10.0):
+  """Waits until the orbax coroutines that a failed read left behind are collected, `timeout_s` at most.
+
+  They are tasks of the closed event loop, each waiting on a TensorStore read
+  still in flight: when that read ends it reports 'Event loop is closed', the
+  task lets go of its coroutine, and the collector closes the coroutine, which
+  reports its own error. Reads of a local file end within milliseconds.
+  """
+  dropped = [weakref.ref(o) for o in gc.get_objects()
+             if isinstance(o, types.CoroutineType) and '/orbax/' in o.cr_code.co_filename]
+  deadline = time.monotonic() + timeout_s
+  while True:
+    gc.collect()
+    if all(ref() is None for ref in dropped) or time.monotonic() > deadline:
+      return
+    time.sleep(0.01)
+
+
 def _storage_error(error: BaseException) -> str | None:
   """Why a write failed, when the file system refused it (disk full, file too large, permission denied);
   None for anything else, which is a bug and keeps its traceback.
@@ -126,12 +210,27 @@ def nonfinite_members(state: Any, ensemble_size: int) -> list[int]:
   return np.flatnonzero(~distributed.to_numpy(_finite_members(leaves, ensemble_size))).tolist()
 
 
+def read_record(workdir: str, epoch: int) -> dict[str, Any]:
+  """The JSON record of checkpoint `epoch` of `workdir` (`Checkpointer.meta`), read by this process alone.
+
+  For what one process reads by itself (the summary that process 0 prints, a
+  checkpoint's id): making a `Checkpointer` waits for every process, since
+  orbax's manager syncs them as it starts. Raises what orbax raises for a
+  record that cannot be read.
+  """
+  handler = ocp.JsonCheckpointHandler()
+  try:
+    return handler.restore(epath.Path(workdir) / CHECKPOINTS_DIR / str(epoch) / 'meta')
+  finally:
+    handler.close()
+
+
 class Checkpointer:
   """Saves one checkpoint per epoch under `workdir/checkpoints/<epoch>` and keeps the last few."""
 
   def __init__(self, workdir: str, max_to_keep: int = 3):
     self.workdir = os.path.abspath(workdir)
-    self.directory = os.path.join(self.workdir, 'checkpoints')
+    self.directory = os.path.join(self.workdir, CHECKPOINTS_DIR)
     self._manager = ocp.CheckpointManager(
         self.directory,
         item_names=('state', 'meta'),
@@ -153,12 +252,16 @@ class Checkpointer:
 
   def _read(self, epoch: int, item: str, read) -> Any:
     """`read(path of the item)`, with any failure to read it reported as a DamagedCheckpoint."""
-    try:
-      return read(epath.Path(self.path(epoch)) / item)
-    except (UsageError, MemoryError):
-      raise
-    except Exception as e:  # orbax and TensorStore raise Exception, ValueError, KeyError, OSError, ...
-      raise DamagedCheckpoint(self.path(epoch), describe(e)) from e
+    with _quiet_failed_reads():
+      try:
+        return read(epath.Path(self.path(epoch)) / item)
+      except (UsageError, MemoryError):
+        raise
+      except Exception as e:  # orbax and TensorStore raise Exception, ValueError, KeyError, OSError, ...
+        found = describe(e)
+      # Raised outside the handler: the orbax error, whose traceback holds the dropped reads, is gone, so the
+      # collection on the way out closes them.
+      raise DamagedCheckpoint(self.path(epoch), found)
 
   def _read_meta(self, epoch: int) -> dict[str, Any]:
     return self._read(epoch, 'meta', self._meta_handler.restore)

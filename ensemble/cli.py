@@ -1,17 +1,86 @@
 """What the command-line programs share."""
 
 import logging
-import os
+import re
 import sys
-import tempfile
 import traceback
 from typing import Callable, Sequence
 
-from absl import app, logging as absl_logging
+from absl import app, flags, logging as absl_logging
 import jax
 
-from ensemble import console, host_memory
+from ensemble import checkpoint, console, files, host_memory
 from ensemble.errors import UsageError
+
+
+# Moved to ensemble.files, which the report and the trainer share; the name stays for callers of this module.
+write_atomically = files.write_atomically
+
+
+def start(main: Callable[[Sequence[str]], None]):
+  """Runs a program's `main` with absl, its flags parsed by `parse_flags`."""
+  app.run(main, flags_parser=parse_flags)
+
+
+def parse_flags(argv: Sequence[str]) -> list[str]:
+  """absl's parsing of the command line, where a mistake in it is one `error:` line and exit status 2, as a
+  UsageError in `run` is.
+
+  absl's own reports an unknown flag or a bad value with exit status 1; a
+  misspelled --config field reached the user as ml_collections' traceback.
+  """
+  try:
+    remaining = flags.FLAGS(argv)
+    message = _unloadable_config_file(argv)
+    if message is None:
+      return remaining
+  except flags.Error as e:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    message = f'{first}; see --helpfull for the flags'
+  except (AttributeError, KeyError, TypeError) as e:
+    if not any('/ml_collections/' in frame.filename for frame in traceback.extract_tb(e.__traceback__)):
+      raise
+    message = _config_field_error(e, argv)
+  print(f'error: {message}', file=sys.stderr)
+  sys.exit(2)
+
+
+def _config_file(argv: Sequence[str]) -> str:
+  """The --config file the command line names, as it names it."""
+  return next((arg.split('=', 1)[1] if '=' in arg else next_arg
+               for arg, next_arg in zip(argv, [*argv[1:], 'the --config file'])
+               if arg.startswith('--config=') or arg == '--config'), 'the --config file')
+
+
+def _unloadable_config_file(argv: Sequence[str]) -> str | None:
+  """Why the --config file cannot be loaded, if it cannot: config_flags keeps that error until the config is first
+  read, in `main`, where it would end the program with a traceback."""
+  if 'config' not in flags.FLAGS:
+    return None
+  try:
+    hasattr(flags.FLAGS.config, 'keys')  # the unloaded config raises OSError on any attribute
+  except OSError as e:
+    lines = [line.strip() for line in str(e.__cause__ or e).splitlines() if line.strip()]
+    return (f'--config={_config_file(argv)}: cannot be loaded ({lines[-1] if lines else type(e).__name__}); name a '
+            'Python file with a get_config(), e.g. --config=configs/default.py')
+  return None
+
+
+def _config_field_error(error: BaseException, argv: Sequence[str]) -> str:
+  """What ml_collections' config_flags raises for --config.FIELD=VALUE when the --config file has no FIELD, in a
+  line: the flag, and the field it probably meant (config_flags words that in the error's second line)."""
+  config = _config_file(argv)
+  inner = error.__context__ if isinstance(error, AttributeError) and error.__context__ is not None else error
+  text = str(inner.args[0]) if isinstance(inner, KeyError) and inner.args else str(inner)
+  lines = text.strip().splitlines() or ['']
+  field = lines[0].strip('\'"')
+  suggestion = re.search(r'Did you mean "([^"]+)"', text)
+  flag = next((arg.split('=', 1)[0] for arg in argv
+               if re.match(rf'--config(\.\w+)*\.{re.escape(field)}(=|$)', arg)), None) if field else None
+  if flag is None:
+    return f'a --config override cannot be set ({type(inner).__name__}: {lines[0]}); name fields of {config}'
+  hint = f' (did you mean {flag.rsplit(".", 1)[0]}.{suggestion.group(1)}?)' if suggestion else ''
+  return f'{flag}: {config} has no such field{hint}; name fields of {config}'
 
 
 def run(argv: Sequence[str], program: str, body: Callable[[], None], exit_: Callable[[int], None] = sys.exit):
@@ -50,55 +119,20 @@ class QuietLibraries:
 
 
 def ignore_closed_event_loops():
-  """Drops the 'Event loop is closed' errors that a failed checkpoint write or read leaves behind.
+  """Drops, for the rest of the program, the debris that a failed checkpoint write or read leaves behind.
 
   When one TensorStore write (or read) fails, orbax closes its event loop; the
-  operations still in flight then finish into it, and each raises one of these
-  in a TensorStore thread, printed as dozens of tracebacks ahead of the one-line
-  error that says what happened. Every other unraisable error is printed.
-  The sibling writes that failed too, as the first did, can also reach asyncio's
-  "Task exception was never retrieved" log with a traceback: those from orbax's
-  serialization are dropped as well.
+  operations still in flight then finish into it, and each reports an error of
+  its own, dozens of tracebacks ahead of the one line that says what happened
+  (`checkpoint.is_dropped_io`, `checkpoint.DroppedTasks`). Reads drop theirs
+  themselves; a failed write ends the program, which this covers. Every other
+  unraisable error is printed.
   """
-  default = sys.unraisablehook
-
-  def hook(unraisable):
-    error = unraisable.exc_value
-    if not (isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'):
-      default(unraisable)
-  sys.unraisablehook = hook
-  logging.getLogger('asyncio').addFilter(_OrphanedCheckpointWrites())
-
-
-class _OrphanedCheckpointWrites(logging.Filter):
-  """Drops asyncio's report of an orbax write task whose failure nobody awaited (see above)."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    if not record.getMessage().startswith('Task exception was never retrieved') or not record.exc_info:
-      return True
-    frames = traceback.extract_tb(record.exc_info[2])
-    return not any('/orbax/' in frame.filename for frame in frames)
+  sys.unraisablehook = checkpoint.drop_io_debris(sys.unraisablehook)
+  logging.getLogger('asyncio').addFilter(checkpoint.DroppedTasks())
 
 
 def keep_freed_memory_on_cpu():
   """On CPU, glibc keeps the memory XLA frees (see `host_memory`); accelerators need nothing."""
   if jax.default_backend() == 'cpu' and host_memory.keep_freed_memory():
     absl_logging.info('Keeping freed host memory for XLA:CPU to reuse (ensemble/host_memory.py).')
-
-
-def write_atomically(path: str, content: str | bytes):
-  """Writes `content` to `path` whole or not at all: an error or an interrupt leaves no partial file behind.
-
-  The file gets the permissions `open` would give it (mkstemp's are owner-only).
-  """
-  fd, partial = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f'.{os.path.basename(path)}.')
-  try:
-    with os.fdopen(fd, 'wb' if isinstance(content, bytes) else 'w') as f:
-      f.write(content)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(partial, 0o666 & ~umask)
-    os.replace(partial, path)
-  except BaseException:
-    os.remove(partial)
-    raise

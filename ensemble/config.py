@@ -1,5 +1,7 @@
 """Checks a config against the machine before anything runs, fills in its defaults, and builds its member."""
 
+import json
+import os
 from typing import Any, Sequence
 
 import jax
@@ -18,8 +20,33 @@ DATA_SETTINGS = ('dataset', 'train_split', 'test_split', 'data_dir', 'heldout_fr
                  'member_data', 'inputs', 'standardize_features', 'target')
 # What else a resume must keep: another method's or another task's members have another state.
 RESUME_SETTINGS = DATA_SETTINGS + ('method', 'task')
+# What a snapshot ensemble must keep besides: its cycles span num_epochs / snapshot_cycles epochs, and a resume with
+# another length would end a cycle mid-schedule and write the next snapshots over the last slot.
+SNAPSHOT_SETTINGS = ('num_epochs', 'snapshot_cycles')
 MAX_SEED = 2**32 - 1  # jax.random.key folds larger seeds onto the same keys
 DTYPES = ('float32', 'bfloat16')
+
+
+def data_location(data_dir: str) -> str:
+  """`data_dir` as a run records it and compares it: the absolute path with links resolved ('' stays '': no
+  folder, tensorflow-datasets or the bundled copy), so that neither depends on the folder a command runs in."""
+  return os.path.realpath(os.path.expanduser(data_dir)) if data_dir else ''
+
+
+def read_run_config(path: str, fix: str) -> dict[str, Any]:
+  """The config.json that `ensemble.train` wrote beside its checkpoints; `fix` ends the UsageError that a missing
+  or unreadable one raises."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      saved = json.load(f)
+  except FileNotFoundError:
+    raise UsageError(f'{path}: missing; {fix}') from None
+  except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+    lines = str(e).strip().splitlines()
+    raise UsageError(f'{path}: cannot be read ({lines[0] if lines else type(e).__name__}); {fix}') from None
+  if not isinstance(saved, dict):
+    raise UsageError(f'{path}: holds a JSON {type(saved).__name__}, not the object of a config; {fix}')
+  return saved
 
 
 def _require(ok: bool, message: str):
@@ -81,6 +108,10 @@ def resolve(config: ml_collections.ConfigDict, available: Sequence[jax.Device],
   `model` is a user's model object (`ensemble.fit`); then `config.model` only records it.
   """
   config = ml_collections.ConfigDict(config.to_dict())
+  config.data_dir = data_location(config.data_dir)
+  # Positivity first: the method's checks divide by these.
+  for name in ('num_epochs', 'batch_size', 'eval_batch_size', 'checkpoints_to_keep'):
+    _require(config[name] > 0, f'{name}={config[name]} must be positive')
   if model is None:
     models.check(config)
   _require(config.get('dtype', 'float32') in DTYPES,
@@ -117,8 +148,6 @@ def resolve(config: ml_collections.ConfigDict, available: Sequence[jax.Device],
            f'member_sharding={layout} splits a member over the devices it has when there are fewer members than '
            f'devices, on backend jit; here each member has one: set --config.backend=jit and --config.ensemble_size '
            f'to a divisor of {num_devices} below it, or leave --config.member_sharding at replicated')
-  for name in ('num_epochs', 'batch_size', 'eval_batch_size', 'checkpoints_to_keep'):
-    _require(config[name] > 0, f'{name}={config[name]} must be positive')
   per_member = 1 if single_model else backends.devices_per_member(k, num_devices)
   for name in ('batch_size', 'eval_batch_size'):
     _require(config[name] % per_member == 0,
@@ -207,15 +236,24 @@ def check_model(member: steps.Member, num_classes: int, method: str) -> int:
 
 
 def check_resume(config: ml_collections.ConfigDict, saved: dict[str, Any], path: str):
-  """Refuses to resume a workdir with other data settings or another method than `saved` (its config.json) records.
+  """Refuses to resume a workdir with other data settings or another method than `saved` (its config.json) records,
+  or a snapshot ensemble with other cycles.
 
   Other members' data, or a held-out slice the members were trained on, would
   make the checkpoints and the evaluation describe a run that never happened.
-  Settings that `saved` lacks (a run from before they existed) are not compared.
+  Settings that `saved` lacks (a run from before they existed) are not compared;
+  data_dir is compared as `data_location` resolves it.
   """
-  changed = [f'{key}={saved[key]!r} (now {config[key]!r})' for key in RESUME_SETTINGS
-             if key in saved and saved[key] != config[key]]
-  _require(not changed,
-           f'{path} records {", ".join(changed)}: a resume must keep the data settings and the method '
-           f'({", ".join(RESUME_SETTINGS)}); '
-           'set them as recorded there, or train in a new --workdir')
+  recorded = lambda key, value: data_location(value) if key == 'data_dir' else value
+  changed = lambda keys: [f'{key}={saved[key]!r} (now {config[key]!r})' for key in keys
+                          if key in saved and recorded(key, saved[key]) != recorded(key, config[key])]
+  data_changes = changed(RESUME_SETTINGS)
+  _require(not data_changes,
+           f'{path} records {", ".join(data_changes)}: a resume must keep the data settings and the method '
+           f'({", ".join(RESUME_SETTINGS)}); set them as recorded there, or train in a new --workdir')
+  if methods.name(config) == 'snapshot':
+    cycle_changes = changed(SNAPSHOT_SETTINGS)
+    _require(not cycle_changes,
+             f'{path} records {", ".join(cycle_changes)}: a snapshot ensemble keeps the length of its cycles '
+             f'(num_epochs / snapshot_cycles epochs) for the whole run; resume with {", ".join(SNAPSHOT_SETTINGS)} '
+             'as recorded there, or train in a new --workdir')

@@ -279,17 +279,54 @@ def _figures(record: Mapping[str, Any]) -> str:
           f'member accuracy mean {_figure(np.mean(members))}, best {_figure(max(members))}')
 
 
-def log_epoch(summary: Mapping[str, Any], num_epochs: int, seconds: float, echo: bool = False):
+# A member is near chance (1 / classes) when it has come less than this share of the way from chance to where the
+# median member is, once the median member is at least NEAR_CHANCE_MIN_GAIN above chance (the others learn).
+NEAR_CHANCE_SHARE = 0.2
+NEAR_CHANCE_MIN_GAIN = 0.1
+
+
+def members_near_chance(accuracies: list[float], num_classes: int | None) -> list[int]:
+  """The members whose test accuracy stays near chance while the others learn.
+
+  Such a member adds noise to the ensemble's average without a NaN to stop the
+  run: method hyper draws a learning rate too high (or too low) for it.
+  """
+  if len(accuracies) < 2 or not num_classes:
+    return []
+  chance = 1.0 / num_classes
+  learned = float(np.median(accuracies)) - chance
+  if learned < NEAR_CHANCE_MIN_GAIN:
+    return []
+  return [i for i, accuracy in enumerate(accuracies) if accuracy - chance < NEAR_CHANCE_SHARE * learned]
+
+
+def _near_chance_warning(record: Mapping[str, Any], num_classes: int | None) -> str | None:
+  accuracies = _member_accuracies(record)
+  near = members_near_chance(accuracies, num_classes)
+  if not near:
+    return None
+  return (f'members {near} are near chance (test accuracy {", ".join(_figure(accuracies[i]) for i in near)}; '
+          f'chance {_figure(1 / num_classes)}) while the median member reaches {_figure(np.median(accuracies))}: they '
+          'learn nothing and blur the average; their learning rate is likely too high or too low (method hyper '
+          'draws each member its own from --config.hyper_learning_rate: narrow it)')
+
+
+def log_epoch(summary: Mapping[str, Any], num_epochs: int, seconds: float, echo: bool = False,
+              num_classes: int | None = None):
   """One line per epoch, the figures a person compares across epochs; the members' own go to metrics.jsonl.
 
   The line is logged; with `echo` it is also written under the bar, for a
   library caller (`ensemble.fit`) whose program does not show absl's INFO lines.
+  With `num_classes`, a warning follows it while members stay near chance.
   """
   if echo and _is_main_process() and not logging.level_info():
     tqdm.write(f'epoch {int(summary["epoch"])}/{num_epochs}: {_figures(summary)}; train loss '
                f'{_figure(summary["train_loss"])}; {_duration(seconds)}', file=sys.stderr)
   logging.info('epoch %d/%d: %s; train loss %s; %s', summary['epoch'], num_epochs, _figures(summary),
                _figure(summary['train_loss']), _duration(seconds))
+  warning = _near_chance_warning(summary, num_classes)
+  if warning and _is_main_process():
+    logging.warning('epoch %d/%d: %s.', summary['epoch'], num_epochs, warning)
 
 
 def _last_record(path: str) -> dict[str, Any] | None:
@@ -301,8 +338,18 @@ def _last_record(path: str) -> dict[str, Any] | None:
     return None
 
 
-def log_training_summary(workdir: str, summary: Mapping[str, Any] | None = None):
-  """Where a finished run's results are and what to run next, on process 0.
+def _recorded_classes(workdir: str, epoch: int) -> int | None:
+  """The number of classes that checkpoint `epoch` of `workdir` records, if it can be read."""
+  from ensemble import checkpoint  # pylint: disable=g-import-not-at-top  # imports jax: see the module docstring
+  try:
+    return int(checkpoint.read_record(workdir, epoch)['data']['num_classes'])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def log_training_summary(workdir: str, summary: Mapping[str, Any] | None = None, num_classes: int | None = None):
+  """Where a finished run's results are and what to run next, on process 0; and a warning if members ended near
+  chance (`num_classes` defaults to what the checkpoints record).
 
   `summary` is the last epoch's (`trainer.train_and_evaluate` returns it);
   when this run trained nothing (resumed at its last epoch), the last line of
@@ -324,3 +371,7 @@ def log_training_summary(workdir: str, summary: Mapping[str, Any] | None = None)
       f'  tensorboard --logdir {quoted}',
       f'  python -m ensemble.evaluate --workdir {quoted}',
   ]))
+  if record and len(_member_accuracies(record)) > 1:
+    warning = _near_chance_warning(record, num_classes or _recorded_classes(workdir, int(record['epoch'])))
+    if warning:
+      logging.warning('In the last epoch, %s.', warning)

@@ -14,7 +14,7 @@ from ensemble import console
 
 console.quiet_libraries()  # before TensorFlow (if tensorflow-datasets loads the data) and JAX load
 
-from absl import app, flags  # pylint: disable=g-import-not-at-top,g-multiple-import
+from absl import flags  # pylint: disable=g-import-not-at-top,g-multiple-import
 
 from ensemble import cli, evaluation  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
@@ -33,9 +33,10 @@ def define_flags():
   flags.DEFINE_string('output_dir', None, 'Where the report goes; default: WORKDIR/eval.')
   flags.DEFINE_list('angles', [str(a) for a in evaluation.DEFAULT_ANGLES],
                     'Rotations of the test set, in degrees.')
-  flags.DEFINE_list('ood', [], 'Out-of-distribution sets to detect against the test set: uniform_noise, '
-                    'permuted_pixels (the test images with their pixels shuffled), tensorflow-datasets names, IDX '
-                    'folders or .npz files (their test images); same image shape as the training data.')
+  flags.DEFINE_list('ood', list(evaluation.DEFAULT_OOD), 'Out-of-distribution sets to detect against the test set: '
+                    'uniform_noise, permuted_pixels (the test images with their pixels shuffled), tensorflow-datasets '
+                    'names, IDX folders or .npz files (their test images); same image shape as the training data. '
+                    '--ood= (empty) for none.')
   flags.DEFINE_list(
       'alpha', [str(a) for a in evaluation.DEFAULT_ALPHAS],
       'Miscoverage levels of the conformal prediction sets: a set holds the true class with probability at '
@@ -75,4 +76,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  cli.start(main)

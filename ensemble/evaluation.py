@@ -10,7 +10,9 @@ download, and after temperature scaling of the average (Ashukha et al. 2020).
 `evaluate` writes metrics.json, report.md and PNG plots.
 """
 
+import difflib
 import functools
+import hashlib
 import json
 import math
 import os
@@ -25,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from ensemble import backends, calibration, checkpoint, console, data, report, steps
 from ensemble import config as config_lib
+from ensemble.data import tfds
 from ensemble.errors import UsageError
 from ensemble.uncertainty import conformal, decomposition, ood, selective
 
@@ -46,13 +49,7 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
   """The resolved config that `ensemble.train` saved next to its checkpoints."""
   path = os.path.join(workdir, 'config.json')
   fix = '--workdir must name a folder written by python -m ensemble.train'
-  try:
-    with open(path, encoding='utf-8') as f:
-      config = json.load(f)
-  except FileNotFoundError:
-    raise UsageError(f'{path}: missing; {fix}') from None
-  except (OSError, ValueError) as e:
-    raise UsageError(f'{path}: cannot be read ({e}); {fix}') from None
+  config = config_lib.read_run_config(path, fix)
   missing = [key for key in RUN_CONFIG_KEYS if key not in config]
   if missing:
     raise UsageError(f'{path}: lacks {", ".join(missing)}; {fix}')
@@ -60,12 +57,12 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
 
 
 def refuse_single_model(config: ml_collections.ConfigDict, workdir: str):
-  """The mesh backends train one model split over a mesh, not an ensemble of members: nothing here scores it."""
+  """The mesh backends train one model split over a mesh, not an ensemble of members: nothing here reads it."""
   backend = config.get('backend', 'pmap')
   if backend in backends.MESH_MODELS:
     raise UsageError(f'{workdir} holds one {config.model} model trained with backend {backend!r}, not an ensemble; '
-                     'ensemble.evaluate scores ensembles trained with backend pmap or jit (its test loss and '
-                     f'accuracy per epoch are in {os.path.join(workdir, "metrics.jsonl")})')
+                     'evaluate, predict and export read ensembles trained with backend pmap or jit (its test loss '
+                     f'and accuracy per epoch are in {os.path.join(workdir, "metrics.jsonl")})')
 
 
 def evaluation_devices(ensemble_size: int) -> list[jax.Device]:
@@ -106,6 +103,13 @@ def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None, d
     raise UsageError(f'{os.path.join(workdir, "config.json")} does not describe its checkpoint: {e}') from None
   ckpt.close()
   return member, state, epoch
+
+
+def checkpoint_id(workdir: str, epoch: int) -> str:
+  """What tells this checkpoint from any other of its epoch: a hash of its record, which holds the epoch's
+  summary (its timings too), so a run trained again in the same workdir gets other ids. A copy keeps its id."""
+  record = checkpoint.read_record(workdir, epoch)
+  return hashlib.sha256(json.dumps(record, sort_keys=True).encode('utf-8')).hexdigest()[:16]
 
 
 def _recorded_data(ckpt: checkpoint.Checkpointer, epochs: Sequence[int]) -> dict[str, Any]:
@@ -291,8 +295,10 @@ def permute_pixels(images: np.ndarray, seed: int = 0) -> np.ndarray:
   return np.take_along_axis(flat, order[..., None], axis=1).reshape(images.shape)
 
 
-# Out-of-distribution sets that need no download, made from the test images: their size and image shape.
+# Out-of-distribution sets that need no download, made from the test images: their size and image shape. Two
+# passes over the test set, so every report has them unless asked otherwise.
 OOD_BUILTINS = {'uniform_noise': uniform_noise, 'permuted_pixels': permute_pixels}
+DEFAULT_OOD = tuple(OOD_BUILTINS)
 
 
 def load_ood(names: Sequence[str], image_shape: Sequence[int], test: data.Split) -> dict[str, np.ndarray]:
@@ -305,6 +311,11 @@ def load_ood(names: Sequence[str], image_shape: Sequence[int], test: data.Split)
       is_path = os.path.exists(os.path.expanduser(name)) or name.endswith('.npz')
       try:
         images = (data.load(data_dir=name) if is_path else data.load(dataset=name)).test['image']
+      except tfds.UnknownDataset as e:
+        close = difflib.get_close_matches(name, OOD_BUILTINS, n=2, cutoff=0.6) + e.close
+        hint = f' (did you mean {", ".join(close)}?)' if close else ''
+        raise UsageError(f'--ood={name}: no such set{hint}; give {", ".join(OOD_BUILTINS)}, an IDX folder or .npz '
+                         'file that exists, or a tensorflow-datasets name') from None
       except data.DataError as e:
         raise UsageError(f'--ood={name}: {e}') from None
     if images.shape[1:] != tuple(image_shape):
@@ -397,9 +408,13 @@ def score_conformal(predict: Predictor, heldout: data.Split, seen_in_training: b
 
 
 def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = None,
-             output_dir: str | None = None, angles: Sequence[int] = DEFAULT_ANGLES, ood_names: Sequence[str] = (),
-             alphas: Sequence[float] = DEFAULT_ALPHAS) -> dict[str, Any]:
-  """Scores the checkpoint, writes the report into `output_dir` (default WORKDIR/eval) and returns its numbers."""
+             output_dir: str | None = None, angles: Sequence[int] = DEFAULT_ANGLES,
+             ood_names: Sequence[str] = DEFAULT_OOD, alphas: Sequence[float] = DEFAULT_ALPHAS) -> dict[str, Any]:
+  """Scores the checkpoint, writes the report into `output_dir` (default WORKDIR/eval) and returns its numbers.
+
+  The report records which checkpoint (`checkpoint_id`) and which data (`data_dir`) it scored, so that the
+  temperature it fits is applied (`ensemble.load`) only to that checkpoint of a run trained on that data.
+  """
   config = load_run_config(workdir)
   refuse_single_model(config, workdir)
   devices = evaluation_devices(config.ensemble_size)
@@ -407,7 +422,7 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
   logging.info('Restored epoch %d of %s: %d members on %d devices.', epoch, workdir,
                config.ensemble_size, len(devices))
   if member.task.name == 'regression':
-    if ood_names:
+    if ood_names and list(ood_names) != list(DEFAULT_OOD):  # the built-in image sets are on by default
       raise UsageError(f'--ood detects unfamiliar images, and {workdir} is a regression ensemble: leave --ood out')
     from ensemble import regression_report  # pylint: disable=g-import-not-at-top
     return regression_report.evaluate(workdir, config, member, state, devices, epoch, data_dir=data_dir,
@@ -427,8 +442,9 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
   logging.info('Predicting the %d test examples.', len(test['label']))
   member_log_probs = predict.log_probs(test)
   member_probs = np.exp(member_log_probs)
-  results = {'workdir': os.path.abspath(workdir), 'epoch': epoch, 'ensemble_size': config.ensemble_size,
-             'data': dataset.source, 'test_examples': len(test['label']),
+  results = {'workdir': os.path.abspath(workdir), 'epoch': epoch, 'checkpoint': checkpoint_id(workdir, epoch),
+             'ensemble_size': config.ensemble_size, 'data': dataset.source,
+             'data_dir': config_lib.data_location(data_dir), 'test_examples': len(test['label']),
              **score_test_set(member_log_probs, test['label'])}
   logging.info('test: ensemble accuracy %.4f NLL %.4f ECE %.4f; mean member accuracy %.4f NLL %.4f ECE %.4f',
                *(results[who][name] for who in ('ensemble', 'mean_member') for name in ('accuracy', 'nll', 'ece')))

@@ -22,11 +22,11 @@ from ensemble import console
 
 console.quiet_libraries()  # before TensorFlow and JAX load
 
-from absl import app, flags, logging  # pylint: disable=g-import-not-at-top,g-multiple-import
+from absl import flags, logging  # pylint: disable=g-import-not-at-top,g-multiple-import
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-from ensemble import api, backends, cli  # pylint: disable=g-import-not-at-top
+from ensemble import api, backends, cli, files  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
 # The artifact runs on any of these; lowering for a platform needs no device of it.
@@ -96,12 +96,10 @@ def write(workdir: str, output: str, step: int | None = None,
   """Exports the checkpoint to `output`; the file appears whole or not at all."""
   if not output:
     raise UsageError('--output is required: the file to write the exported ensemble to, e.g. model.jax')
-  folder = os.path.dirname(os.path.abspath(output))
-  if not os.path.isdir(folder):
-    raise UsageError(f'--output={output}: no folder {folder}; create it first')
+  files.check_output('--output', output)
   check_platforms(platforms)
   exported = export(api.load(workdir, step), platforms)
-  cli.write_atomically(output, bytes(exported.serialize()))
+  files.write_atomically(output, bytes(exported.serialize()))
   logging.info('Wrote %s (%.1f MB) for %s: images float32 %s in [0, 1] -> member_log_probs, probs.', output,
                os.path.getsize(output) / 1e6, ', '.join(exported.platforms), tuple(exported.in_avals[0].shape))
   return exported
@@ -128,4 +126,4 @@ def define_flags():
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  cli.start(main)

@@ -42,8 +42,8 @@ def check(config):
     raise UsageError(f'learning_rate={config.learning_rate} must be positive and finite')
   if not 0 <= config.momentum < 1:
     raise UsageError(f'momentum={config.momentum} must be in [0, 1)')
-  if not config.weight_decay >= 0:
-    raise UsageError(f'weight_decay={config.weight_decay} must be 0 or positive')
+  if not (config.weight_decay >= 0 and math.isfinite(config.weight_decay)):
+    raise UsageError(f'weight_decay={config.weight_decay} must be 0 or positive, and finite')
   if not 0 <= config.warmup_epochs < config.num_epochs:
     raise UsageError(f'warmup_epochs={config.warmup_epochs} must be in [0, num_epochs={config.num_epochs})')
   if config.warmup_epochs and config.schedule != 'warmup_cosine':

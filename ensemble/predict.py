@@ -31,16 +31,18 @@ from ensemble import console
 
 console.quiet_libraries()  # before TensorFlow (if tensorflow-datasets loads the data) and JAX load
 
-from absl import app, flags, logging  # pylint: disable=g-import-not-at-top,g-multiple-import
+from absl import flags, logging  # pylint: disable=g-import-not-at-top,g-multiple-import
 import numpy as np  # pylint: disable=g-import-not-at-top
 
-from ensemble import api, cli  # pylint: disable=g-import-not-at-top
+from ensemble import api, cli, data, files  # pylint: disable=g-import-not-at-top
 from ensemble.api import DEFAULT_FLAG_RISK, FLAG_SCORE  # pylint: disable=g-import-not-at-top
 from ensemble.data import inputs  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
 OUTPUT_FORMATS = ('.csv', '.jsonl')
 COLUMNS = ('name', 'class', 'probability', 'entropy', 'mutual_information', 'flag')
+# A cell that starts with one of these is a formula to a spreadsheet: `=1+2.png` would run (OWASP, "CSV injection").
+FORMULA_STARTS = ('=', '+', '-', '@', '\t', '\r')
 
 FLAGS = flags.FLAGS
 
@@ -84,38 +86,53 @@ def _output_format(output: str | None) -> str:
   if suffix not in OUTPUT_FORMATS:
     raise UsageError(f'--output={output}: unknown format {suffix or "(no suffix)"}; end it in .csv, or .jsonl for '
                      'JSON lines')
-  folder = os.path.dirname(os.path.abspath(output)) if output else None
-  if folder and not os.path.isdir(folder):
-    raise UsageError(f'--output={output}: no folder {folder}; create it first')
+  if output:
+    files.check_output('--output', output)
   return suffix
 
 
+def _spreadsheet_safe(value: Any) -> Any:
+  """A text cell that a spreadsheet would run as a formula, quoted with a leading ' as spreadsheets quote text."""
+  return f"'{value}" if isinstance(value, str) and value.startswith(FORMULA_STARTS) else value
+
+
 def write(rows_: Iterator[dict[str, Any]], output: str | None, columns: Sequence[str]):
-  """CSV or JSON lines by `output`'s suffix, on stdout without one; a file appears whole or not at all."""
+  """CSV or JSON lines by `output`'s suffix, on stdout without one; a file appears whole or not at all.
+
+  JSON lines keep every name as it is; CSV, which people open in spreadsheets, quotes names that would run as
+  formulas there.
+  """
   text = io.StringIO()
   if _output_format(output) == '.csv':
     writer = csv.DictWriter(text, fieldnames=columns, lineterminator='\n')
     writer.writeheader()
-    writer.writerows(rows_)
+    writer.writerows({key: _spreadsheet_safe(value) for key, value in row.items()} for row in rows_)
   else:
     text.writelines(json.dumps(row) + '\n' for row in rows_)
   if output is None:
     sys.stdout.write(text.getvalue())
     return
-  cli.write_atomically(output, text.getvalue())
+  files.write_atomically(output, text.getvalue())
 
 
 def predict_files(workdir: str, input_path: str, output: str | None = None, *, step: int | None = None,
                   array: str | None = None, flag: bool = True, flag_risk: float = DEFAULT_FLAG_RISK,
-                  data_dir: str | None = None, batch_size: int | None = None) -> dict[str, Any]:
-  """The CLI's work: every check first, then the prediction, then the file. Returns a summary."""
+                  data_dir: str | None = None, batch_size: int | None = None,
+                  skip_unreadable: bool = False) -> dict[str, Any]:
+  """The CLI's work: every check first, then the prediction, then the file. Returns a summary.
+
+  `batch_size` None is the run's eval_batch_size.
+  """
   _output_format(output)
   if not 0 <= flag_risk < 1:
     raise UsageError(f'--flag_risk={flag_risk} must be an error rate in [0, 1)')
+  if batch_size is not None and batch_size < 1:
+    raise UsageError(f'--batch_size={batch_size}: give a positive number of images per device program, or leave '
+                     "it out for the run's eval_batch_size")
   if not input_path:
     raise UsageError('--input is required: an image, a folder of images, an .npy/.npz array or an IDX file')
   model = api.load(workdir, step, batch_size=batch_size)
-  names, images = inputs.read(input_path, model.image_shape, array)
+  names, images, skipped = inputs.read(input_path, model.image_shape, array, skip_unreadable)
   try:
     model.check(images)
   except UsageError as e:
@@ -128,7 +145,12 @@ def predict_files(workdir: str, input_path: str, output: str | None = None, *, s
     return {'images': len(names), 'flagged': None, 'threshold': None}
   threshold = None
   if flag:
-    fitted = model.flag_threshold(flag_risk, data_dir)
+    try:
+      fitted = model.flag_threshold(flag_risk, data_dir)
+    except data.DataError as e:
+      raise UsageError(f'the flag column is fitted on the held-out slice of the training data, which cannot be '
+                       f'read ({e}); give --data_dir where that data is now, or --noflag to predict without the '
+                       'column') from None
     threshold = fitted['threshold']
     logging.info('Flag threshold: entropy > %.4g, which on the %d held-out images keeps %.1f%% of them with an '
                  'error rate of %.4f (target %.4f).', threshold, fitted['examples'], 100 * fitted['coverage'],
@@ -140,7 +162,10 @@ def predict_files(workdir: str, input_path: str, output: str | None = None, *, s
   flagged = int(np.sum(result[FLAG_SCORE] > threshold)) if flag else None
   logging.info('Wrote %d rows to %s%s.', len(names), output or 'stdout',
                f'; {flagged} flagged' if flag else '')
-  return {'images': len(names), 'flagged': flagged, 'threshold': threshold}
+  if skipped:
+    logging.warning('Skipped %d files of %s that cannot be read (%s): %s', len(skipped), input_path,
+                    inputs.SKIP_FLAG, '; '.join(skipped))
+  return {'images': len(names), 'flagged': flagged, 'threshold': threshold, 'skipped': skipped}
 
 
 def main(argv):
@@ -149,7 +174,9 @@ def main(argv):
       raise UsageError('--workdir is required: a folder trained by python -m ensemble.train')
     cli.keep_freed_memory_on_cpu()
     predict_files(FLAGS.workdir, FLAGS.input, FLAGS.output, step=FLAGS.step, array=FLAGS.array, flag=FLAGS.flag,
-                  flag_risk=FLAGS.flag_risk, data_dir=FLAGS.data_dir, batch_size=FLAGS.batch_size or None)
+                  flag_risk=FLAGS.flag_risk, data_dir=FLAGS.data_dir,
+                  batch_size=None if FLAGS.batch_size == 0 else FLAGS.batch_size,
+                  skip_unreadable=FLAGS.skip_unreadable)
   cli.run(argv, 'ensemble.predict', body)
 
 
@@ -172,9 +199,11 @@ def define_flags():
   flags.DEFINE_bool('flag', True, 'Add the flag column (needs the training data, for its held-out slice).')
   flags.DEFINE_float('flag_risk', DEFAULT_FLAG_RISK, 'The error rate that unflagged held-out images may have: '
                      'images more uncertain than the threshold that achieves it are flagged.')
-  flags.DEFINE_integer('batch_size', 0, 'Images per device program; default: the run\'s eval_batch_size.')
+  flags.DEFINE_integer('batch_size', 0, 'Images per device program; 0: the run\'s eval_batch_size.')
+  flags.DEFINE_bool('skip_unreadable', False, 'In a folder, skip the files that cannot be read as images (listed '
+                    'at the end) instead of stopping at the first.')
 
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  cli.start(main)

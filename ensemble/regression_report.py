@@ -8,13 +8,14 @@ intervals normalised by the predicted std on it at each alpha, and ranks the
 test inputs by predicted std for selective prediction.
 """
 
-import json
 import os
 from typing import Any, Sequence
 
 import numpy as np
 from absl import logging
+from matplotlib.figure import Figure
 
+from ensemble import report
 from ensemble.errors import UsageError
 from ensemble.tasks import regression
 
@@ -68,29 +69,22 @@ def score(test: tuple[np.ndarray, np.ndarray, np.ndarray], heldout: tuple[np.nda
   return results
 
 
-def _plot(results: dict[str, Any], path: str):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+def _coverage_figure(results: dict[str, Any]) -> Figure:
+  """Observed against expected coverage of the central intervals: the regression's reliability diagram."""
   calibration = results['calibration']
-  fig, ax = plt.subplots(figsize=(4.5, 4.5))
+  figure = Figure(figsize=(4.5, 4.5), layout='constrained')
+  ax = figure.subplots()
   ax.plot([0, 1], [0, 1], color='grey', linestyle=':', label='ideal')
   ax.plot(calibration['expected'], calibration['ensemble'], marker='o', label='ensemble')
   ax.plot(calibration['expected'], calibration['mean_member'], marker='s', label='mean member')
   ax.set_xlabel('expected coverage of the central interval')
   ax.set_ylabel('observed coverage')
   ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  return figure
 
 
 def write(results: dict[str, Any], output_dir: str):
-  """metrics.json, report.md and coverage.png in `output_dir`."""
-  os.makedirs(output_dir, exist_ok=True)
-  with open(os.path.join(output_dir, 'metrics.json'), 'w', encoding='utf-8') as f:
-    json.dump(results, f, indent=2)
-  _plot(results, os.path.join(output_dir, 'coverage.png'))
+  """metrics.json, report.md and coverage.png in `output_dir`, as `report.save` writes a report."""
   names = ('rmse', 'nll', 'crps', 'coverage_50', 'coverage_80', 'coverage_90', 'coverage_95')
   lines = [f'# Regression ensemble: {results["workdir"]}, epoch {results["epoch"]}', '',
            f'{results["ensemble_size"]} members, {results["test_examples"]} test examples of {results["data"]}.', '',
@@ -104,8 +98,7 @@ def write(results: dict[str, Any], output_dir: str):
   lines += [f'| {row["alpha"]} | {row["coverage"]:.4f} | {row["mean_width"]:.4g} |'
             for row in results['conformal']['rows']]
   lines += ['', '![coverage](coverage.png)', '']
-  with open(os.path.join(output_dir, 'report.md'), 'w', encoding='utf-8') as f:
-    f.write('\n'.join(lines))
+  report.save(results, '\n'.join(lines), {'coverage.png': _coverage_figure(results)}, output_dir)
   logging.info('Wrote metrics.json, report.md and coverage.png to %s.', output_dir)
 
 
@@ -113,7 +106,7 @@ def evaluate(workdir: str, config, member, state, devices, epoch: int, *, data_d
              alphas: Sequence[float]) -> dict[str, Any]:
   """`evaluation.evaluate` for a regression workdir: restores nothing itself (the caller did), reads the data,
   scores, writes the report into `output_dir` (default WORKDIR/eval) and returns its numbers."""
-  from ensemble import data, evaluation  # pylint: disable=g-import-not-at-top
+  from ensemble import config as config_lib, data, evaluation  # pylint: disable=g-import-not-at-top
   data_dir = config.data_dir if data_dir is None else data_dir
   dataset = data.load(config.get('dataset', 'mnist'), data_dir, task='regression', target=config.get('target', ''))
   if tuple(dataset.image_shape) != member.image_shape or dataset.num_classes != member.task.targets:
@@ -126,8 +119,9 @@ def evaluate(workdir: str, config, member, state, devices, epoch: int, *, data_d
                               split['label'].astype(np.float64))
   logging.info('Predicting the %d test examples and the %d held-out ones.', len(dataset.test['label']),
                len(heldout['label']))
-  results = {'workdir': os.path.abspath(workdir), 'epoch': epoch, 'ensemble_size': config.ensemble_size,
-             'task': 'regression', 'data': dataset.source, 'test_examples': len(dataset.test['label']),
+  results = {'workdir': os.path.abspath(workdir), 'epoch': epoch,
+             'checkpoint': evaluation.checkpoint_id(workdir, epoch), 'ensemble_size': config.ensemble_size, 'task': 'regression', 'data': dataset.source,
+             'data_dir': config_lib.data_location(data_dir), 'test_examples': len(dataset.test['label']),
              **score(components(dataset.test), components(heldout), config.ensemble_size, alphas, seen_in_training)}
   logging.info('test: ensemble RMSE %.4g NLL %.4g CRPS %.4g 90%% coverage %.3f; mean member RMSE %.4g NLL %.4g '
                'CRPS %.4g 90%% coverage %.3f', *(results[who][name] for who in ('ensemble', 'mean_member')

@@ -4,12 +4,15 @@ Everything here reads the results dict that `evaluate` returns (the content of
 metrics.json), so a report can be redrawn from metrics.json alone.
 """
 
+import io
 import json
 import os
 from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure  # a bare Figure renders with Agg: no display, no pyplot state
+
+from ensemble import files
 
 SCORES = ('accuracy', 'nll', 'brier', 'ece')
 TITLES = {'accuracy': 'accuracy', 'nll': 'NLL', 'brier': 'Brier', 'ece': 'ECE'}
@@ -265,13 +268,26 @@ def uncertainty_plots(results: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 def write(results: dict[str, Any], output_dir: str):
-  """metrics.json, report.md and the PNGs in `PLOTS`, into `output_dir`."""
+  """metrics.json, report.md and the PNGs in `PLOTS`, into `output_dir` (`save`)."""
+  drawings = [*zip(PLOTS, (_reliability_figure, _rotation_figure, _noise_figure, _ensemble_size_figure)),
+              *uncertainty_plots(results)]
+  save(results, markdown(results), {name: draw(results) for name, draw in drawings}, output_dir)
+
+
+def save(results: dict[str, Any], report_md: str, figures: dict[str, Figure], output_dir: str):
+  """A report's files, each whole or not at all (`files.write_atomically`): predict and export read the
+  temperature (or a regression's variance scale) in metrics.json.
+
+  Everything is rendered before the first file is written, so an error in
+  rendering leaves the previous report as it was; metrics.json goes last, so
+  a report whose metrics.json is new is whole.
+  """
+  contents = {'report.md': report_md}
+  for name, figure in figures.items():
+    png = io.BytesIO()
+    figure.savefig(png, format='png', dpi=100)
+    contents[name] = png.getvalue()
+  contents['metrics.json'] = json.dumps(results, indent=2)
   os.makedirs(output_dir, exist_ok=True)
-  with open(os.path.join(output_dir, 'metrics.json'), 'w', encoding='utf-8') as f:
-    json.dump(results, f, indent=2)
-  with open(os.path.join(output_dir, 'report.md'), 'w', encoding='utf-8') as f:
-    f.write(markdown(results))
-  for name, draw in zip(PLOTS, (_reliability_figure, _rotation_figure, _noise_figure, _ensemble_size_figure)):
-    draw(results).savefig(os.path.join(output_dir, name), dpi=100)
-  for name, draw in uncertainty_plots(results):
-    draw(results).savefig(os.path.join(output_dir, name), dpi=100)
+  for name, content in contents.items():
+    files.write_atomically(os.path.join(output_dir, name), content)

@@ -14,7 +14,7 @@ from ensemble import console
 
 console.quiet_libraries()  # before TensorFlow and JAX load
 
-from absl import app, flags, logging  # pylint: disable=g-import-not-at-top,g-multiple-import
+from absl import flags, logging  # pylint: disable=g-import-not-at-top,g-multiple-import
 import jax  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
@@ -73,4 +73,4 @@ def _train():
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.start(main)

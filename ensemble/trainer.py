@@ -13,7 +13,7 @@ from absl import logging
 from clu import periodic_actions
 
 from ensemble import backends, checkpoint, config as config_lib, data, distributed, metrics, writers
-from ensemble import console, devices as devices_lib
+from ensemble import console, devices as devices_lib, files
 from ensemble.errors import UsageError
 
 
@@ -73,12 +73,16 @@ def _releases_the_workdir(train):
 
 
 def _check_resume(config: ml_collections.ConfigDict, workdir: str, ckpt: checkpoint.Checkpointer):
-  """A workdir with checkpoints resumes only with the data settings that its config.json records."""
-  path = os.path.join(workdir, 'config.json')
-  if not ckpt.epochs() or not os.path.exists(path):
+  """A workdir with checkpoints resumes only with the data settings that its config.json records; without a
+  config.json that can be read, not at all (the resume would write the current config as if it were the original)."""
+  epochs = ckpt.epochs()
+  if not epochs:
     return
-  with open(path, encoding='utf-8') as f:
-    saved = json.load(f)
+  path = os.path.join(workdir, 'config.json')
+  saved = config_lib.read_run_config(
+      path, f'it records how the checkpoints of epochs {epochs} in {ckpt.directory} were trained, and a resume must '
+      'keep their settings: put it back from a backup (or from the workdir this one was copied from), or train in a '
+      'new --workdir')
   config_lib.check_resume(config, saved, path)
   changed = {key: value for key, value in config.to_dict().items() if key in saved and saved[key] != value}
   if changed:
@@ -90,9 +94,29 @@ def _write_config(config: ml_collections.ConfigDict, workdir: str, resuming: boo
   path = os.path.join(workdir, 'config.json')
   if jax.process_index() != 0 or (resuming and os.path.exists(path)):
     return
-  with open(path + '.tmp', 'w', encoding='utf-8') as f:
-    json.dump(config.to_dict(), f, indent=2, sort_keys=True)
-  os.replace(path + '.tmp', path)
+  files.write_atomically(path, json.dumps(config.to_dict(), indent=2, sort_keys=True))
+
+
+def _split_off_heldout(config: ml_collections.ConfigDict, dataset: data.Dataset,
+                       devices: list[jax.Device]) -> tuple[data.Split, int]:
+  """The training split without its held-out slice, and its size, once the split sizes are checked against the
+  config; `config.eval_batch_size` at most the test set's size (rounded up to split over the devices), so that
+  its one batch is not padded to many times its size."""
+  train_split, heldout = data.hold_out(dataset.train, config.heldout_fraction)
+  num_train, num_test = len(train_split['label']), len(dataset.test['label'])
+  if config.heldout_fraction and not len(heldout['label']):
+    raise UsageError(f'heldout_fraction={config.heldout_fraction} of the {num_train} training examples holds out '
+                     f'none; set --config.heldout_fraction to at least {1 / num_train:.2g}, or to 0 to hold out '
+                     'nothing')
+  if config.batch_size > num_train:
+    raise UsageError(f'batch_size={config.batch_size} exceeds the {num_train} training examples; '
+                     'lower --config.batch_size')
+  fitting = -(-num_test // len(devices)) * len(devices)
+  if config.eval_batch_size > fitting:
+    logging.info('Evaluating in batches of %d, the %d test examples, not of eval_batch_size=%d.', fitting, num_test,
+                 config.eval_batch_size)
+    config.eval_batch_size = fitting
+  return train_split, num_train
 
 
 def _missing_summaries(ckpt: checkpoint.Checkpointer, workdir: str, start_epoch: int) -> list[tuple[int, dict]]:
@@ -154,12 +178,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
   if dataset.task != config.get('task', 'classification'):
     raise UsageError(f'{dataset.source} holds {dataset.task} data but task={config.get("task", "classification")!r}: '
                      f'set --config.task={dataset.task}')
-  train_split, _ = data.hold_out(dataset.train, config.heldout_fraction)
+  train_split, num_train = _split_off_heldout(config, dataset, devices)
   train_split, test_split, target_stats = _standardise_targets(dataset, train_split)
-  num_train = len(train_split['label'])
-  if config.batch_size > num_train:
-    raise UsageError(f'batch_size={config.batch_size} exceeds the {num_train} training examples; '
-                     'lower --config.batch_size')
   steps_per_epoch = data.steps_per_epoch(num_train, config.batch_size)
   stats = data.input_stats(train_split['image'], dataset.inputs, config.get('standardize_features', False))
   # A regression member gives a mean and a raw scale per target.
@@ -247,7 +267,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
     ckpt.save(epoch, canonical, ckpt_meta, summary=(step, summary))
     writer.epoch.write_scalars(step, {**summary, 'save_seconds': time.perf_counter() - started})
     writer.epoch.flush()
-    console.log_epoch(summary, config.num_epochs, progress_bar.close(), echo=bool(progress))
+    console.log_epoch(summary, config.num_epochs, progress_bar.close(), echo=bool(progress),
+                      num_classes=dataset.num_classes)
   writer.epoch.close()
   ckpt.close()
   return backend.to_canonical(state), summary

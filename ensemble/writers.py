@@ -8,6 +8,8 @@ from typing import Any, Mapping, NamedTuple
 import numpy as np
 from clu import metric_writers
 
+from ensemble import files
+
 
 class JsonlWriter(metric_writers.MetricWriter):
   """Appends one JSON object per `write_scalars` call to a file.
@@ -90,10 +92,8 @@ def drop_epochs_after(path: str, epoch: int) -> set[int]:
       kept.append(record)
   if len(kept) < len(lines):
     strict = lambda v: [_json_number(x) for x in v] if isinstance(v, list) else _json_number(v)
-    with open(path + '.tmp', 'w', encoding='utf-8') as f:
-      f.writelines(json.dumps({k: strict(v) for k, v in record.items()}, allow_nan=False) + '\n'
-                   for record in kept)
-    os.replace(path + '.tmp', path)
+    files.write_atomically(path, ''.join(json.dumps({k: strict(v) for k, v in record.items()}, allow_nan=False)
+                                         + '\n' for record in kept))
   return {record.get('epoch') for record in kept}
 
 

@@ -9,10 +9,8 @@ import sys
 # Run from a checkout: import the `ensemble` package that sits next to this script.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app  # pylint: disable=g-import-not-at-top
-
-from ensemble import evaluate  # pylint: disable=g-import-not-at-top
+from ensemble import cli, evaluate  # pylint: disable=g-import-not-at-top
 
 if __name__ == '__main__':
   evaluate.define_flags()
-  app.run(evaluate.main)
+  cli.start(evaluate.main)

@@ -15,7 +15,7 @@ import time
 # Run from a checkout: import the `ensemble` package that sits next to this script.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # pylint: disable=g-import-not-at-top,g-multiple-import
+from absl import flags  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
@@ -51,4 +51,4 @@ def main(argv):
 
 if __name__ == '__main__':
   flags.mark_flags_as_required(['workdir'])
-  app.run(main)
+  cli.start(main)

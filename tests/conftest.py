@@ -11,6 +11,7 @@ from ensemble import host_memory  # pylint: disable=g-import-not-at-top,g-bad-im
 host_memory.keep_freed_memory()  # as `ensemble.train` does on CPU: steps stop page-faulting
 
 import gzip  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import json
 import struct
 
 import numpy as np
@@ -106,6 +107,18 @@ def make_member(config=None, data_info=MNIST_INFO, **overrides) -> steps.Member:
 @pytest.fixture
 def make_config(mnist_dir):
   return lambda **overrides: small_config(mnist_dir, **overrides)
+
+
+def linked_workdir(source: str, path: str, **config_changes) -> str:
+  """A workdir at `path` that shares `source`'s checkpoints (a link, not a copy) and has its own config.json, with
+  `config_changes`: what a test of how a workdir's record is read needs, without copying an ensemble's state."""
+  os.makedirs(path)
+  os.symlink(os.path.join(source, 'checkpoints'), os.path.join(path, 'checkpoints'))
+  with open(os.path.join(source, 'config.json'), encoding='utf-8') as f:
+    config = json.load(f)
+  with open(os.path.join(path, 'config.json'), 'w', encoding='utf-8') as f:
+    json.dump({**config, **config_changes}, f)
+  return path
 
 
 def checkpoint_state(workdir: str, epoch: int) -> dict:

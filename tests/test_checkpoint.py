@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 from flax import serialization
 
-from conftest import checkpoint_state, make_member, small_config, synthetic_mnist, timeless, write_mnist
+from conftest import checkpoint_state, linked_workdir, make_member, small_config, synthetic_mnist, timeless, write_mnist
 from ensemble import api, backends, checkpoint, config as config_lib, evaluation, steps, trainer, writers
 from ensemble.errors import UsageError
 
@@ -112,6 +113,38 @@ def test_evaluate_goes_back_past_a_damaged_checkpoint_and_leaves_it(run, tmp_pat
     evaluation.restore(run, evaluation.load_run_config(run), 2, jax.devices())
 
 
+# Loads `run` once per array file of its newest checkpoint, that file cut in half each time (and put back after);
+# prints what the hook is after each load.
+_LOAD_EACH_FILE_DAMAGED = """
+import glob, os, sys
+import ensemble
+run, hook = sys.argv[1], sys.unraisablehook
+for path in sorted(glob.glob(os.path.join(run, 'checkpoints', '2', 'state', 'ocdbt.process_0', 'd', '*'))):
+  intact = open(path, 'rb').read()
+  open(path, 'wb').write(intact[:len(intact) // 2])
+  ensemble.load(run)
+  open(path, 'wb').write(intact)
+  print(sys.unraisablehook is hook)
+"""
+
+
+def test_a_damaged_array_costs_one_warning_line_and_leaves_the_callers_hook(run):
+  """Read in 8 shards, each damaged array file left dozens of orbax tracebacks (hundreds of lines) around the
+  warning: the dropped reads' coroutines, each quoting the TensorStore spec, and 'Event loop is closed'. The
+  library drops them while it reads, and gives the caller's unraisablehook back after."""
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
+  result = subprocess.run([sys.executable, '-c', _LOAD_EACH_FILE_DAMAGED, run], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  files = glob.glob(os.path.join(run, 'checkpoints', '2', 'state', 'ocdbt.process_0', 'd', '*'))
+  assert result.stdout.split() == ['True'] * len(files) and len(files) > 1
+  lines = result.stderr.strip().splitlines()
+  warning = re.compile(rf'WARNING:absl:checkpoint {run}/checkpoints/2 is damaged \([^\n]*\); left in place, using '
+                       r'epoch 1 instead$')
+  assert lines and all(warning.match(line) for line in lines), result.stderr[-3000:]
+  assert len(lines) >= 2  # the two large files (parameters and optimizer state) at least
+
+
 def test_with_no_intact_checkpoint_left_it_is_one_line_and_nothing_moves(trained, run):
   for epoch in (1, 2):
     _truncate(_largest_array_file(run, epoch))
@@ -202,6 +235,60 @@ def test_a_resume_with_other_data_settings_is_refused_and_writes_nothing(trained
   after = {path: open(path, 'rb').read() for path in glob.glob(os.path.join(run, '**'), recursive=True)
            if os.path.isfile(path)}
   assert after == before
+
+
+@pytest.mark.parametrize('config_json, message', [
+    (None, 'missing'),
+    ('{"ensemble_size": 8, "data_dir": ', 'cannot be read (Expecting value: line 1 column 34 (char 33))'),
+])
+def test_a_resume_without_a_readable_config_json_is_refused_and_writes_nothing(trained, tmp_path, config_json,
+                                                                              message):
+  """config.json records how the checkpoints were trained: without it the resume would check nothing and write
+  the current config in its place."""
+  workdir = linked_workdir(trained[1], str(tmp_path / 'run'))
+  if config_json is None:
+    os.remove(os.path.join(workdir, 'config.json'))
+  else:
+    with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
+      f.write(config_json)
+  with pytest.raises(UsageError) as error:
+    trainer.train_and_evaluate(_config(trained, num_epochs=3), workdir)
+  assert str(error.value) == (
+      f'{workdir}/config.json: {message}; it records how the checkpoints of epochs [1, 2] in {workdir}/checkpoints '
+      'were trained, and a resume must keep their settings: put it back from a backup (or from the workdir this one '
+      'was copied from), or train in a new --workdir')
+  assert sorted(os.listdir(workdir)) == ['checkpoints'] + (['config.json'] if config_json else [])
+
+
+def test_data_dir_is_recorded_resolved_and_compared_resolved(trained, tmp_path, monkeypatch):
+  """A relative --config.data_dir names the same folder from wherever a later command runs, and the same folder
+  named another way resumes."""
+  mnist_dir = trained[0]
+  monkeypatch.chdir(os.path.dirname(mnist_dir))
+  relative = os.path.basename(mnist_dir)
+  config, _ = config_lib.resolve(_config(trained, data_dir=relative), jax.devices())
+  assert config.data_dir == mnist_dir
+  os.symlink(mnist_dir, tmp_path / 'link')
+  saved = {**config.to_dict(), 'data_dir': relative}  # as versions before this one recorded it
+  for data_dir in (relative, mnist_dir, str(tmp_path / 'link'), mnist_dir + '/'):
+    config_lib.check_resume(_config(trained, data_dir=data_dir), saved, 'config.json')
+  with pytest.raises(UsageError, match=r"^config.json records data_dir='mnist' \(now '/elsewhere'\)"):
+    config_lib.check_resume(_config(trained, data_dir='/elsewhere'), saved, 'config.json')
+
+
+def test_a_snapshot_ensemble_resumes_only_with_its_cycles(trained):
+  """Another num_epochs would change the cycles' length mid-run, and later snapshots would overwrite the last slot."""
+  config = _config(trained, method='snapshot', snapshot_cycles=2, num_epochs=4)
+  saved = config.to_dict()
+  config_lib.check_resume(config, saved, 'config.json')
+  config.num_epochs = 6
+  with pytest.raises(UsageError) as error:
+    config_lib.check_resume(config, saved, 'config.json')
+  assert str(error.value) == ('config.json records num_epochs=4 (now 6): a snapshot ensemble keeps the length of its '
+                              'cycles (num_epochs / snapshot_cycles epochs) for the whole run; resume with '
+                              'num_epochs, snapshot_cycles as recorded there, or train in a new --workdir')
+  independent = _config(trained, num_epochs=6)  # other methods may train on for more epochs
+  config_lib.check_resume(independent, {**independent.to_dict(), 'num_epochs': 4}, 'config.json')
 
 
 def _hold(workdir: str) -> subprocess.Popen:

@@ -44,6 +44,13 @@ def test_cli_trains_and_resumes(mnist_dir, tmp_path):
     (['--config.model=no_such_module:Net'],
      "error: model 'no_such_module:Net': module 'no_such_module' does not import"),
     (['--config.model=ensemble.models:MODELS'], "error: model ensemble.models:MODELS is neither a flax.linen Module"),
+    # Found by ml_collections while absl parses the flags, before main: its traceback had the suggestion inside.
+    (['--config.ensembel_size=4'], 'error: --config.ensembel_size: configs/default.py has no such field (did you '
+                                   'mean --config.ensemble_size?); name fields of configs/default.py'),
+    (['--config.ensemble_size=four'], "error: flag --config.ensemble_size=four: invalid literal for int() with base "
+                                      "10: 'four'; see --helpfull for the flags"),
+    (['configs/nonexistent.py'], "error: --config=configs/nonexistent.py: cannot be loaded ([Errno 2] No such file or "
+                                 "directory: 'configs/nonexistent.py'); name a Python file with a get_config()"),
 ])
 def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, args, message):
   config = args.pop(0) if args[0].startswith('configs/') else 'configs/default.py'

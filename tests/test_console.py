@@ -160,6 +160,25 @@ def test_epoch_line_has_the_ensemble_and_member_figures_to_four_digits(info_verb
   assert single == 'epoch 2/10: accuracy 0.9912, NLL 0.03102; train loss 0.1235; 2m 05s'
 
 
+def test_a_member_that_stays_near_chance_while_the_others_learn_is_warned_of(info_verbosity, caplog, tmp_path):
+  """A `hyper` member whose drawn rate is too high predicts one class, without a NaN to stop the run."""
+  caplog.set_level(py_logging.INFO)
+  members = [0.97, 0.098, 0.96, 0.95, 0.112, 0.97, 0.96, 0.98]
+  assert console.members_near_chance(members, 10) == [1, 4]
+  assert console.members_near_chance([0.12, 0.1, 0.11], 10) == []  # nobody learns yet: nothing to compare with
+  assert console.members_near_chance([0.6, 0.55, 0.58], 2) == []
+  console.log_epoch(_summary(members), 10, 5.0, num_classes=10)
+  console.log_training_summary(str(tmp_path), {**_summary(members), 'step': 80}, num_classes=10)
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == py_logging.WARNING]
+  what = ('members [1, 4] are near chance (test accuracy 0.09800, 0.1120; chance 0.1000) while the median member '
+          'reaches 0.9600: they learn nothing and blur the average; their learning rate is likely too high or too '
+          'low (method hyper draws each member its own from --config.hyper_learning_rate: narrow it)')
+  assert warnings == [f'epoch 2/10: {what}.', f'In the last epoch, {what}.']
+  caplog.clear()
+  console.log_epoch(_summary([0.97, 0.96]), 10, 5.0, num_classes=10)
+  assert not [r for r in caplog.records if r.levelno == py_logging.WARNING]
+
+
 def test_summary_says_where_the_results_are_and_what_to_run(info_verbosity, caplog, tmp_path):
   caplog.set_level(py_logging.INFO)
   workdir = tmp_path / 'my run'
@@ -275,6 +294,14 @@ def test_evaluate_on_a_terminal_draws_a_bar_over_the_rotations(piped_run, tmp_pa
     assert notice not in output, notice
   assert re.search(r'\rrotations: 100%\|[^\r]*\| 3/3 angles', output), output[-3000:]
   assert 'rotation 180 deg: ensemble accuracy' in output
+
+
+def test_the_summary_takes_the_number_of_classes_from_the_checkpoint(piped_run, caplog):
+  """Read by process 0 alone, without orbax's manager, which would wait for the other processes."""
+  caplog.set_level(py_logging.WARNING)
+  console.log_training_summary(piped_run[0], {**_summary([0.97, 0.098, 0.96]), 'step': 16})
+  (warning,) = [r.getMessage() for r in caplog.records if r.levelno == py_logging.WARNING]
+  assert warning.startswith('In the last epoch, members [1] are near chance (test accuracy 0.09800; chance 0.1000)')
 
 
 def test_log_dir_takes_the_log_as_in_absl(piped_run, tmp_path):

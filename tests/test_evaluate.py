@@ -12,8 +12,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from conftest import run_main, small_config, synthetic_mnist, write_idx, write_mnist
+from conftest import linked_workdir, run_main, small_config, synthetic_mnist, write_idx, write_mnist
 from ensemble import calibration, data, evaluate, evaluation, trainer, writers
+from ensemble import report as report_lib
 
 evaluate.define_flags()  # for the command lines run in this process
 
@@ -41,8 +42,9 @@ def test_script_writes_a_report_that_agrees_with_training(workdir, tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'Restored epoch 1' in result.stderr and 'rotation  90 deg' in result.stderr  # progress
   assert 'checkpoint_manager.py' not in result.stderr  # orbax's INFO lines are filtered out
-  assert sorted(os.listdir(out)) == ['ensemble_size.png', 'gaussian_noise.png', 'metrics.json', 'reliability.png',
-                                     'report.md', 'risk_coverage.png', 'rotation.png']
+  # The built-in out-of-distribution sets are scored without --ood.
+  assert sorted(os.listdir(out)) == ['ensemble_size.png', 'gaussian_noise.png', 'metrics.json', 'ood_scores.png',
+                                     'reliability.png', 'report.md', 'risk_coverage.png', 'rotation.png']
   assert not os.path.exists(os.path.join(workdir, 'eval'))
   for png in ('ensemble_size.png', 'gaussian_noise.png', 'reliability.png', 'rotation.png'):
     assert (out / png).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and (out / png).stat().st_size > 10_000
@@ -50,6 +52,10 @@ def test_script_writes_a_report_that_agrees_with_training(workdir, tmp_path):
   results = json.loads((out / 'metrics.json').read_text())
   ensemble, members = results['ensemble'], results['members']
   assert results['epoch'] == 1 and results['ensemble_size'] == 8 and results['test_examples'] == 100
+  assert list(results['ood']) == list(evaluation.DEFAULT_OOD) == ['uniform_noise', 'permuted_pixels']
+  # What the temperature was fitted for: predict and export apply it to this checkpoint of a run on this data only.
+  assert results['checkpoint'] == evaluation.checkpoint_id(workdir, 1)
+  assert results['data_dir'] == evaluation.load_run_config(workdir).data_dir
 
   # The same test set through the trainer's path (pmap eval step on 8 devices, clu metrics).
   trained = writers.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))[-1]
@@ -93,14 +99,16 @@ def test_script_writes_a_report_that_agrees_with_training(workdir, tmp_path):
   assert '| 90 |' in report and '![rotation](rotation.png)' in report
   assert '## Test set with Gaussian noise' in report and '| 5 | 0.1000 |' in report
 
+  # A report that fails to render leaves the one before as it was: nothing is written until all of it is rendered.
+  before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+  with pytest.raises(TypeError):
+    report_lib.write({**results, 'epoch': 2, 'rotation': None}, str(out))
+  assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+
 
 def _with_config(workdir, tmp_path, **changes):
-  """A copy of `workdir` whose config.json says `changes`."""
-  copy = str(tmp_path / 'copy')
-  shutil.copytree(workdir, copy)
-  config = json.load(open(os.path.join(copy, 'config.json')))
-  json.dump({**config, **changes}, open(os.path.join(copy, 'config.json'), 'w'))
-  return ['--workdir', copy]
+  """A workdir with `workdir`'s checkpoints whose config.json says `changes`."""
+  return ['--workdir', linked_workdir(workdir, str(tmp_path / 'copy'), **changes)]
 
 
 def _ood_of_another_shape(workdir, tmp_path):
@@ -128,13 +136,16 @@ def _untrained(workdir, tmp_path):
     (functools.partial(_with_config, heldout_fraction=0.001), 'error: heldout_fraction=0.001 of 256 training '
                                                                 'examples holds out none'),
     (functools.partial(_with_config, backend='dp', model='classifier', ensemble_size=1),
-     "error: {tmp}/copy holds one classifier model trained with backend 'dp', not an ensemble; ensemble.evaluate "
-     'scores ensembles trained with backend pmap or jit (its test loss and accuracy per epoch are in '
+     "error: {tmp}/copy holds one classifier model trained with backend 'dp', not an ensemble; evaluate, predict "
+     'and export read ensembles trained with backend pmap or jit (its test loss and accuracy per epoch are in '
      '{tmp}/copy/metrics.jsonl)'),
     (lambda w, t: ['--workdir', w, '--alpha=0.05,2'], 'error: --alpha=0.05,2: give miscoverage levels between 0 and 1'),
     (lambda w, t: ['--workdir', w, '--ood=/nonexistent.npz'], 'error: --ood=/nonexistent.npz: /nonexistent.npz: no '
                                                                'such file'),
     (_ood_of_another_shape, 'error: --ood={tmp}/colour.npz: 8x8x3 images, but the ensemble takes 28x28x1'),
+    # Not --config.dataset's words: evaluate has no such flag.
+    (lambda w, t: ['--workdir', w, '--ood=uniform_nois'], 'error: --ood=uniform_nois: no such set (did you mean '
+                                                           'uniform_noise'),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(workdir, tmp_path, capsys, make_args, message):
   args = [*make_args(workdir, tmp_path), '--output_dir', str(tmp_path / 'eval')]
@@ -142,6 +153,18 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(workdir, tmp_path, caps
   errors = capsys.readouterr().err.strip().splitlines()
   assert len(errors) == 1 and errors[0].startswith(message.format(tmp=tmp_path, workdir=workdir)), errors
   assert not (tmp_path / 'eval').exists()
+
+
+def test_an_empty_ood_flag_scores_no_out_of_distribution_set():
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  try:
+    flags.FLAGS(['evaluate', '--workdir=w'])
+    assert flags.FLAGS.ood == list(evaluation.DEFAULT_OOD)
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(['evaluate', '--workdir=w', '--ood='])
+    assert flags.FLAGS.ood == []
+  finally:
+    flags.FLAGS.unparse_flags()
 
 
 def test_cli_refuses_a_folder_that_was_never_trained(tmp_path):

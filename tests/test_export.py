@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import run_main, small_config, write_mnist
+from conftest import linked_workdir, run_main, small_config, write_mnist
 from ensemble import api, data, export, trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,6 +70,7 @@ def test_the_cli_writes_what_a_service_runs_with_jax_alone(trained, tmp_path):
 @pytest.mark.parametrize('args, message', [
     (['--output', '{tmp}/model.jax', '--platforms=gpu'], 'error: --platforms=gpu: choose from cpu, cuda, rocm, tpu'),
     (['--output', '{tmp}/missing/model.jax'], 'error: --output={tmp}/missing/model.jax: no folder {tmp}/missing'),
+    (['--output', '{tmp}'], 'error: --output={tmp}: a folder; name a file in it'),
     ([], 'error: --output is required'),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained, tmp_path, capsys, args, message):
@@ -77,3 +78,12 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained, tmp_path, caps
   errors = capsys.readouterr().err.strip().splitlines()
   assert len(errors) == 1 and errors[0].startswith(message.format(tmp=tmp_path)), errors
   assert os.listdir(tmp_path) == []
+
+
+def test_a_workdir_of_one_model_over_a_mesh_is_refused(trained, tmp_path, capsys):
+  workdir = linked_workdir(trained['workdir'], str(tmp_path / 'run'), backend='dp', model='classifier',
+                           ensemble_size=1)
+  assert run_main(export.main, 'export', '--workdir', workdir, '--output', str(tmp_path / 'model.jax')) == 2
+  (error,) = capsys.readouterr().err.strip().splitlines()
+  assert error.startswith(f"error: {workdir} holds one classifier model trained with backend 'dp', not an ensemble")
+  assert not os.path.exists(tmp_path / 'model.jax')

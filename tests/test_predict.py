@@ -3,18 +3,21 @@
 import csv
 import gzip
 import json
+import logging
 import os
-import shutil
+import struct
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
 from PIL import Image
 
 import ensemble
-from conftest import run_main, small_config, write_idx, write_mnist
-from ensemble import api, calibration, data, predict, trainer, writers
+from conftest import linked_workdir, run_main, small_config, write_idx, write_mnist
+from ensemble import api, calibration, data, evaluation, predict, trainer, writers
+from ensemble.data import inputs
 from ensemble.errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,22 +79,38 @@ def test_one_program_per_bucket(trained):
   assert all(p._log_probs._cache_size() == 1 for p in model._predictors.values())  # pylint: disable=protected-access
 
 
-def test_the_temperature_fitted_by_evaluate_is_applied(trained, tmp_path):
-  workdir = str(tmp_path / 'run')
-  shutil.copytree(trained['workdir'], workdir)
+def test_the_temperature_fitted_by_evaluate_is_applied_to_its_checkpoint_and_data_only(trained, tmp_path, caplog):
+  """Not after a retrain from scratch in the same workdir (the same epoch, another checkpoint), nor when evaluate
+  fitted it on the held-out slice of other data (--data_dir)."""
+  workdir = linked_workdir(trained['workdir'], str(tmp_path / 'run'))
   os.makedirs(os.path.join(workdir, 'eval'))
-  metrics = os.path.join(workdir, 'eval', 'metrics.json')
+  config = evaluation.load_run_config(workdir)
+  fitted = {'epoch': 1, 'checkpoint': evaluation.checkpoint_id(workdir, 1), 'data_dir': config.data_dir,
+            'temperature_scaling': {'temperature': 2.0}}
+
+  def report(**changes):
+    with open(os.path.join(workdir, 'eval', 'metrics.json'), 'w') as f:
+      json.dump({**fitted, **changes}, f)
+  report()
   images = trained['test']['image'][:10]
   raw = trained['model'].predict(images)
-  with open(metrics, 'w') as f:
-    json.dump({'epoch': 1, 'temperature_scaling': {'temperature': 2.0}}, f)
   scaled = api.load(workdir).predict(images)
   np.testing.assert_allclose(scaled['probs'], calibration.temperature_scale(raw['probs'], 2.0), rtol=1e-6)
   assert (scaled['class'] == raw['class']).all()
   assert scaled['entropy'] == pytest.approx(raw['entropy'])  # the split stays on the members' own probabilities
-  with open(metrics, 'w') as f:
-    json.dump({'epoch': 7, 'temperature_scaling': {'temperature': 2.0}}, f)  # another checkpoint's
-  assert api.load(workdir).temperature == 1.0
+  for changes, why in [({'epoch': 7}, 'was fitted for epoch 7, not 1'),
+                       ({'checkpoint': '0123456789abcdef'},
+                        'was fitted for another checkpoint of epoch 1 (the run was trained again since)'),
+                       ({'checkpoint': None}, 'does not record the checkpoint it was fitted for (an older version)'),
+                       ({'data_dir': str(tmp_path)}, f'was fitted on the held-out slice of {tmp_path}, not of the '
+                                                      f'data the run was trained on ({config.data_dir})')]:
+    report(**changes)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      assert api._fitted_temperature(workdir, config, 1) is None  # pylint: disable=protected-access
+    assert [r.getMessage() for r in caplog.records] == [
+        f'The temperature in {workdir}/eval/metrics.json {why}: predicting without temperature scaling; run python '
+        f'-m ensemble.evaluate --workdir={workdir} --step=1 to fit one.']
 
 
 @pytest.mark.parametrize('images, message', [
@@ -101,12 +120,23 @@ def test_the_temperature_fitted_by_evaluate_is_applied(trained, tmp_path):
     (np.zeros((2, 28, 28, 1), np.int64), 'images of dtype int64; give uint8 pixels (0..255) or floats in [0, 1]'),
     (np.full((2, 28, 28, 1), 255.0), 'float images must lie in [0, 1] but span [255, 255]; divide 0..255 values'),
     (np.full((2, 28, 28, 1), np.nan), 'float images must lie in [0, 1] but span [nan, nan]'),
+    ([np.zeros((28, 28)), np.zeros((27, 28))], 'inputs cannot be made an array ('),
 ])
 def test_bad_images_are_one_line_errors(trained, images, message):
   with pytest.raises(UsageError) as error:
     trained['model'].predict(images)
   assert str(error.value).startswith(message.format(workdir=trained['workdir']))
   assert '\n' not in str(error.value)
+
+
+def test_a_batch_size_below_one_is_refused_however_it_is_set(trained):
+  model = trained['model']
+  with pytest.raises(UsageError, match=r'^batch_size=-8 must be a positive number of inputs per device program$'):
+    api.Ensemble(model.workdir, model.config, model.member, model.state, model.devices, model.epoch, batch_size=-8)
+  for bad in (0, -1, 2.5, True):
+    with pytest.raises(UsageError, match='must be a positive number'):
+      model.batch_size = bad
+  assert model.batch_size == trained['model'].config.eval_batch_size
 
 
 def test_the_flag_threshold_meets_its_target_on_the_held_out_slice(trained):
@@ -192,6 +222,15 @@ def test_cli_writes_csv_to_stdout_without_output(trained, tmp_path, capsys):
   assert lines[0] == 'name,class,probability,entropy,mutual_information' and len(lines) == 6
 
 
+def _png_header(path, width, height):
+  """A PNG whose header says `width` x `height` and whose pixels are cut off: read only if it is decoded."""
+  def chunk(kind, payload):
+    return struct.pack('>I', len(payload)) + kind + payload + struct.pack('>I', zlib.crc32(kind + payload))
+  header = chunk(b'IHDR', struct.pack('>IIBBBBB', width, height, 8, 0, 0, 0, 0))
+  path.write_bytes(b'\x89PNG\r\n\x1a\n' + header + chunk(b'IDAT', zlib.compress(bytes(width + 1))[:8]))
+  return str(path)
+
+
 def _bad_inputs(tmp_path):
   """name -> (arguments, the start of the error line) for each input the CLI must refuse."""
   np.save(tmp_path / 'colour.npy', np.zeros((3, 32, 32, 3), np.uint8))
@@ -205,6 +244,15 @@ def _bad_inputs(tmp_path):
   (tmp_path / 'broken.png').write_bytes(b'\x89PNG\r\n\x1a\n not really')
   with gzip.open(tmp_path / 'truncated-idx3-ubyte.gz', 'wb') as f:
     f.write(b'\x00\x00\x08\x03\x00\x00\x00\x05\x00\x00\x00\x1c\x00\x00\x00\x1c' + bytes(100))
+  with open(tmp_path / 'huge.npy', 'wb') as f:  # 128 bytes that ask for 784 GB
+    np.lib.format.write_array_header_1_0(f, {'descr': '|u1', 'fortran_order': False, 'shape': (10**9, 28, 28)})
+  # 2**22 * 2**21 * 2**21 = 2**64, which np.prod wraps to 0: the header alone looked complete.
+  (tmp_path / 'overflow-idx3-ubyte').write_bytes(struct.pack('>4I', 0x803, 2**22, 2**21, 2**21))
+  os.makedirs(tmp_path / 'mixed')
+  _png(tmp_path / 'mixed' / 'a.png', np.zeros((28, 28), np.uint8))
+  (tmp_path / 'mixed' / 'b.png').write_bytes(b'\x89PNG\r\n\x1a\n not really')
+  _png_header(tmp_path / 'huge.png', 12000, 6000)
+  os.makedirs(tmp_path / 'rows.csv')
   t = str(tmp_path)
   return {
       'no input': ([], 'error: --input is required'),
@@ -223,6 +271,23 @@ def _bad_inputs(tmp_path):
       'aspect ratio': (['--input', f'{t}/wide.png'], f'error: {t}/wide.png: 56x28 pixels, but the ensemble takes '
                                                     '28x28; resizing would distort it'),
       'broken image': (['--input', f'{t}/broken.png'], f'error: {t}/broken.png: cannot be read as an image'),
+      'broken image in a folder': (['--input', f'{t}/mixed'], f'error: {t}/mixed/b.png: cannot be read as an image: '),
+      # Refused from its header: decoded first, its cut-off pixels would be the error.
+      'huge image': (['--input', f'{t}/huge.png'], f'error: {t}/huge.png: 12000x6000 pixels, but the ensemble takes '
+                                                  '28x28; resizing would distort it'),
+      'huge npy header': (['--input', f'{t}/huge.npy'], f'error: {t}/huge.npy: cut short or damaged: its header '
+                                                       'describes a uint8 array of shape (1000000000, 28, 28) '
+                                                       '(784,000,000,000 bytes) but it holds 0; save it again'),
+      'overflowing idx header': (['--input', f'{t}/overflow-idx3-ubyte'],
+                                 f'error: {t}/overflow-idx3-ubyte: truncated file, header (4194304, 2097152, 2097152) '
+                                 'needs 18446744073709551632 bytes but the file has 16'),
+      'batch size': (['--input', f'{t}/colour.npy', '--batch_size=-1'],
+                     'error: --batch_size=-1: give a positive number of images per device program'),
+      # Checked before the input, which is bad too: before any work.
+      'output is a folder': (['--input', f'{t}/colour.npy', '--output', f'{t}/rows.csv'],
+                             f'error: --output={t}/rows.csv: a folder; name a file in it'),
+      'output folder missing': (['--input', f'{t}/colour.npy', '--output', f'{t}/nowhere/rows.csv'],
+                                f'error: --output={t}/nowhere/rows.csv: no folder {t}/nowhere; create it first'),
       'output format': (['--input', f'{t}/colour.npy', '--output', f'{t}/out/x.txt'],
                         f'error: --output={t}/out/x.txt: unknown format .txt; end it in .csv'),
       'flag risk': (['--input', f'{t}/colour.npy', '--flag_risk=1.5'], 'error: --flag_risk=1.5 must be an error rate'),
@@ -231,7 +296,8 @@ def _bad_inputs(tmp_path):
 
 BAD_INPUTS = ['no input', 'missing file', 'unknown kind', 'idx labels', 'truncated idx', 'wrong shape', 'wrong dtype',
               'out of range', 'several arrays', 'no such array', 'empty folder', 'aspect ratio', 'broken image',
-              'output format', 'flag risk']
+              'broken image in a folder', 'huge image', 'huge npy header', 'overflowing idx header', 'batch size',
+              'output is a folder', 'output folder missing', 'output format', 'flag risk']
 
 
 @pytest.mark.parametrize('case', BAD_INPUTS)
@@ -246,6 +312,89 @@ def test_cli_bad_input_is_one_line_exit_2_and_writes_nothing(trained, tmp_path, 
   errors = captured.err.strip().splitlines()
   assert len(errors) == 1 and errors[0].startswith(message), errors
   assert os.listdir(tmp_path / 'out') == [] and captured.out == ''
+
+
+def test_image_files_are_read_as_they_look(tmp_path):
+  """16-bit greyscale scaled to 8 bits, transparency laid on white, EXIF orientation applied."""
+  digit = np.zeros((28, 28), np.uint8)
+  digit[4:24, 12:16] = 200  # a stroke
+  digit[4:8, 8:20] = 255  # and a bar at the top, so that a half turn shows
+  Image.fromarray(digit.astype(np.uint16) * 257).save(tmp_path / 'sixteen.png')  # mode I;16, 0..65535
+  rgba = np.zeros((28, 28, 4), np.uint8)
+  rgba[..., 3] = digit  # a black digit on a transparent background: RGB is black everywhere
+  Image.fromarray(rgba).save(tmp_path / 'transparent.png')
+  exif = Image.Exif()
+  exif[0x0112] = 3  # orientation: stored upside down, shown turned by half a turn
+  Image.fromarray(digit).save(tmp_path / 'turned.png', exif=exif)
+  read = lambda name, shape=(28, 28, 1): inputs.read(str(tmp_path / name), shape).images[0]
+  np.testing.assert_array_equal(read('sixteen.png')[..., 0], digit)
+  np.testing.assert_array_equal(read('transparent.png')[..., 0], 255 - digit)  # as a viewer shows it on white
+  np.testing.assert_array_equal(read('transparent.png', (28, 28, 3)), np.stack([255 - digit] * 3, -1))
+  np.testing.assert_array_equal(read('turned.png')[..., 0], np.rot90(digit, 2))
+
+
+def test_cli_skips_hidden_and_unreadable_files_when_asked_and_quotes_formulas(trained, tmp_path, caplog):
+  folder = tmp_path / 'scans'
+  os.makedirs(folder)
+  images = trained['test']['image'][:2, ..., 0]
+  _png(folder / 'a.png', images[0])
+  _png(folder / '=1+2.png', images[1])  # a spreadsheet would run it as a formula
+  (folder / '._a.png').write_bytes(b'\x00\x05\x16\x07 macOS resource fork')  # hidden: not an image
+  (folder / 'cut.png').write_bytes((folder / 'a.png').read_bytes()[:60])
+  args = ['--workdir', trained['workdir'], '--input', str(folder), '--noflag']
+  assert run_main(predict.main, 'predict', *args, '--output', str(tmp_path / 'strict.csv')) == 2
+  with caplog.at_level(logging.WARNING):
+    assert run_main(predict.main, 'predict', *args, '--output', str(tmp_path / 'rows.csv'), '--skip_unreadable') == 0
+  rows = _read(tmp_path / 'rows.csv')
+  assert [row['name'] for row in rows] == ["'=1+2.png", 'a.png']
+  assert [int(row['class']) for row in rows] == trained['model'].predict(images[::-1])['class'].tolist()
+  skipped = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(skipped) == 1 and skipped[0].startswith(f'Skipped 1 files of {folder} that cannot be read '
+                                                     '(--skip_unreadable): cut.png (cannot be read as an image: ')
+  assert not os.path.exists(tmp_path / 'strict.csv')
+  assert run_main(predict.main, 'predict', *args, '--output', str(tmp_path / 'rows.jsonl'), '--skip_unreadable') == 0
+  assert [row['name'] for row in _read(tmp_path / 'rows.jsonl')] == ['=1+2.png', 'a.png']  # JSON keeps them as named
+
+
+def test_an_unreadable_file_in_a_folder_names_the_flag_that_skips_it(trained, tmp_path, capsys):
+  os.makedirs(tmp_path / 'scans')
+  _png(tmp_path / 'scans' / 'a.png', np.zeros((28, 28), np.uint8))
+  (tmp_path / 'scans' / 'b.png').write_bytes(b'\x89PNG\r\n\x1a\n not really')
+  assert run_main(predict.main, 'predict', '--workdir', trained['workdir'], '--input', str(tmp_path / 'scans'),
+                  '--noflag') == 2
+  (error,) = capsys.readouterr().err.strip().splitlines()
+  assert error.startswith(f'error: {tmp_path}/scans/b.png: cannot be read as an image: ')
+  assert error.endswith('; replace or remove it, or pass --skip_unreadable to predict the others')
+
+
+def test_the_flag_names_its_fixes_when_the_training_data_has_moved(trained, tmp_path, capsys):
+  workdir = linked_workdir(trained['workdir'], str(tmp_path / 'run'), data_dir=str(tmp_path / 'moved'))
+  np.save(tmp_path / 'x.npy', trained['test']['image'][:2])
+  assert run_main(predict.main, 'predict', '--workdir', workdir, '--input', str(tmp_path / 'x.npy')) == 2
+  (error,) = capsys.readouterr().err.strip().splitlines()
+  assert error.startswith('error: the flag column is fitted on the held-out slice of the training data, which cannot '
+                          f'be read ({tmp_path}/moved: no such folder or .npz file')
+  assert error.endswith('; give --data_dir where that data is now, or --noflag to predict without the column')
+
+
+def test_a_workdir_of_one_model_over_a_mesh_is_refused(trained, tmp_path, capsys):
+  workdir = linked_workdir(trained['workdir'], str(tmp_path / 'run'), backend='fsdp', model='mlp', ensemble_size=1)
+  np.save(tmp_path / 'x.npy', trained['test']['image'][:2])
+  assert run_main(predict.main, 'predict', '--workdir', workdir, '--input', str(tmp_path / 'x.npy')) == 2
+  assert capsys.readouterr().err.strip().splitlines() == [
+      f"error: {workdir} holds one mlp model trained with backend 'fsdp', not an ensemble; evaluate, predict and "
+      'export read ensembles trained with backend pmap or jit (its test loss and accuracy per epoch are in '
+      f'{workdir}/metrics.jsonl)']
+
+
+def test_the_program_refuses_evaluates_flags(tmp_path):
+  """evaluate's --ood, --alpha and --angles are not predict's: named, they end the program in one line."""
+  result = subprocess.run([sys.executable, '-m', 'ensemble.predict', '--workdir', str(tmp_path), '--input',
+                           str(tmp_path), '--ood=uniform_noise'], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      "error: Unknown command line flag 'ood'; see --helpfull for the flags"], result.stderr[-2000:]
 
 
 def test_cli_refuses_a_folder_that_was_never_trained(tmp_path, capsys):

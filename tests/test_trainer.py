@@ -27,7 +27,7 @@ def _snapshot(workdir):
 
 def test_metrics_jsonl_and_checkpoints(make_config, tmp_path):
   workdir = str(tmp_path / 'run')
-  _, summary = trainer.train_and_evaluate(make_config(num_epochs=2), workdir)
+  _, summary = trainer.train_and_evaluate(make_config(num_epochs=2, eval_batch_size=1000), workdir)
   lines = writers.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
   assert [line['epoch'] for line in lines] == [1, 2]
   for key in ('train_loss', 'train_accuracy', 'test_loss', 'test_accuracy'):
@@ -37,7 +37,9 @@ def test_metrics_jsonl_and_checkpoints(make_config, tmp_path):
   assert lines[-1]['train_loss'] < lines[0]['train_loss']
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['1', '2']
   assert any(f.startswith('events.out.tfevents') for f in os.listdir(workdir))
-  assert json.load(open(os.path.join(workdir, 'config.json')))['ensemble_size'] == 8
+  config = json.load(open(os.path.join(workdir, 'config.json')))
+  # The 100 test examples are one batch, not padded to 1000: a multiple of the 8 devices.
+  assert config['ensemble_size'] == 8 and config['eval_batch_size'] == 104
 
 
 # A ResNet with BatchNorm, per-member augmentation, AdamW and weight decay. (A schedule spans num_epochs, so a
@@ -128,6 +130,11 @@ def test_a_checkpoint_that_does_not_fit_is_refused_and_nothing_is_overwritten(
     ({'seed': -1}, r'seed=-1 must be in \[0, 4294967295\]'),
     ({'seed': 2**32}, r'seed=4294967296 must be in \[0, 4294967295\]'),
     ({'learning_rate': float('inf')}, 'learning_rate=inf must be positive and finite'),
+    ({'weight_decay': float('inf')}, 'weight_decay=inf must be 0 or positive, and finite'),
+    ({'heldout_fraction': 1e-9}, 'heldout_fraction=1e-09 of the 256 training examples holds out none; set '
+                                 '--config.heldout_fraction to at least 0.0039, or to 0'),
+    # Positivity first: the snapshot method's cycle check divides by num_epochs.
+    ({'method': 'snapshot', 'num_epochs': 0}, '^num_epochs=0 must be positive$'),
 ])
 def test_bad_config_is_refused_before_the_workdir_is_touched(make_config, tmp_path, override, message):
   workdir = tmp_path / 'run'

@@ -5,6 +5,9 @@ without importing the package that imports them.
 """
 
 import dataclasses
+import math
+import zipfile
+from typing import BinaryIO
 
 import numpy as np
 
@@ -66,6 +69,29 @@ def first_line(error: BaseException) -> str:
   """An exception's message cut to one line: the CLI prints a DataError as a single `error:` line."""
   lines = str(error).strip().splitlines()
   return f'{type(error).__name__}: {lines[0]}' if lines else type(error).__name__
+
+
+def check_npy_size(f: BinaryIO, size: int, name: str):
+  """Refuses an .npy stream (read from its start) whose header asks for more bytes than the `size` bytes of the
+  stream hold, before numpy allocates them: a damaged or hostile 128-byte header can ask for any amount of
+  memory. Leaves `f` after the header. A header that cannot be parsed raises numpy's ValueError.
+  """
+  version = np.lib.format.read_magic(f)
+  read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+  shape, _, dtype = read_header(f)
+  needed, held = math.prod(shape) * dtype.itemsize, size - f.tell()
+  if not dtype.hasobject and needed > held:  # object arrays are pickles, which the loaders refuse anyway
+    raise DataError(f'{name}: cut short or damaged: its header describes a {dtype} array of shape {tuple(shape)} '
+                    f'({needed:,} bytes) but it holds {held:,}; save it again with numpy')
+
+
+def check_npz_sizes(path: str, names: list[str]):
+  """`check_npy_size` for the arrays `names` of the .npz file at `path`."""
+  with zipfile.ZipFile(path) as archive:
+    for name in names:
+      info = archive.getinfo(name + '.npy')
+      with archive.open(info) as f:
+        check_npy_size(f, info.file_size, f'{path}: {name}')
 
 
 def _check_image_layout(images: np.ndarray, name: str):

@@ -1,6 +1,7 @@
 """IDX folders: MNIST, Fashion-MNIST and KMNIST all ship as the same four files, of any image size."""
 
 import gzip
+import math
 import os
 import struct
 
@@ -41,7 +42,7 @@ def read_idx(path: str, magic: int) -> np.ndarray:
   if len(raw) < header:
     raise base.DataError(f'{path}: truncated file, the header alone needs {header} bytes; replace it')
   dims = struct.unpack(f'>{ndim}I', raw[4:header])
-  expected = header + int(np.prod(dims))
+  expected = header + math.prod(dims)  # exact: np.prod wraps around at 2**63, and a wrapped size can match
   if len(raw) != expected:
     problem = 'truncated file' if len(raw) < expected else 'trailing bytes after the data'
     raise base.DataError(f'{path}: {problem}, header {dims} needs {expected} bytes but the file has {len(raw)}; '

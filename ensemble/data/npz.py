@@ -25,6 +25,7 @@ def load(path: str, task: str = 'classification') -> base.Dataset:
       if missing:
         held = ', '.join(npz.files) or 'no arrays'
         raise base.DataError(f'{path}: no array {missing[0]} (it holds {held}); {_FIX}')
+      base.check_npz_sizes(path, list(KEYS))
       loaded = {key: npz[key] for key in KEYS}
   except base.DataError:  # a ValueError too, and already says what to do
     raise

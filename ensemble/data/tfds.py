@@ -17,6 +17,14 @@ _FALLBACK_HOST = ('storage.googleapis.com', 443)  # where tfds keeps its own fil
 _READ_BATCH = 1 << 14  # examples per tf.data batch; the batches are copied into one preallocated array
 
 
+class UnknownDataset(base.DataError):
+  """No tensorflow-datasets dataset has this name; `close` are the names that look like it."""
+
+  def __init__(self, message: str, close: list[str]):
+    super().__init__(message)
+    self.close = close
+
+
 def _builder(tfds, name: str):
   try:
     return tfds.builder(name)
@@ -24,8 +32,8 @@ def _builder(tfds, name: str):
     close = difflib.get_close_matches(name.split('/')[0].split(':')[0].lower(),
                                       tfds.list_builders(with_community_datasets=False), n=3, cutoff=0.6)
     hint = f' (did you mean {", ".join(close)}?)' if close else ''
-    raise base.DataError(f'--config.dataset={name}: no such tensorflow-datasets dataset{hint}; name one from '
-                         f'https://www.tensorflow.org/datasets/catalog/overview, {_DATA_DIR_FIX}') from None
+    raise UnknownDataset(f'--config.dataset={name}: no such tensorflow-datasets dataset{hint}; name one from '
+                         f'https://www.tensorflow.org/datasets/catalog/overview, {_DATA_DIR_FIX}', close) from None
   except (ValueError, AssertionError) as e:  # a bad config, version or name syntax
     raise base.DataError(f'--config.dataset={name}: tensorflow-datasets cannot build it ({base.first_line(e)}); '
                          f'use NAME[/CONFIG][:VERSION], {_DATA_DIR_FIX}') from None
