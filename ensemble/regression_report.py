@@ -120,7 +120,8 @@ def evaluate(workdir: str, config, member, state, devices, epoch: int, *, data_d
   logging.info('Predicting the %d test examples and the %d held-out ones.', len(dataset.test['label']),
                len(heldout['label']))
   results = {'workdir': os.path.abspath(workdir), 'epoch': epoch,
-             'checkpoint': evaluation.checkpoint_id(workdir, epoch), 'ensemble_size': config.ensemble_size, 'task': 'regression', 'data': dataset.source,
+             'checkpoint': evaluation.checkpoint_id(workdir, epoch), 'ensemble_size': config.ensemble_size,
+             'task': 'regression', 'data': dataset.source,
              'data_dir': config_lib.data_location(data_dir), 'test_examples': len(dataset.test['label']),
              **score(components(dataset.test), components(heldout), config.ensemble_size, alphas, seen_in_training)}
   logging.info('test: ensemble RMSE %.4g NLL %.4g CRPS %.4g 90%% coverage %.3f; mean member RMSE %.4g NLL %.4g '
