@@ -7,9 +7,8 @@ import traceback
 from typing import Callable, Sequence
 
 from absl import app, flags, logging as absl_logging
-import jax
 
-from ensemble import checkpoint, console, files, host_memory
+from ensemble import checkpoint, console, files
 from ensemble.errors import UsageError
 
 
@@ -130,9 +129,3 @@ def ignore_closed_event_loops():
   """
   sys.unraisablehook = checkpoint.drop_io_debris(sys.unraisablehook)
   logging.getLogger('asyncio').addFilter(checkpoint.DroppedTasks())
-
-
-def keep_freed_memory_on_cpu():
-  """On CPU, glibc keeps the memory XLA frees (see `host_memory`); accelerators need nothing."""
-  if jax.default_backend() == 'cpu' and host_memory.keep_freed_memory():
-    absl_logging.info('Keeping freed host memory for XLA:CPU to reuse (ensemble/host_memory.py).')

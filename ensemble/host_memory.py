@@ -30,3 +30,12 @@ def keep_freed_memory(top_pad_bytes: int = 256 << 20) -> bool:
     return False
   settings = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _NEVER), (_M_TOP_PAD, top_pad_bytes))
   return all(mallopt(param, value) == 1 for param, value in settings)
+
+
+def keep_freed_memory_on_cpu():
+  """On CPU, glibc keeps the memory XLA frees; accelerators need nothing. The trainer calls it (for the programs
+  and `ensemble.fit` alike), and so do the programs that only predict."""
+  import jax  # pylint: disable=g-import-not-at-top  # here: importing this module must not start JAX
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  if jax.default_backend() == 'cpu' and keep_freed_memory():
+    logging.info('Keeping freed host memory for XLA:CPU to reuse (ensemble/host_memory.py).')

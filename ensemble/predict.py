@@ -34,7 +34,7 @@ console.quiet_libraries()  # before TensorFlow (if tensorflow-datasets loads the
 from absl import flags, logging  # pylint: disable=g-import-not-at-top,g-multiple-import
 import numpy as np  # pylint: disable=g-import-not-at-top
 
-from ensemble import api, cli, data, files  # pylint: disable=g-import-not-at-top
+from ensemble import api, cli, data, files, host_memory  # pylint: disable=g-import-not-at-top
 from ensemble.api import DEFAULT_FLAG_RISK, FLAG_SCORE  # pylint: disable=g-import-not-at-top
 from ensemble.data import inputs  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
@@ -172,7 +172,7 @@ def main(argv):
   def body():
     if not FLAGS.workdir:
       raise UsageError('--workdir is required: a folder trained by python -m ensemble.train')
-    cli.keep_freed_memory_on_cpu()
+    host_memory.keep_freed_memory_on_cpu()
     predict_files(FLAGS.workdir, FLAGS.input, FLAGS.output, step=FLAGS.step, array=FLAGS.array, flag=FLAGS.flag,
                   flag_risk=FLAGS.flag_risk, data_dir=FLAGS.data_dir,
                   batch_size=None if FLAGS.batch_size == 0 else FLAGS.batch_size,

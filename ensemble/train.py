@@ -67,7 +67,6 @@ def _train():
                          initialization_timeout=FLAGS.initialization_timeout,
                          heartbeat_timeout=FLAGS.heartbeat_timeout)
   logging.info('Process %d of %d; JAX devices: %s', jax.process_index(), jax.process_count(), jax.devices())
-  cli.keep_freed_memory_on_cpu()
   _, summary = trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
   console.log_training_summary(FLAGS.workdir, summary)
 

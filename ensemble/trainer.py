@@ -13,7 +13,7 @@ from absl import logging
 from clu import periodic_actions
 
 from ensemble import backends, checkpoint, config as config_lib, data, distributed, metrics, writers
-from ensemble import console, devices as devices_lib, files
+from ensemble import console, devices as devices_lib, files, host_memory
 from ensemble.errors import UsageError
 
 
@@ -166,6 +166,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
   """
   config, devices = config_lib.resolve(config, jax.devices(), model)
   devices_lib.compilation_cache(config.get('compilation_cache', 'auto'))
+  # On CPU, XLA's buffers come from malloc: kept mapped, steps stop page-faulting (as the programs do at start-up).
+  host_memory.keep_freed_memory_on_cpu()
   # Everything that can refuse the run does so before the workdir is written; a resume with other data
   # settings before any data is read.
   ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.checkpoints_to_keep)

@@ -19,7 +19,7 @@ from absl import flags  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
-from ensemble import api, cli  # pylint: disable=g-import-not-at-top
+from ensemble import api, cli, host_memory  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'A folder trained by `python -m ensemble.train`.', allow_override=True)
@@ -33,7 +33,7 @@ def main(argv):
   del argv
   if FLAGS.cpu_devices:
     jax.config.update('jax_num_cpu_devices', FLAGS.cpu_devices)
-  cli.keep_freed_memory_on_cpu()  # as the CLIs do
+  host_memory.keep_freed_memory_on_cpu()  # as the CLIs do
   model = api.load(FLAGS.workdir, batch_size=FLAGS.batch_size or None)
   images = np.random.default_rng(0).integers(0, 256, (FLAGS.images, *model.image_shape), dtype=np.uint8)
   start = time.perf_counter()
