@@ -228,14 +228,17 @@ def read_record(workdir: str, epoch: int) -> dict[str, Any]:
 class Checkpointer:
   """Saves one checkpoint per epoch under `workdir/checkpoints/<epoch>` and keeps the last few."""
 
-  def __init__(self, workdir: str, max_to_keep: int = 3):
+  def __init__(self, workdir: str, max_to_keep: int = 3, asynchronous: bool = False):
+    """`asynchronous`: `save(..., wait=False)` returns once the state is on the host and writes the files in the
+    background (orbax's async checkpointing), so that training goes on meanwhile."""
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, CHECKPOINTS_DIR)
     self._manager = ocp.CheckpointManager(
         self.directory,
         item_names=('state', 'meta'),
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=False, enable_async_checkpointing=False))
+            max_to_keep=max_to_keep, create=False, enable_async_checkpointing=asynchronous))
+    self._in_flight = None  # the epoch whose checkpoint is being written in the background
     # Restores go through the handlers, not the manager: the manager ends a restore with a barrier
     # across processes, which a process whose read failed would never reach.
     self._state_handler = ocp.StandardCheckpointHandler()
@@ -372,24 +375,44 @@ class Checkpointer:
         raise UsageError(f'{where} holds {path} as {saved_sig.get(path)} but the config builds '
                          f'{expected_sig.get(path)}; {fix}')
 
-  def save(self, epoch: int, state: Any, meta: dict[str, Any], summary: tuple[int, dict[str, float]] | None = None):
+  def save(self, epoch: int, state: Any, meta: dict[str, Any], summary: tuple[int, dict[str, float]] | None = None,
+           wait: bool = True):
     """Writes atomically (orbax renames a finished temporary folder), so a crash never leaves half a checkpoint.
 
     `summary`, (step, scalars) of the epoch, is kept beside the state: the
     metrics.jsonl line that a crash right after the save would lose can be
     written again on resume. A write that the file system refuses raises a
     UsageError naming the checkpoint and the cause; the checkpoints before it
-    stay as they were.
+    stay as they were. With `wait=False` (and an `asynchronous` checkpointer)
+    the write goes on after the return: `wait`, the next save and `close`
+    complete it, and raise its error.
     """
+    self.wait()
     record = {**meta, 'epoch': epoch, 'signature': signature(state)}
     if summary is not None:
       record['summary'] = {'step': summary[0], 'scalars': summary[1]}
-    try:
+    with self._writing(epoch):
       os.makedirs(self.directory, exist_ok=True)
+      self._in_flight = epoch
       self._manager.save(epoch, args=ocp.args.Composite(
           state=ocp.args.StandardSave(serialization.to_state_dict(state)), meta=ocp.args.JsonSave(record)))
-      self._manager.wait_until_finished()
+    if wait:
+      self.wait()
+
+  def wait(self):
+    """Returns once the checkpoint being written (if any) is complete on disk."""
+    epoch, self._in_flight = self._in_flight, None
+    if epoch is not None:
+      with self._writing(epoch):
+        self._manager.wait_until_finished()
+
+  @contextlib.contextmanager
+  def _writing(self, epoch: int):
+    """Turns a write of `epoch` that the file system refuses into a UsageError, and frees what it wrote."""
+    try:
+      yield
     except Exception as e:  # pylint: disable=broad-except
+      self._in_flight = None
       cause = _storage_error(e)
       if cause is None:
         raise
@@ -417,7 +440,11 @@ class Checkpointer:
       time.sleep(0.1)
 
   def close(self):
-    self._manager.close()
+    """Completes the checkpoint being written, then lets orbax's threads go."""
+    try:
+      self.wait()
+    finally:
+      self._manager.close()
     self._state_handler.close()
     self._meta_handler.close()
 

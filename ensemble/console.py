@@ -47,7 +47,7 @@ def quiet_libraries():
   Only the CLIs call it: importing `ensemble` must not change a caller's environment.
   A value the user has set wins.
 
-  - TensorFlow (loaded for clu's TensorBoard writer and tensorflow-datasets)
+  - TensorFlow (loaded only to read tensorflow-datasets)
     logs "oneDNN custom operations are on" when it loads, ahead of absl's "All
     log messages before absl::InitializeLog() is called" preface, and
     TF_CPP_MIN_LOG_LEVEL does not reach that line. TensorFlow computes nothing

@@ -10,7 +10,6 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
-from clu import periodic_actions
 
 from ensemble import backends, checkpoint, config as config_lib, data, distributed, metrics, writers
 from ensemble import console, devices as devices_lib, files, host_memory
@@ -153,6 +152,39 @@ def _diverged(config: ml_collections.ConfigDict, epoch: int, step: int, what: st
                    f'{resume} (the checkpoints saved so far are kept)')
 
 
+class _SavesInBackground:
+  """Each epoch's checkpoint written while the next epoch trains, and the epoch's metrics.jsonl line once the
+  checkpoint is complete: a crash before the line costs no metric, as the resume writes it from the checkpoint."""
+
+  def __init__(self, ckpt: checkpoint.Checkpointer, writer: writers.Writers):
+    self._ckpt, self._writer, self._saving = ckpt, writer, None
+
+  def save(self, epoch: int, state: Any, meta: dict[str, Any], step: int, summary: dict[str, float]):
+    self.finish()
+    started = time.perf_counter()
+    self._ckpt.save(epoch, state, meta, summary=(step, summary), wait=False)
+    self._saving = step, summary, time.perf_counter() - started
+
+  def finish(self):
+    """Waits for the checkpoint being written, then writes its line, whose `save_seconds` is the time training
+    waited for that checkpoint: copying the state to the host, and any wait for the files."""
+    if self._saving is None:
+      return
+    (step, summary, seconds), self._saving = self._saving, None
+    started = time.perf_counter()
+    self._ckpt.wait()
+    self._writer.epoch.write_scalars(step, {**summary, 'save_seconds': seconds + time.perf_counter() - started})
+    self._writer.epoch.flush()
+
+  def close(self):
+    """However the run ends, its last checkpoint is complete (and its line written) before it returns."""
+    try:
+      self.finish()
+    finally:
+      self._writer.epoch.close()
+      self._ckpt.close()
+
+
 @_releases_the_workdir
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, dataset: data.Dataset | None = None,
                        model: Any = None, progress: bool | None = None) -> tuple[Any, dict[str, float]]:
@@ -170,7 +202,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
   host_memory.keep_freed_memory_on_cpu()
   # Everything that can refuse the run does so before the workdir is written; a resume with other data
   # settings before any data is read.
-  ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.checkpoints_to_keep)
+  # One process writes its checkpoints in the background while the next epoch trains; across processes, orbax's
+  # saves meet at barriers, kept in the training thread.
+  ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.checkpoints_to_keep,
+                                 asynchronous=jax.process_count() == 1)
   _check_resume(config, workdir, ckpt)
   if dataset is None:
     dataset = data.load(config.dataset, config.data_dir, config.train_split, config.test_split,
@@ -215,8 +250,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
   for summary_step, scalars in missing:
     writer.epoch.write_scalars(summary_step, scalars)
   writer.epoch.flush()
-  report_progress = periodic_actions.ReportProgress(
-      num_train_steps=config.num_epochs * steps_per_epoch, writer=writer.progress)
+  report_progress = writers.ProgressReport(writer.progress)
   logging.info('Training %d members on %d devices with the %s backend, %d steps per epoch; data: %s, '
                '%d classes, images %s.', config.ensemble_size, len(devices), config.backend, steps_per_epoch,
                dataset.source, dataset.num_classes, 'x'.join(map(str, dataset.image_shape)))
@@ -231,46 +265,43 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
   resident = backend.put_dataset(train_split) if config.steps_per_dispatch else None
   steps_per_dispatch = config.steps_per_dispatch or 1
   step, summary = start_epoch * steps_per_epoch, {}
-  for epoch in range(start_epoch + 1, config.num_epochs + 1):
-    indices = data.train_batch_indices(num_train, config.batch_size, config.seed, epoch,
-                                       config.ensemble_size, config.member_data)
-    train_outputs = []
-    progress_bar = console.Progress(steps_per_epoch, f'epoch {epoch}/{config.num_epochs}',
-                                    items_per_step=config.batch_size * config.ensemble_size,
-                                    bar=None if progress is None else progress and console.interactive())
-    started = time.perf_counter()
-    for start in range(0, len(indices), steps_per_dispatch):
-      chunk = indices[start:start + steps_per_dispatch]
-      with jax.profiler.StepTraceAnnotation('train', step_num=step):
-        state, chunk_metrics = backends.train_chunk(backend, state, train_split, resident, chunk)
-      # Block on every dispatch: with several simulated CPU devices, a deep queue of
-      # in-flight multi-device programs starves XLA's collective rendezvous and
-      # aborts the process; waiting here costs no throughput (docs/backends-and-devices.md, "Many devices on a CPU").
-      # Fetching the metrics waits, and lets a diverged member stop the run at once.
-      train_outputs.append(backend.to_host(chunk_metrics))
-      step += len(chunk)
-      _stop_if_diverged(train_outputs[-1]['loss'], config, epoch, step)
-      report_progress(step)
-      progress_bar.update(len(chunk), chunk_metrics)
-    train_outputs = jax.tree.map(
-        lambda *xs: np.concatenate([x.reshape(config.ensemble_size, -1) for x in xs], axis=1), *train_outputs)
-    train_seconds = time.perf_counter() - started
-    train = member.task.train_metrics.single_from_model_output(**train_outputs).compute()
-    started = time.perf_counter()
-    test = evaluate(backend, state, test_split, config.eval_batch_size, member.task)
-    summary = _epoch_summary(train, test, epoch, train_seconds, time.perf_counter() - started, member.task)
-    canonical = backend.to_canonical(state)
-    nonfinite = checkpoint.nonfinite_members(canonical, config.ensemble_size)
-    if nonfinite:
-      _diverged(config, epoch, step, f'members {nonfinite} have non-finite parameters')
-    # Checkpoint first, with the summary: a crash before the line is written costs no metric, as the
-    # resume writes it from the checkpoint.
-    started = time.perf_counter()
-    ckpt.save(epoch, canonical, ckpt_meta, summary=(step, summary))
-    writer.epoch.write_scalars(step, {**summary, 'save_seconds': time.perf_counter() - started})
-    writer.epoch.flush()
-    console.log_epoch(summary, config.num_epochs, progress_bar.close(), echo=bool(progress),
-                      num_classes=dataset.num_classes)
-  writer.epoch.close()
-  ckpt.close()
+  saves = _SavesInBackground(ckpt, writer)
+  try:
+    for epoch in range(start_epoch + 1, config.num_epochs + 1):
+      indices = data.train_batch_indices(num_train, config.batch_size, config.seed, epoch,
+                                         config.ensemble_size, config.member_data)
+      train_outputs = []
+      progress_bar = console.Progress(steps_per_epoch, f'epoch {epoch}/{config.num_epochs}',
+                                      items_per_step=config.batch_size * config.ensemble_size,
+                                      bar=None if progress is None else progress and console.interactive())
+      started = time.perf_counter()
+      for start in range(0, len(indices), steps_per_dispatch):
+        chunk = indices[start:start + steps_per_dispatch]
+        with jax.profiler.StepTraceAnnotation('train', step_num=step):
+          state, chunk_metrics = backends.train_chunk(backend, state, train_split, resident, chunk)
+        # Block on every dispatch: with several simulated CPU devices, a deep queue of
+        # in-flight multi-device programs starves XLA's collective rendezvous and
+        # aborts the process; waiting here costs no throughput (docs/backends-and-devices.md, "Many devices on a CPU").
+        # Fetching the metrics waits, and lets a diverged member stop the run at once.
+        train_outputs.append(backend.to_host(chunk_metrics))
+        step += len(chunk)
+        _stop_if_diverged(train_outputs[-1]['loss'], config, epoch, step)
+        report_progress(step)
+        progress_bar.update(len(chunk), chunk_metrics)
+      train_outputs = jax.tree.map(
+          lambda *xs: np.concatenate([x.reshape(config.ensemble_size, -1) for x in xs], axis=1), *train_outputs)
+      train_seconds = time.perf_counter() - started
+      train = member.task.train_metrics.single_from_model_output(**train_outputs).compute()
+      started = time.perf_counter()
+      test = evaluate(backend, state, test_split, config.eval_batch_size, member.task)
+      summary = _epoch_summary(train, test, epoch, train_seconds, time.perf_counter() - started, member.task)
+      canonical = backend.to_canonical(state)
+      nonfinite = checkpoint.nonfinite_members(canonical, config.ensemble_size)
+      if nonfinite:
+        _diverged(config, epoch, step, f'members {nonfinite} have non-finite parameters')
+      saves.save(epoch, canonical, ckpt_meta, step, summary)
+      console.log_epoch(summary, config.num_epochs, progress_bar.close(), echo=bool(progress),
+                        num_classes=dataset.num_classes)
+  finally:
+    saves.close()
   return backend.to_canonical(state), summary

@@ -7,6 +7,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing import event_accumulator
 
 from ensemble import backends, checkpoint, config as config_lib, data, trainer, writers
 from ensemble.errors import UsageError
@@ -25,9 +26,49 @@ def _snapshot(workdir):
           for root, _, files in os.walk(workdir) for f in files}
 
 
-def test_metrics_jsonl_and_checkpoints(make_config, tmp_path):
+class _Scalars:
+  def __init__(self):
+    self.written = []
+
+  def write_scalars(self, step, scalars):
+    self.written.append((step, scalars))
+
+  def flush(self):
+    pass
+
+
+def test_progress_report_writes_steps_per_second_once_its_interval_has_passed(monkeypatch):
+  clock = iter([100.0, 100.0, 130.0, 161.0])
+  monkeypatch.setattr(writers.time, 'monotonic', lambda: next(clock))
+  scalars = _Scalars()
+  report = writers.ProgressReport(scalars, every_secs=60.0)
+  report(10)  # the first call sets the origin
+  report(40)  # 30 s on: not yet
+  report(71)  # 61 s on: 61 steps in 61 s
+  assert scalars.written == [(71, {'steps_per_sec': 1.0, 'uptime': 61.0})]
+
+
+def test_metrics_jsonl_and_checkpoints(make_config, tmp_path, monkeypatch):
   workdir = str(tmp_path / 'run')
+  events = []
+
+  def recording(fn, event):
+    def recorded(*args, **kwargs):
+      events.append(event(*args, **kwargs))
+      return fn(*args, **kwargs)
+    return recorded
+
+  monkeypatch.setattr(backends, 'train_chunk', recording(backends.train_chunk, lambda *_: 'train'))
+  monkeypatch.setattr(checkpoint.Checkpointer, 'save',
+                      recording(checkpoint.Checkpointer.save, lambda _, epoch, *__, **___: f'save {epoch}'))
+  monkeypatch.setattr(checkpoint.Checkpointer, 'wait',
+                      recording(checkpoint.Checkpointer.wait, lambda ckpt: f'wait for {ckpt._in_flight}'))
   _, summary = trainer.train_and_evaluate(make_config(num_epochs=2, eval_batch_size=1000), workdir)
+  # Epoch 1's checkpoint is written while epoch 2 trains: the trainer waits for it after epoch 2's steps, and for
+  # epoch 2's before it returns.
+  steps = events.count('train') // 2
+  assert [e for e in events if e != 'wait for None'] == (
+      ['train'] * steps + ['save 1'] + ['train'] * steps + ['wait for 1', 'save 2', 'wait for 2'])
   lines = writers.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
   assert [line['epoch'] for line in lines] == [1, 2]
   for key in ('train_loss', 'train_accuracy', 'test_loss', 'test_accuracy'):
@@ -36,7 +77,13 @@ def test_metrics_jsonl_and_checkpoints(make_config, tmp_path):
   assert lines[-1]['test_accuracy'] == summary['test_accuracy']
   assert lines[-1]['train_loss'] < lines[0]['train_loss']
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['1', '2']
-  assert any(f.startswith('events.out.tfevents') for f in os.listdir(workdir))
+  # TensorBoard reads the same scalars, per member too (the events are written without TensorFlow).
+  events = event_accumulator.EventAccumulator(workdir)
+  events.Reload()
+  for tag, value in (('test_accuracy', lines[-1]['test_accuracy']), ('train_loss', lines[-1]['train_loss']),
+                     ('member_test_accuracy/7', lines[-1]['member_test_accuracy'][7])):
+    assert [(e.step, e.value) for e in events.Scalars(tag)][-1] == (lines[-1]['step'], pytest.approx(value, rel=1e-6))
+  assert [e.step for e in events.Scalars('epoch')] == [line['step'] for line in lines]
   config = json.load(open(os.path.join(workdir, 'config.json')))
   # The 100 test examples are one batch, not padded to 1000: a multiple of the 8 devices.
   assert config['ensemble_size'] == 8 and config['eval_batch_size'] == 104

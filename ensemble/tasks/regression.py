@@ -26,8 +26,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.special
-import scipy.stats
+import scipy.special  # ndtr and ndtri are the standard normal's CDF and quantile; scipy.stats takes 0.6 s to import
 from clu import metrics as clu_metrics
 
 from ensemble import metrics
@@ -204,7 +203,7 @@ def mixture_log_density(means: np.ndarray, variances: np.ndarray, y: np.ndarray)
 
 def mixture_cdf(means: np.ndarray, variances: np.ndarray, x: np.ndarray) -> np.ndarray:
   """(N, D) P(Y_d <= x_d) of each target's mixture marginal."""
-  return scipy.stats.norm.cdf((x - means) / np.sqrt(variances)).mean(0)
+  return scipy.special.ndtr((x - means) / np.sqrt(variances)).mean(0)
 
 
 def mixture_quantile(means: np.ndarray, variances: np.ndarray, q: float, iterations: int = 100) -> np.ndarray:
@@ -215,7 +214,7 @@ def mixture_quantile(means: np.ndarray, variances: np.ndarray, q: float, iterati
   one, every component's CDF is at most q; at the other, at least q), so
   bisection on that bracket converges; 100 halvings reach float64's resolution.
   """
-  component = means + np.sqrt(variances) * scipy.stats.norm.ppf(q)
+  component = means + np.sqrt(variances) * scipy.special.ndtri(q)
   low, high = component.min(0), component.max(0)
   for _ in range(iterations):
     middle = 0.5 * (low + high)
@@ -234,7 +233,7 @@ def _crps_term(mu: np.ndarray, variance: np.ndarray) -> np.ndarray:
   """E|X| for X ~ N(mu, variance): 2 s phi(mu/s) + mu (2 Phi(mu/s) - 1), s = sqrt(variance)."""
   s = np.sqrt(variance)
   z = mu / s
-  return 2 * s * scipy.stats.norm.pdf(z) + mu * (2 * scipy.stats.norm.cdf(z) - 1)
+  return 2 * s * np.exp(-0.5 * z ** 2 - 0.5 * _LOG_2PI) + mu * (2 * scipy.special.ndtr(z) - 1)
 
 
 def mixture_crps(means: np.ndarray, variances: np.ndarray, y: np.ndarray) -> np.ndarray:
