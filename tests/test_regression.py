@@ -252,6 +252,9 @@ def test_the_cli_trains_on_npz_and_csv(data, tmp_path):
   np.savez(tmp_path / 'cubic.npz', x_train=x, y_train=y, x_test=x_test, y_test=y_test)
   done = _train_cli(str(tmp_path / 'npz'), f'--config.data_dir={tmp_path / "cubic.npz"}')
   assert done.returncode == 0, done.stderr[-2000:]
+  # The log names what a regression member predicts: targets, not classes.
+  assert '1 target, features 1.' in done.stderr and 'ensemble RMSE' in done.stderr
+  assert 'classes' not in done.stderr, done.stderr
   ens = ensemble.load(str(tmp_path / 'npz'))
   assert ens.task.name == 'regression' and ens.predict(x_test)['mean'].shape == (len(x_test),)
   _the_programs_read_a_regression_workdir(str(tmp_path / 'npz'), x_test, tmp_path)
