@@ -55,6 +55,11 @@ def test_mixture_quantiles_are_exact():
     cdf = lambda x: 0.5 * (scipy.stats.norm.cdf(x, 0, 1) + scipy.stats.norm.cdf(x, 2, 1))
     assert cdf(low.item()) == pytest.approx((1 - level) / 2, abs=1e-10)
     assert cdf(high.item()) == pytest.approx((1 + level) / 2, abs=1e-10)
+  # Traced in float32 (what ensemble.export runs), the same bounds to float32's resolution.
+  traced = jax.jit(lambda m, v: regression.predictive(m, v, xp=jax.numpy))(means.astype(np.float32),
+                                                                         variances.astype(np.float32))
+  for key, value in regression.predictive(means, variances).items():
+    np.testing.assert_allclose(traced[key], value, rtol=1e-6, atol=1e-6, err_msg=key)
 
 
 def test_mixture_nll_and_crps_against_numerical_integration():
@@ -243,8 +248,11 @@ def _the_programs_read_a_regression_workdir(workdir: str, x_test: np.ndarray, tm
   assert lines[0] == 'name,mean,std,aleatoric_std,epistemic_std,lower_90,upper_90' and len(lines) == 6
   exported = export.write(workdir, str(tmp_path / 'model.jax'), platforms=['cpu'])
   out = exported.call(x_test[:5])
-  np.testing.assert_allclose(out['mean'][:, 0], ensemble.load(workdir).predict(x_test[:5])['mean'], rtol=1e-4,
-                             atol=1e-4)
+  # The artifact returns what predict does, intervals and the fitted variance scale included, in float32.
+  predicted = ensemble.load(workdir).predict(x_test[:5])
+  assert set(out) == {*predicted, 'member_means', 'member_variances'} and 'upper_95' in out
+  for key, value in predicted.items():
+    np.testing.assert_allclose(out[key][:, 0], value, rtol=1e-4, atol=1e-3, err_msg=key)
 
 
 def test_the_cli_trains_on_npz_and_csv(data, tmp_path):
