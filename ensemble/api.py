@@ -242,10 +242,7 @@ class Ensemble:
     'member_variances' (K M, N, D) with `members`."""
     means, variances = self.components(inputs, progress=progress)
     variances = variances * self.temperature  # the variance scale ensemble.evaluate fitted (1 without one)
-    result = regression.mixture_moments(means, variances)
-    for level in levels:
-      result[f'lower_{round(100 * level)}'], result[f'upper_{round(100 * level)}'] = regression.mixture_interval(
-          means, variances, level)
+    result = regression.predictive(means, variances, levels)
     if self.task.targets == 1:
       result = {k: v[:, 0] for k, v in result.items()}
     if members:

@@ -10,6 +10,11 @@ dependencies:
   out['probs']                 # (N, C): the members' mean, temperature-scaled as ensemble.predict does
   out['member_log_probs']      # (K, N, C): each member's log-probabilities, for the uncertainty split
 
+A regression workdir's artifact takes its features and returns what
+`Ensemble.predict` does, per target (N, D): 'mean', 'std', 'variance' =
+'aleatoric' + 'epistemic', and the mixture's central intervals 'lower_P' and
+'upper_P' for P = 50, 80, 90, 95 (`_regression_forward`).
+
 The batch dimension is symbolic, so one artifact serves every batch size; the
 program runs on one device. The parameters (and BatchNorm's running averages)
 are constants of the program, so the file is about their size.
@@ -59,21 +64,17 @@ def forward(model: api.Ensemble) -> Callable[[jnp.ndarray], dict[str, jnp.ndarra
 
 
 def _regression_forward(model: api.Ensemble, state, members) -> Callable[[jnp.ndarray], dict[str, jnp.ndarray]]:
-  """A regression ensemble's forward pass: the mixture's components 'member_means' and 'member_variances'
-  (K M, N, D) in the targets' units, and its 'mean', 'variance', 'aleatoric' and 'epistemic' (N, D)
-  (`tasks.regression.mixture_moments`). Intervals need the mixture's quantiles: `regression.mixture_interval`
-  computes them from the components."""
+  """A regression ensemble's forward pass: what `Ensemble.predict` returns, each (N, D) and in float32
+  (`tasks.regression.predictive`, the same code traced: 'mean', 'std', 'variance', 'aleatoric', 'epistemic' and the
+  mixture's central intervals 'lower_P', 'upper_P'), and the components 'member_means' and 'member_variances'
+  (K M, N, D) in the targets' units, their variances times the variance scale as predict's."""
   from ensemble.tasks import regression  # pylint: disable=g-import-not-at-top
-  task = model.task
 
   def fn(inputs):
-    means, variances = regression.split_outputs(members(state, inputs), task.targets)  # (K, M, N, D)
-    std = jnp.asarray(task.target_std)
-    means = means.reshape(-1, *means.shape[2:]) * std + jnp.asarray(task.target_mean)
-    variances = variances.reshape(-1, *variances.shape[2:]) * std ** 2
-    moments = regression.mixture_moments(means, variances)
+    means, variances = model.task.components(members(state, inputs), xp=jnp)
+    variances = variances * model.temperature  # the variance scale ensemble.evaluate fitted (1 without one)
     return {'member_means': means, 'member_variances': variances,
-            **{key: moments[key] for key in ('mean', 'variance', 'aleatoric', 'epistemic')}}
+            **regression.predictive(means, variances, xp=jnp)}
   return fn
 
 
@@ -98,10 +99,14 @@ def write(workdir: str, output: str, step: int | None = None,
     raise UsageError('--output is required: the file to write the exported ensemble to, e.g. model.jax')
   files.check_output('--output', output)
   check_platforms(platforms)
-  exported = export(api.load(workdir, step), platforms)
+  model = api.load(workdir, step)
+  exported = export(model, platforms)
   files.write_atomically(output, bytes(exported.serialize()))
-  logging.info('Wrote %s (%.1f MB) for %s: images float32 %s in [0, 1] -> member_log_probs, probs.', output,
-               os.path.getsize(output) / 1e6, ', '.join(exported.platforms), tuple(exported.in_avals[0].shape))
+  outputs = jax.tree_util.tree_unflatten(exported.out_tree, range(exported.out_tree.num_leaves))
+  logging.info('Wrote %s (%.1f MB) for %s: %s %s %s%s -> %s.', output, os.path.getsize(output) / 1e6,
+               ', '.join(exported.platforms), model.member.inputs, exported.in_avals[0].dtype,
+               tuple(exported.in_avals[0].shape), ' in [0, 1]' if model.member.inputs == 'images' else '',
+               ', '.join(outputs))
   return exported
 
 

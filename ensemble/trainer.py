@@ -251,9 +251,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
     writer.epoch.write_scalars(summary_step, scalars)
   writer.epoch.flush()
   report_progress = writers.ProgressReport(writer.progress)
-  logging.info('Training %d members on %d devices with the %s backend, %d steps per epoch; data: %s, '
-               '%d classes, images %s.', config.ensemble_size, len(devices), config.backend, steps_per_epoch,
-               dataset.source, dataset.num_classes, 'x'.join(map(str, dataset.image_shape)))
+  logging.info('Training %d members on %d devices with the %s backend, %d steps per epoch; data: %s, %s.',
+               config.ensemble_size, len(devices), config.backend, steps_per_epoch, dataset.source, dataset.describe())
   if config.ensemble_size < len(devices):
     member_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(backend.abstract_state()))
     logging.info('Each member data-parallel on %d devices, member_sharding=%s: %.2f MB of its state per device '
@@ -301,7 +300,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
         _diverged(config, epoch, step, f'members {nonfinite} have non-finite parameters')
       saves.save(epoch, canonical, ckpt_meta, step, summary)
       console.log_epoch(summary, config.num_epochs, progress_bar.close(), echo=bool(progress),
-                        num_classes=dataset.num_classes)
+                        num_classes=dataset.num_classes if dataset.task == 'classification' else None)
   finally:
     saves.close()
   return backend.to_canonical(state), summary

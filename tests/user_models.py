@@ -3,6 +3,8 @@
 import flax.linen as nn
 from flax import nnx
 
+from ensemble.models import rank1
+
 
 class TinyNet(nn.Module):
   """Flattened inputs -> Dense, BatchNorm, ReLU, Dropout -> logits: both modes matter, as in a real model."""
@@ -52,14 +54,19 @@ NOT_A_MODEL = 3.0
 
 
 class Regressor(nn.Module):
-  """Features -> two tanh layers -> `num_classes` outputs: for regression, a mean and a raw scale per target."""
+  """Features -> two tanh layers -> `num_classes` outputs: for regression, a mean and a raw scale per target.
+
+  With `rank1`, its layers are BatchEnsemble's (method batchensemble needs them).
+  """
   width: int = 32
   num_classes: int = 2
+  rank1: bool = False
 
   @nn.compact
   def __call__(self, x, train: bool = False):
     del train
+    dense = rank1.Dense if self.rank1 else nn.Dense
     x = x.reshape((x.shape[0], -1))
-    x = nn.tanh(nn.Dense(self.width)(x))
-    x = nn.tanh(nn.Dense(self.width)(x))
-    return nn.Dense(self.num_classes)(x)
+    x = nn.tanh(dense(self.width)(x))
+    x = nn.tanh(dense(self.width)(x))
+    return dense(self.num_classes)(x)

@@ -64,6 +64,15 @@ class Dataset:
     """One input's shape, (H, W, C) for images; the same for both splits."""
     return tuple(int(d) for d in self.train['image'].shape[1:])
 
+  def describe(self) -> str:
+    """'10 classes, images 28x28x1' or '1 target, features 3': the start of a run names what the members predict,
+    and a regression run has targets, not classes."""
+    if self.task == 'regression':
+      predicted = f'{self.num_classes} target{"" if self.num_classes == 1 else "s"}'
+    else:
+      predicted = f'{self.num_classes} classes'
+    return f'{predicted}, {self.inputs} {"x".join(map(str, self.image_shape))}'
+
 
 def first_line(error: BaseException) -> str:
   """An exception's message cut to one line: the CLI prints a DataError as a single `error:` line."""

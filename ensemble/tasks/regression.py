@@ -25,6 +25,7 @@ from typing import Sequence
 import flax
 import jax
 import jax.numpy as jnp
+import jax.scipy.special
 import numpy as np
 import scipy.special  # ndtr and ndtri are the standard normal's CDF and quantile; scipy.stats takes 0.6 s to import
 from clu import metrics as clu_metrics
@@ -168,19 +169,25 @@ class Regression:
       summary[f'member_test_rmse/{i}'] = np.sqrt(squared_error)
     return summary
 
-  def components(self, member_outputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(K, N, M 2D) member outputs -> the K M mixture components' (means, variances), each (K M, N, D) float64,
-    in the original units."""
-    outputs = np.asarray(member_outputs, np.float64)
-    means, variances = split_outputs(outputs, self.targets, xp=np)  # (K, M, N, D)
+  def components(self, member_outputs: np.ndarray, xp=np) -> tuple[np.ndarray, np.ndarray]:
+    """(K, N, M 2D) member outputs -> the K M mixture components' (means, variances), each (K M, N, D) in the
+    original units: float64 on the host, or traced by `ensemble.export` with xp=jnp."""
+    outputs = np.asarray(member_outputs, np.float64) if xp is np else member_outputs
+    means, variances = split_outputs(outputs, self.targets, xp=xp)  # (K, M, N, D)
     means = means.reshape(-1, *means.shape[2:])
     variances = variances.reshape(-1, *variances.shape[2:])
-    mean, std = np.asarray(self.target_mean), np.asarray(self.target_std)
+    mean, std = xp.asarray(self.target_mean), xp.asarray(self.target_std)
     return means * std + mean, variances * std ** 2
 
 
 # The uniform mixture of Gaussians, on the host in float64. `means` and `variances` are (M, N, D): M components,
-# N inputs, D targets; each target's marginal is a one-dimensional mixture.
+# N inputs, D targets; each target's marginal is a one-dimensional mixture. What `predictive` uses also runs traced
+# (xp=jnp), so that `ensemble.export`'s artifact returns what `Ensemble.predict` does.
+
+def _special(xp):
+  """The standard normal's CDF (`ndtr`) and quantile (`ndtri`) for numpy or traced arrays."""
+  return jax.scipy.special if xp is jnp else scipy.special
+
 
 def mixture_moments(means: np.ndarray, variances: np.ndarray) -> dict[str, np.ndarray]:
   """'mean', 'variance' = 'aleatoric' + 'epistemic' and 'std', each (N, D): the law of total variance.
@@ -201,32 +208,55 @@ def mixture_log_density(means: np.ndarray, variances: np.ndarray, y: np.ndarray)
   return scipy.special.logsumexp(component, axis=0) - np.log(len(means))
 
 
-def mixture_cdf(means: np.ndarray, variances: np.ndarray, x: np.ndarray) -> np.ndarray:
+def mixture_cdf(means: np.ndarray, variances: np.ndarray, x: np.ndarray, xp=np) -> np.ndarray:
   """(N, D) P(Y_d <= x_d) of each target's mixture marginal."""
-  return scipy.special.ndtr((x - means) / np.sqrt(variances)).mean(0)
+  return _special(xp).ndtr((x - means) / xp.sqrt(variances)).mean(0)
 
 
-def mixture_quantile(means: np.ndarray, variances: np.ndarray, q: float, iterations: int = 100) -> np.ndarray:
+def mixture_quantile(means: np.ndarray, variances: np.ndarray, q: float, iterations: int = 100,
+                     xp=np) -> np.ndarray:
   """(N, D) the q-quantile of each target's mixture marginal: the root of cdf(x) = q, by bisection.
 
   The mixture's CDF is continuous and increasing, and its q-quantile lies
   between the smallest and the largest of the components' q-quantiles (at the
   one, every component's CDF is at most q; at the other, at least q), so
   bisection on that bracket converges; 100 halvings reach float64's resolution.
+  Traced (xp=jnp), the halvings are one `fori_loop`, so the program stays small.
   """
-  component = means + np.sqrt(variances) * scipy.special.ndtri(q)
-  low, high = component.min(0), component.max(0)
-  for _ in range(iterations):
+  component = means + xp.sqrt(variances) * _special(xp).ndtri(q)
+
+  def halve(_, bracket):
+    low, high = bracket
     middle = 0.5 * (low + high)
-    below = mixture_cdf(means, variances, middle) < q
-    low, high = np.where(below, middle, low), np.where(below, high, middle)
-  return 0.5 * (low + high)
+    below = mixture_cdf(means, variances, middle, xp) < q
+    return xp.where(below, middle, low), xp.where(below, high, middle)
+
+  bracket = (component.min(0), component.max(0))
+  if xp is jnp:
+    bracket = jax.lax.fori_loop(0, iterations, halve, bracket)
+  else:
+    for i in range(iterations):
+      bracket = halve(i, bracket)
+  return 0.5 * (bracket[0] + bracket[1])
 
 
-def mixture_interval(means: np.ndarray, variances: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
+def mixture_interval(means: np.ndarray, variances: np.ndarray, level: float,
+                     xp=np) -> tuple[np.ndarray, np.ndarray]:
   """The central interval holding `level` of each target's mixture: its (1-level)/2 and (1+level)/2 quantiles."""
-  return (mixture_quantile(means, variances, (1 - level) / 2),
-          mixture_quantile(means, variances, (1 + level) / 2))
+  return (mixture_quantile(means, variances, (1 - level) / 2, xp=xp),
+          mixture_quantile(means, variances, (1 + level) / 2, xp=xp))
+
+
+def predictive(means: np.ndarray, variances: np.ndarray, levels: Sequence[float] = LEVELS,
+               xp=np) -> dict[str, np.ndarray]:
+  """What a regression ensemble predicts per input, (N, D) each: `mixture_moments` and the central intervals
+  'lower_P', 'upper_P' holding P% of the mixture at each of `levels`. `Ensemble.predict` and `ensemble.export`
+  both return this, so a served artifact's intervals are predict's."""
+  result = mixture_moments(means, variances)
+  for level in levels:
+    result[f'lower_{round(100 * level)}'], result[f'upper_{round(100 * level)}'] = mixture_interval(
+        means, variances, level, xp)
+  return result
 
 
 def _crps_term(mu: np.ndarray, variance: np.ndarray) -> np.ndarray:
