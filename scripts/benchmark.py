@@ -22,6 +22,15 @@ memory as `ensemble.train` does at start-up (ensemble/host_memory.py) and times 
 again ('reference, freed memory kept'), so the table separates the allocator's share of the
 trainer's lead from the rest. Ratios are to the first reference.
 
+`--dtypes=float32,bfloat16` times each path with both forward-pass dtypes (configs' `dtype`).
+`--peers` first runs scripts/torch_peers.py in a child process (before JAX takes the GPU's
+memory): PyTorch's vmap ensemble and a loop over K models, compiled, channels-last, autocast for
+bfloat16, at the first ensemble size and each batch size; the table then gives every row's ratio
+to the fastest peer of its dtype. On a GPU host:
+
+  python scripts/benchmark.py --dtypes=float32,bfloat16 --peers --ensemble_sizes=8 --batch_sizes=128
+  python scripts/benchmark.py --model=resnet --dtypes=float32,bfloat16 --peers
+
 Imports only jax, flax, optax, numpy and the ensemble modules that need nothing else, so it
 runs on a GPU machine without clu, TFDS or ml_collections. On a GPU, leave --cpu_devices out.
 """
@@ -30,7 +39,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -57,11 +68,24 @@ def load_data(model: str, data_dir: str, num_train: int) -> data.Dataset:
   return data.Dataset(split(num_train), split(1000), 'random arrays of CIFAR-10 shape', num_classes=10)
 
 
-def make_member(model: str, dataset: data.Dataset) -> steps.Member:
+def make_member(model: str, dataset: data.Dataset, dtype: str = 'float32') -> steps.Member:
   """The member of configs/default.py (CNN) or configs/cifar10.py (ResNet-20 with crop and flip), SGD 0.1."""
   module = cnn.CNN(dataset.num_classes) if model == 'cnn' else resnet.ResNet(20, 1, dataset.num_classes)
   return steps.Member(module, optax.sgd(0.1, 0.9), dataset.image_shape, *data.channel_stats(dataset.train['image']),
-                      augment='none' if model == 'cnn' else 'crop_flip')
+                      augment='none' if model == 'cnn' else 'crop_flip', dtype=dtype)
+
+
+def run_peers(model: str, members: int, batch_sizes: list[int], dtypes: str, repeats: int) -> list[dict]:
+  """scripts/torch_peers.py's results, from a child process: PyTorch never shares a process (or the GPU's
+  memory, which JAX takes at its start) with JAX here."""
+  results = []
+  for batch in batch_sizes:
+    with tempfile.NamedTemporaryFile(suffix='.json') as out:
+      subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'torch_peers.py'),
+                      f'--model={model}', f'--members={members}', f'--batch={batch}', f'--dtypes={dtypes}',
+                      f'--repeats={repeats}', f'--json={out.name}'], check=True)
+      results += json.load(out)['results']
+  return results
 
 
 def train_flops_per_image(member: steps.Member, batch: int = 64) -> float:
@@ -160,16 +184,21 @@ def main():
   parser.add_argument('--steps', type=int, default=16, help='training steps per timing')
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--steps_per_dispatch', type=int, default=8, help='fast paths: steps per dispatch')
+  parser.add_argument('--dtypes', default='float32', help="the members' forward-pass dtypes, e.g. float32,bfloat16")
+  parser.add_argument('--peers', action='store_true', help="PyTorch's peers too (scripts/torch_peers.py)")
   parser.add_argument('--json', default='benchmark.json')
   args = parser.parse_args()
+  ensemble_sizes = args.ensemble_sizes or ('8,16,32' if args.model == 'cnn' else '8')
+  batch_sizes = [int(b) for b in (args.batch_sizes or ('64,128' if args.model == 'cnn' else '128')).split(',')]
+  peers = (run_peers(args.model, int(ensemble_sizes.split(',')[0]), batch_sizes, args.dtypes, args.repeats)
+           if args.peers else [])
   if args.cpu_devices:
     jax.config.update('jax_num_cpu_devices', args.cpu_devices)
   devices = jax.devices()
   dataset = load_data(args.model, args.data_dir, args.num_train)
   split, test = dataset.train, dataset.test
-  member = make_member(args.model, dataset)
-  ensemble_sizes = args.ensemble_sizes or ('8,16,32' if args.model == 'cnn' else '8')
-  batch_sizes = [int(b) for b in (args.batch_sizes or ('64,128' if args.model == 'cnn' else '128')).split(',')]
+  members = {dtype: make_member(args.model, dataset, dtype) for dtype in args.dtypes.split(',')}
+  member = members['float32'] if 'float32' in members else next(iter(members.values()))
   platform = f'{devices[0].platform} x{len(devices)} ({devices[0].device_kind}), {os.cpu_count()} host cores'
   print(f'# {platform}, jax {jax.__version__}; {args.model} on {dataset.source}', flush=True)
 
@@ -200,26 +229,37 @@ def main():
         if k < len(devices) and not path.startswith('jit'):
           continue  # pmap places K = m x D members only
         for placed in placements:
-          results.append(bench_backend(path.removesuffix('-fast'), path.endswith('-fast'), member, split, test,
-                                       placed, k, batch, args.steps, args.repeats, args.steps_per_dispatch))
-          print(results[-1], flush=True)
+          for dtype, typed in members.items():
+            results.append({**bench_backend(path.removesuffix('-fast'), path.endswith('-fast'), typed, split, test,
+                                            placed, k, batch, args.steps, args.repeats, args.steps_per_dispatch),
+                            'dtype': dtype})
+            print(results[-1], flush=True)
 
   reference = {r['batch']: r['member_images_per_s'] for r in results if r['path'] == 'reference'}
-  print('\n| path | K | devices | batch | member-images/s | vs reference | % of matmul peak | eval images/s | '
-        'compile s |')
-  print('| --- | --- | --- | --- | --- | --- | --- | --- | --- |')
-  for r in results:
+  # The fastest peer per (batch, dtype); the peers train K = the first ensemble size.
+  best_peer = {}
+  for r in peers:
+    key = r['batch'], r['dtype']
+    best_peer[key] = max(best_peer.get(key, 0.0), r['member_images_per_s'])
+  print('\n| path | dtype | K | devices | batch | member-images/s | vs reference | vs best peer | % of matmul peak | '
+        'eval images/s | compile s |')
+  print('| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |')
+  for r in results + [{**r, 'D': 1} for r in peers]:
+    r.setdefault('dtype', 'float32')
     r['vs_reference'] = r['member_images_per_s'] / reference[r['batch']] if reference else None
     ratio = f"{r['vs_reference']:.2f}x" if reference else ''
+    peer = best_peer.get((r['batch'], r['dtype']))
+    r['vs_best_peer'] = r['member_images_per_s'] / peer if peer else None
+    peer_ratio = f"{r['vs_best_peer']:.2f}x" if peer else ''
     r['peak_fraction'] = r['member_images_per_s'] * flops_per_image / peak
     eval_rate = f"{r['eval_images_per_s']:.0f}" if 'eval_images_per_s' in r else ''
-    print(f"| {r['path']} | {r['K']} | {r['D']} | {r['batch']} | {r['member_images_per_s']:.0f} | "
-          f"{ratio} | {100 * r['peak_fraction']:.1f}% | {eval_rate} | {r['compile_s']:.1f} |")
+    print(f"| {r['path']} | {r['dtype']} | {r['K']} | {r['D']} | {r['batch']} | {r['member_images_per_s']:.0f} | "
+          f"{ratio} | {peer_ratio} | {100 * r['peak_fraction']:.1f}% | {eval_rate} | {r['compile_s']:.1f} |")
   with open(args.json, 'w', encoding='utf-8') as f:
     json.dump({'platform': platform, 'jax': jax.__version__, 'model': args.model, 'data': dataset.source,
                'matmul_peak_flops': peak,
                'train_flops_per_image': flops_per_image, 'steps_per_dispatch': args.steps_per_dispatch,
-               'results': results}, f, indent=2)
+               'results': results, 'peers': peers}, f, indent=2)
   print(f'\nwrote {args.json}')
 
 
