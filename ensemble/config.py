@@ -148,7 +148,8 @@ def resolve(config: ml_collections.ConfigDict, available: Sequence[jax.Device],
            f'member_sharding={layout} splits a member over the devices it has when there are fewer members than '
            f'devices, on backend jit; here each member has one: set --config.backend=jit and --config.ensemble_size '
            f'to a divisor of {num_devices} below it, or leave --config.member_sharding at replicated')
-  per_member = 1 if single_model else backends.devices_per_member(k, num_devices)
+  # A member's batch is split over its devices, except under member_sharding=model: there each holds it whole.
+  per_member = 1 if single_model or layout == 'model' else backends.devices_per_member(k, num_devices)
   for name in ('batch_size', 'eval_batch_size'):
     _require(config[name] % per_member == 0,
              f"{name}={config[name]} cannot be split over each member's {per_member} devices: set "

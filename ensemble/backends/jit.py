@@ -10,19 +10,25 @@ devices about 20x slower). The backend's layout is the canonical one, so
 conversions are free. Across processes, batches are global arrays built from
 each process's rows, and a shared batch arrives split over all devices and is
 gathered back on each of them. With fewer members than devices, each member
-has a row of the mesh's 'data' axis to itself (`backends.ensemble_mesh`).
+has a row of the mesh's 'data' axis to itself (`backends.ensemble_mesh`); under
+member_sharding=model, a row of its 'model' axis, and the steps are traced with
+that mesh and the logical axis rules in context, so that the model's weight and
+activation annotations split each member's computation over its devices.
 """
 
+import contextlib
 import functools
 from typing import Sequence
 
+import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
-from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, abstract_member_state, devices_per_member, ensemble_mesh,
-                               evaluate_members, gathering_batches, train_functions)
+from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, MODEL_AXIS, abstract_member_state, devices_per_member,
+                               ensemble_mesh, evaluate_members, gathering_batches, train_functions)
+from ensemble.parallel import logical
 
 
 class JitBackend:
@@ -33,9 +39,12 @@ class JitBackend:
     self.devices = list(devices)
     self.ensemble_size = ensemble_size
     layout = config.get('member_sharding', 'replicated') if config is not None else 'replicated'
-    self._abstract = functools.partial(abstract_member_state, member, ensemble_size, devices, layout)
-    self._state = jax.tree.map(lambda x: x.sharding, self._abstract())
-    mesh = ensemble_mesh(self.devices, ensemble_size)
+    rules = logical.check_rules(config.get('logical_axis_rules', logical.DEFAULT_RULES) if config is not None
+                                else logical.DEFAULT_RULES, logical_axes=None)
+    mesh = ensemble_mesh(self.devices, ensemble_size, layout)
+    self._mesh, self._rules = mesh, rules if MODEL_AXIS in mesh.axis_names else None
+    self._abstract_state = functools.partial(abstract_member_state, member, ensemble_size, devices, layout, rules)
+    self._state = jax.tree.map(lambda x: x.sharding, self.abstract_state())
     members, whole = P(ENSEMBLE_AXIS), P()
     # Fewer members than devices: a member's batch rows are split over its row of the mesh, 'data', which
     # shard_map leaves to XLA's partitioner. It then computes each member's step data-parallel, as jit does
@@ -91,15 +100,26 @@ class JitBackend:
         gather(evaluate_members(member, self.devices)),
         (members, batch_spec, batch_spec), members, batches=2, state_out=False)
 
+  def _context(self):
+    """Where a member's annotations find the mesh and the logical rules while traced (member_sharding=model)."""
+    stack = contextlib.ExitStack()
+    if self._rules is not None:
+      stack.enter_context(jax.set_mesh(self._mesh))
+      stack.enter_context(nn.logical_axis_rules(self._rules))
+    return stack
+
   def init(self, seed: int) -> steps.TrainState:
     keys = steps.member_keys(seed, self.ensemble_size)
-    return self._init(keys)
+    with self._context():
+      return self._init(keys)
 
   def abstract_state(self):
-    return self._abstract()
+    with self._context():  # the model's init runs, constraints and all
+      return self._abstract_state()
 
   def train_step(self, state, images: np.ndarray, labels: np.ndarray):
-    return self._train(state, *jax.make_array_from_process_local_data(self._data, (images, labels)))
+    with self._context():
+      return self._train(state, *jax.make_array_from_process_local_data(self._data, (images, labels)))
 
   def put_dataset(self, split):
     """The whole training set, replicated on every device, for `train_steps`."""
@@ -111,10 +131,12 @@ class JitBackend:
       members = np.moveaxis(indices, 1, 0)
       own = members[distributed.process_rows(self.devices, self.ensemble_size)]
       indices = jax.make_array_from_process_local_data(self._indices, own, members.shape)
-    return self._train_steps(state, *dataset, indices)
+    with self._context():
+      return self._train_steps(state, *dataset, indices)
 
   def eval_step(self, state, images: np.ndarray, labels: np.ndarray) -> steps.Metrics:
-    return self._eval(state, *jax.make_array_from_process_local_data(self._batches, (images, labels)))
+    with self._context():
+      return self._eval(state, *jax.make_array_from_process_local_data(self._batches, (images, labels)))
 
   def to_host(self, tree):
     return distributed.to_numpy(tree)
