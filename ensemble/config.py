@@ -90,14 +90,11 @@ def _check_placement(backend: str, k: int, num_devices: int):
            f'ensemble_size={k} is fewer members than the {num_devices} devices, which backend {backend!r} cannot '
            'spread a member over: set --config.backend=jit, or --config.num_devices to a divisor of '
            f'{k}')
-  _require(jax.process_count() == 1,
-           f'ensemble_size={k} is fewer members than the {num_devices} devices, which runs in one process only '
-           f'for now: use a multiple of {num_devices}')
   divisors = [str(d) for d in range(1, num_devices) if num_devices % d == 0]
   _require(backend == 'jit' and num_devices % k == 0,
            f'ensemble_size={k} cannot be placed on {num_devices} devices: use a multiple of {num_devices} '
            f'({num_devices}, {2 * num_devices}, {3 * num_devices}, ...)'
-           + (f" or a divisor ({', '.join(divisors)})" if backend == 'jit' and jax.process_count() == 1 else '')
+           + (f" or a divisor ({', '.join(divisors)})" if backend == 'jit' else '')
            + f', or set --config.num_devices to a divisor of {k}')
 
 

@@ -206,7 +206,8 @@ def map_members(fn, in_axes: Sequence[int | None], devices: Sequence[jax.Device]
   return mapped
 
 
-def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_axis: int | None):
+def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_axis: int | None,
+                    ensemble_axis: str | None = ENSEMBLE_AXIS):
   """(one step, many steps) of the members a device holds, inside pmap or shard_map over 'ensemble'.
 
   `data_axis` is 0 when each member has its own batch, None when all share it.
@@ -215,7 +216,7 @@ def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_ax
   method's members share weights (BatchEnsemble) a step is one program over
   the device's members: their gradients, the shared ones averaged over all
   members (`method.average_shared`), then each member's update; the fast path
-  loops over such steps.
+  loops over such steps. `ensemble_axis` None: the devices hold one member in all (see `evaluate_members`).
   """
   unroll = unrolls(devices)
   if not member.method.shares_weights:
@@ -226,7 +227,7 @@ def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_ax
 
   def one(state, images, labels):
     grads, aux = gradients(state, images, labels)
-    return jax.vmap(member.update)(state, member.method.average_shared(grads, ENSEMBLE_AXIS), aux)
+    return jax.vmap(member.update)(state, member.method.average_shared(grads, ensemble_axis), aux)
 
   def many(state, images, labels, indices):
     """`indices` (M, S, batch) per member, or (S, batch) shared; metrics come back (M, S) like the others'."""
@@ -237,14 +238,18 @@ def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_ax
   return one, many
 
 
-def evaluate_members(member: steps.Member, devices: Sequence[jax.Device]):
+def evaluate_members(member: steps.Member, devices: Sequence[jax.Device], ensemble_axis: str | None = ENSEMBLE_AXIS):
   """`member.eval_step` for the members a device holds, inside pmap or shard_map over 'ensemble'.
 
   The forward passes go through `map_members`; only the cheap ensemble mean
   needs the members as a named (vmapped) axis, which with 'ensemble' spans all.
+  `ensemble_axis` None leaves a mesh's 'ensemble' axis of size 1 (one member
+  over all the devices) out of the mean: XLA's partitioner refuses a reduction
+  over a manual axis of size 1 beside automatic ones.
   """
   predict = map_members(member.predict, (0, None), devices)
-  outputs = jax.vmap(functools.partial(member.task.eval_outputs, axis_name=(ENSEMBLE_AXIS, MEMBER_AXIS)),
+  axis_name = (ensemble_axis, MEMBER_AXIS) if ensemble_axis else MEMBER_AXIS
+  outputs = jax.vmap(functools.partial(member.task.eval_outputs, axis_name=axis_name),
                      in_axes=(0, None), axis_name=MEMBER_AXIS)
   return lambda state, images, labels: outputs(predict(state, images), labels)
 
@@ -260,7 +265,7 @@ def train_chunk(backend, state, split: dict[str, np.ndarray], resident, chunk: n
   if resident is not None:
     return backend.train_steps(state, resident, chunk)
   (batch,) = chunk
-  batch = batch[distributed.process_rows(backend.devices, len(batch))]
+  batch = distributed.process_block(backend.devices, batch)
   return backend.train_step(state, split['image'][batch], split['label'][batch])
 
 

@@ -55,15 +55,20 @@ class JitBackend:
     index_rows = (lambda spec: P(*spec, None, DATA_AXIS)) if spread else (lambda spec: spec)  # (S, batch) per member
     self._replicated = NamedSharding(mesh, whole)
     self._indices = NamedSharding(mesh, index_rows(members))
+    self._shared_indices = NamedSharding(mesh, index_rows(whole))
     self._shared_data = member_data == 'shared'
     # One process feeds whole shared batches; several each feed their devices' slices
     # (distributed.process_rows), which every device then gathers.
     split = distributed.spans_processes(self.devices)
     batch_spec, gather = (members, gathering_batches) if split else (whole, lambda fn: fn)
-    self._batches = NamedSharding(mesh, rows(batch_spec))
+    # A shared batch split over the processes is one axis of examples over every device in order,
+    # ('ensemble', 'data') together; shard_map hands each member's devices their slices to gather.
+    shared_rows = (lambda spec: P((ENSEMBLE_AXIS, DATA_AXIS)) if spec == members else rows(spec)) if spread else rows
+    self._batches = NamedSharding(mesh, shared_rows(batch_spec))
     # Per step: a batch (plain path), or its indices into the resident training set (fast path).
     data_axis, data_spec, index_spec = (None, batch_spec, whole) if self._shared_data else (0, members, members)
-    self._data = NamedSharding(mesh, rows(data_spec))
+    data_rows = shared_rows if self._shared_data else rows
+    self._data = NamedSharding(mesh, data_rows(data_spec))
 
     def compile_mapped(member_fn, in_specs, out_specs, donate=(), batches=0, state_in=True, state_out=True,
                        split=rows):
@@ -90,15 +95,17 @@ class JitBackend:
                      donate_argnums=donate)
 
     self._init = compile_mapped(jax.vmap(member.init), (members,), members, state_in=False)
-    train, many = train_functions(member, self.devices, data_axis)
+    # One member over all the devices: no collective over 'ensemble' (`backends.evaluate_members`).
+    ensemble_axis = ENSEMBLE_AXIS if mesh.shape[ENSEMBLE_AXIS] > 1 else None
+    train, many = train_functions(member, self.devices, data_axis, ensemble_axis)
     self._train = compile_mapped(
         gather(train) if self._shared_data else train, (members, data_spec, data_spec), (members, members),
-        donate=0, batches=2)
+        donate=0, batches=2, split=data_rows)
     self._train_steps = compile_mapped(many, (members, whole, whole, index_spec), (members, members), donate=0,
                                        batches=1, split=index_rows)
     self._eval = compile_mapped(
-        gather(evaluate_members(member, self.devices)),
-        (members, batch_spec, batch_spec), members, batches=2, state_out=False)
+        gather(evaluate_members(member, self.devices, ensemble_axis)),
+        (members, batch_spec, batch_spec), members, batches=2, state_out=False, split=shared_rows)
 
   def _context(self):
     """Where a member's annotations find the mesh and the logical rules while traced (member_sharding=model)."""
@@ -129,8 +136,11 @@ class JitBackend:
     """`indices` is (S, batch) for shared data, else (S, K, batch)."""
     if not self._shared_data:
       members = np.moveaxis(indices, 1, 0)
-      own = members[distributed.process_rows(self.devices, self.ensemble_size)]
+      # Each member's steps (S) aside, its rows are split as a per-member batch's are.
+      own = np.moveaxis(distributed.process_block(self.devices, np.moveaxis(members, 1, 2)), 2, 1)
       indices = jax.make_array_from_process_local_data(self._indices, own, members.shape)
+    else:  # the same on every process; split over a spread member's devices, which may be other processes'
+      indices = jax.make_array_from_callback(indices.shape, self._shared_indices, lambda i, host=indices: host[i])
     with self._context():
       return self._train_steps(state, *dataset, indices)
 

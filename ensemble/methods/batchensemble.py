@@ -45,12 +45,14 @@ class BatchEnsemble(Independent):
                           state.params, reference['params'], is_shared(state.params))
     return state.replace(params=params, opt_state=state.tx.init(params))
 
-  def average_shared(self, grads, axis_name: str):
-    """Gradients of a device's members, (M, ...) per leaf: the shared ones replaced by their mean over all members."""
+  def average_shared(self, grads, axis_name: str | None):
+    """Gradients of a device's members, (M, ...) per leaf: the shared ones replaced by their mean over all members
+    (over `axis_name` too, unless None: these are all the members)."""
     def average(grad, shared):
       if not shared:
         return grad
-      mean = jax.lax.pmean(jnp.mean(grad, axis=0), axis_name)
+      mean = jnp.mean(grad, axis=0)
+      mean = mean if axis_name is None else jax.lax.pmean(mean, axis_name)
       return jnp.broadcast_to(mean, grad.shape)
     return jax.tree.map(average, grads, is_shared(grads))
 
