@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, parallel, steps
+from ensemble.methods import batchensemble
 from ensemble.parallel import fsdp, logical
 from ensemble.errors import UsageError
 
@@ -206,6 +207,21 @@ def map_members(fn, in_axes: Sequence[int | None], devices: Sequence[jax.Device]
   return mapped
 
 
+def once_per_device(member: steps.Member, state: Any) -> Any:
+  """A device's stacked members' state with the leaves they share (BatchEnsemble's) kept once: (1, ...)."""
+  return batchensemble.map_shared(lambda x: x[:1], state) if member.method.shares_weights else state
+
+
+def for_each_member(state: Any, size: int) -> Any:
+  """Undoes `once_per_device` for `size` members, without copying; shared leaves already (size, ...) stay."""
+  return batchensemble.map_shared(lambda x: jax.numpy.broadcast_to(x, (size, *x.shape[1:])), state)
+
+
+def init_members(member: steps.Member):
+  """A device's members' fresh state from their keys, in the backends' layout (`once_per_device`)."""
+  return lambda keys: once_per_device(member, jax.vmap(member.init)(keys))
+
+
 def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_axis: int | None,
                     ensemble_axis: str | None = ENSEMBLE_AXIS):
   """(one step, many steps) of the members a device holds, inside pmap or shard_map over 'ensemble'.
@@ -226,8 +242,11 @@ def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_ax
   gradients = map_members(member.gradients, (0, data_axis, data_axis), devices)
 
   def one(state, images, labels):
+    """The device's one copy of the shared leaves serves each member, and one copy of their update is kept."""
+    state = for_each_member(state, len(state.step))
     grads, aux = gradients(state, images, labels)
-    return jax.vmap(member.update)(state, member.method.average_shared(grads, ensemble_axis), aux)
+    state, metrics = jax.vmap(member.update)(state, member.method.average_shared(grads, ensemble_axis), aux)
+    return once_per_device(member, state), metrics
 
   def many(state, images, labels, indices):
     """`indices` (M, S, batch) per member, or (S, batch) shared; metrics come back (M, S) like the others'."""
@@ -248,6 +267,9 @@ def evaluate_members(member: steps.Member, devices: Sequence[jax.Device], ensemb
   over a manual axis of size 1 beside automatic ones.
   """
   predict = map_members(member.predict, (0, None), devices)
+  if member.method.shares_weights:
+    each = predict
+    predict = lambda state, images: each(for_each_member(state, len(state.step)), images)
   axis_name = (ensemble_axis, MEMBER_AXIS) if ensemble_axis else MEMBER_AXIS
   outputs = jax.vmap(functools.partial(member.task.eval_outputs, axis_name=axis_name),
                      in_axes=(0, None), axis_name=MEMBER_AXIS)

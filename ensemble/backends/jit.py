@@ -27,7 +27,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
 from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, MODEL_AXIS, abstract_member_state, devices_per_member,
-                               ensemble_mesh, evaluate_members, gathering_batches, train_functions)
+                               ensemble_mesh, evaluate_members, gathering_batches, init_members, train_functions)
+from ensemble.methods import batchensemble
 from ensemble.parallel import logical
 
 
@@ -94,7 +95,12 @@ class JitBackend:
                      out_shardings=tuple(outputs) if isinstance(out_specs, tuple) else outputs[0],
                      donate_argnums=donate)
 
-    self._init = compile_mapped(jax.vmap(member.init), (members,), members, state_in=False)
+    self._init = compile_mapped(init_members(member), (members,), members, state_in=False)
+    # Shared leaves (BatchEnsemble) hold a copy per device: a member's, repeated for the device's members.
+    per_device = ensemble_size // mesh.shape[ENSEMBLE_AXIS] if member.method.shares_weights else 1
+    self._repeat_shared = jax.jit(lambda x: jax.numpy.repeat(x, per_device, axis=0),
+                                  out_shardings=NamedSharding(mesh, members)) if per_device > 1 else None
+    self._first_of_each = jax.jit(lambda x: x[::per_device], out_shardings=NamedSharding(mesh, members))
     # One member over all the devices: no collective over 'ensemble' (`backends.evaluate_members`).
     ensemble_axis = ENSEMBLE_AXIS if mesh.shape[ENSEMBLE_AXIS] > 1 else None
     train, many = train_functions(member, self.devices, data_axis, ensemble_axis)
@@ -152,7 +158,11 @@ class JitBackend:
     return distributed.to_numpy(tree)
 
   def to_canonical(self, state):
-    return state
+    if self._repeat_shared is None:
+      return state
+    return batchensemble.map_shared(self._repeat_shared, state)
 
   def from_canonical(self, state):
-    return state
+    if self._repeat_shared is None:
+      return state
+    return batchensemble.map_shared(self._first_of_each, state)
