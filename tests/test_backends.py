@@ -313,7 +313,7 @@ def test_a_users_model_splits_the_weights_its_own_logical_names_map_onto_model()
 
 @pytest.mark.parametrize('member, message', [
     (lambda: make_member(), "member_sharding=model splits the parameters a model annotates onto the 'model' mesh "
-     "axis, and this model's annotate none: annotate its large weights with nn.with_logical_partitioning"),
+     "axis, and this model annotates none: annotate its large weights with nn.with_logical_partitioning"),
     (lambda: _mlp_member(depth=66), "['block_0']['Dense_0']['kernel'] has shape (66, 66)"),
 ], ids=['none', 'indivisible'])
 def test_model_members_whose_annotations_cannot_split_them_are_refused_in_one_line(member, message):

@@ -113,7 +113,7 @@ def state_shardings(abstract_state: Any, devices: Sequence[jax.Device], ensemble
   shardings = jax.tree_util.tree_map_with_path(sharding, abstract_state, is_leaf=_is_box)
   if layout == 'model' and per_member > 1 and not split_any:
     raise UsageError("member_sharding=model splits the parameters a model annotates onto the 'model' mesh axis, "
-                     "and this model's annotate none: annotate its large weights with nn.with_logical_partitioning "
+                     "and this model annotates none: annotate its large weights with nn.with_logical_partitioning "
                      f'(mapped by --config.logical_axis_rules, now {tuple(rules)!r}) or nn.with_partitioning, '
                      'or set --config.member_sharding=fsdp')
   return shardings

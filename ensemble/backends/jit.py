@@ -7,9 +7,11 @@ instead is much slower: it turns the vmapped convolutions into one grouped
 convolution that it does not split, so every device all-gathers the parameters
 and computes all K members (seen in the compiled HLO; on 8 CPU
 devices about 20x slower). The backend's layout is the canonical one, so
-conversions are free. Across processes, batches are global arrays built from
-each process's rows, and a shared batch arrives split over all devices and is
-gathered back on each of them. With fewer members than devices, each member
+conversions are free, but for BatchEnsemble's shared leaves with several
+members per device: one copy per device, repeated for the canonical layout.
+Across processes, batches are global arrays built from each process's rows,
+and a shared batch arrives split over all devices and is gathered back on each
+of them. With fewer members than devices, each member
 has a row of the mesh's 'data' axis to itself (`backends.ensemble_mesh`); under
 member_sharding=model, a row of its 'model' axis, and the steps are traced with
 that mesh and the logical axis rules in context, so that the model's weight and
@@ -98,9 +100,11 @@ class JitBackend:
     self._init = compile_mapped(init_members(member), (members,), members, state_in=False)
     # Shared leaves (BatchEnsemble) hold a copy per device: a member's, repeated for the device's members.
     per_device = ensemble_size // mesh.shape[ENSEMBLE_AXIS] if member.method.shares_weights else 1
-    self._repeat_shared = jax.jit(lambda x: jax.numpy.repeat(x, per_device, axis=0),
-                                  out_shardings=NamedSharding(mesh, members)) if per_device > 1 else None
-    self._first_of_each = jax.jit(lambda x: x[::per_device], out_shardings=NamedSharding(mesh, members))
+    self._repeat_shared = self._first_of_each = None
+    if per_device > 1:
+      on_devices = functools.partial(jax.jit, out_shardings=NamedSharding(mesh, members))
+      self._repeat_shared = on_devices(lambda x: jax.numpy.repeat(x, per_device, axis=0))
+      self._first_of_each = on_devices(lambda x: x[::per_device])
     # One member over all the devices: no collective over 'ensemble' (`backends.evaluate_members`).
     ensemble_axis = ENSEMBLE_AXIS if mesh.shape[ENSEMBLE_AXIS] > 1 else None
     train, many = train_functions(member, self.devices, data_axis, ensemble_axis)
