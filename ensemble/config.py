@@ -90,14 +90,11 @@ def _check_placement(backend: str, k: int, num_devices: int):
            f'ensemble_size={k} is fewer members than the {num_devices} devices, which backend {backend!r} cannot '
            'spread a member over: set --config.backend=jit, or --config.num_devices to a divisor of '
            f'{k}')
-  _require(jax.process_count() == 1,
-           f'ensemble_size={k} is fewer members than the {num_devices} devices, which runs in one process only '
-           f'for now: use a multiple of {num_devices}')
   divisors = [str(d) for d in range(1, num_devices) if num_devices % d == 0]
   _require(backend == 'jit' and num_devices % k == 0,
            f'ensemble_size={k} cannot be placed on {num_devices} devices: use a multiple of {num_devices} '
            f'({num_devices}, {2 * num_devices}, {3 * num_devices}, ...)'
-           + (f" or a divisor ({', '.join(divisors)})" if backend == 'jit' and jax.process_count() == 1 else '')
+           + (f" or a divisor ({', '.join(divisors)})" if backend == 'jit' else '')
            + f', or set --config.num_devices to a divisor of {k}')
 
 
@@ -148,7 +145,8 @@ def resolve(config: ml_collections.ConfigDict, available: Sequence[jax.Device],
            f'member_sharding={layout} splits a member over the devices it has when there are fewer members than '
            f'devices, on backend jit; here each member has one: set --config.backend=jit and --config.ensemble_size '
            f'to a divisor of {num_devices} below it, or leave --config.member_sharding at replicated')
-  per_member = 1 if single_model else backends.devices_per_member(k, num_devices)
+  # A member's batch is split over its devices, except under member_sharding=model: there each holds it whole.
+  per_member = 1 if single_model or layout == 'model' else backends.devices_per_member(k, num_devices)
   for name in ('batch_size', 'eval_batch_size'):
     _require(config[name] % per_member == 0,
              f"{name}={config[name]} cannot be split over each member's {per_member} devices: set "

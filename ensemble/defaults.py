@@ -26,9 +26,14 @@ def get_config() -> ml_collections.ConfigDict:
   # Members; 0 means one per device. K must be a multiple of the device count D, or with backend jit a divisor of
   # it: then each member trains data-parallel on D/K devices of its own (docs/backends-and-devices.md).
   config.ensemble_size = 0
-  # With fewer members than devices (backend jit): 'replicated', each of a member's devices holds its whole state,
-  # or 'fsdp', each holds 1/(D/K) of every large parameter and its optimizer state, gathered for each step.
+  # With fewer members than devices (backend jit): 'replicated', each of a member's devices holds its whole state;
+  # 'fsdp', each holds 1/(D/K) of every large parameter and its optimizer state, gathered for each step; or 'model',
+  # the parameters the model annotates (Flax's nn.with_logical_partitioning, nn.with_partitioning) split along the
+  # member's 'model' axis of D/K devices, as the mesh MLP's are, and its computation with them.
   config.member_sharding = 'replicated'
+  # Which mesh axis ('data', 'model' or None) each logical axis name of a model's annotations is split over: the
+  # mesh MLP's names ('hidden', ...) or a model's own.
+  config.logical_axis_rules = (('batch', 'data'), ('hidden', 'model'))
   # Devices to use; 0 means all of them.
   config.num_devices = 0
   # The ensembling method (ensemble/methods/): 'independent' (a deep ensemble), 'bagging' (each member its own

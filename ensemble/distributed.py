@@ -125,6 +125,28 @@ def process_rows(devices: Sequence[jax.Device], num_rows: int) -> np.ndarray:
                          for i, device in enumerate(devices) if device.process_index == jax.process_index()])
 
 
+def process_block(devices: Sequence[jax.Device], batch: np.ndarray) -> np.ndarray:
+  """This process's block of a batch: shared (B, ...) rows, or per member (K, B, ...).
+
+  A per-member batch's members are split over `devices` in order as the
+  backends place them (`backends.ensemble_mesh`): with K >= D a block of
+  members per device, each member's rows whole; with fewer members than
+  devices, each member's rows split over its D/K devices, which may belong to
+  several processes. A process feeds the members its devices hold and, of
+  those, the rows its devices hold.
+  """
+  if not spans_processes(devices):
+    return batch
+  if batch.ndim == 1 or len(batch) >= len(devices):
+    return batch[process_rows(devices, len(batch))]
+  num_members, num_rows = batch.shape[:2]
+  per_member = len(devices) // num_members
+  mine = [i for i, device in enumerate(devices) if device.process_index == jax.process_index()]
+  members = sorted({i // per_member for i in mine})
+  rows = process_rows(devices[members[0] * per_member:(members[0] + 1) * per_member], num_rows)
+  return batch[np.asarray(members)[:, None], rows[None, :]]
+
+
 def to_numpy(tree: Any) -> Any:
   """Arrays as numpy on every process, including the parts that other processes hold."""
   def fetch(x):

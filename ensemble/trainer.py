@@ -255,9 +255,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
                config.ensemble_size, len(devices), config.backend, steps_per_epoch, dataset.source, dataset.describe())
   if config.ensemble_size < len(devices):
     member_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(backend.abstract_state()))
-    logging.info('Each member data-parallel on %d devices, member_sharding=%s: %.2f MB of its state per device '
-                 '(replicated: %.2f MB).', len(devices) // config.ensemble_size,
-                 config.get('member_sharding', 'replicated'),
+    layout = config.get('member_sharding', 'replicated')
+    logging.info('Each member %s-parallel on %d devices, member_sharding=%s: %.2f MB of its state per device '
+                 '(replicated: %.2f MB).', 'model' if layout == 'model' else 'data',
+                 len(devices) // config.ensemble_size, layout,
                  backends.bytes_per_device(state) / 1e6, member_bytes / config.ensemble_size / 1e6)
 
   # The fast path keeps the training set on the devices and runs several steps per dispatch.

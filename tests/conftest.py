@@ -121,15 +121,15 @@ def linked_workdir(source: str, path: str, **config_changes) -> str:
   return path
 
 
-def checkpoint_state(workdir: str, epoch: int) -> dict:
+def checkpoint_state(workdir: str, epoch: int, **overrides) -> dict:
   """Every leaf of the checkpoint of `epoch` (params, optimizer state, steps, keys) as numpy, for bitwise checks.
 
-  Restored for `small_config`'s ensemble, with the member the checkpoint's recorded data describes.
+  Restored for `small_config`'s ensemble (with `overrides`), with the member the checkpoint's recorded data describes.
   """
   import jax  # pylint: disable=g-import-not-at-top
   from flax import serialization  # pylint: disable=g-import-not-at-top
   from ensemble import backends, checkpoint  # pylint: disable=g-import-not-at-top
-  config = small_config('')
+  config = small_config('', **overrides)
   ckpt = checkpoint.Checkpointer(workdir)
   member = config_lib.member(config, ckpt.meta(epoch)['data'])
   abstract = backends.abstract_member_state(member, config.ensemble_size, jax.devices())

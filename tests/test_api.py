@@ -320,3 +320,15 @@ def test_bfloat16_learns_keeps_float32_state_and_pmap_equals_jit(arrays):
   assert pmap.evaluate(x_test, y_test)['ensemble']['accuracy'] > 0.5
   jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6),
                _leaves(jit.state), _leaves(pmap.state))
+
+
+def test_fit_splits_a_users_annotated_members_over_their_devices_with_member_sharding_model(arrays, tmp_path):
+  """member_sharding and logical_axis_rules are fit's keywords like any field; config.json records them."""
+  x, y, x_test, y_test = arrays
+  ens = ensemble.fit(user_models.Annotated(), (x, y), test=(x_test, y_test), ensemble_size=2, backend='jit',
+                     num_devices=8, member_sharding='model', logical_axis_rules=[('mlp', 'model')],
+                     workdir=str(tmp_path / 'run'), **{**SETTINGS, 'epochs': 1})
+  with open(tmp_path / 'run' / 'config.json', encoding='utf-8') as f:
+    recorded = json.load(f)
+  assert recorded['member_sharding'] == 'model' and recorded['logical_axis_rules'] == [['mlp', 'model']]
+  assert ens.predict(x_test[:4])['probs'].shape == (4, 10)

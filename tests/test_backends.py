@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import make_member, small_config, synthetic_mnist
+import user_models
+from configs import mlp as mlp_config
+from conftest import MNIST_INFO, make_member, small_config, synthetic_mnist
 from ensemble import backends, config as config_lib, models, steps
 from ensemble.errors import UsageError
 
@@ -253,3 +255,76 @@ def test_fsdp_members_hold_a_quarter_of_their_state_per_device_and_train_the_sam
   replicated = backends.bytes_per_device(spread('replicated').init(0))
   # Biases and the small kernels stay whole (FSDP_MIN_WEIGHT_SIZE); they are 1% of the CNN's bytes.
   assert replicated / 4 <= backends.bytes_per_device(state) < replicated / 4 * 1.02
+
+
+def _mlp_member(logical=True, **overrides):
+  """The mesh MLP, small: its blocks' weights annotated ('hidden' over 'model'), their momentum likewise.
+
+  SGD, not the config's Adam: Adam's first steps scale near-zero gradients to full steps, rounding and all.
+  """
+  return make_member(mlp_config.get_config(), **{'depth': 64, 'logical': logical, 'optimizer': 'sgd',
+                                                 'learning_rate': 0.05, **overrides})
+
+
+def _spread(member, layout, **config):
+  return backends.create('jit', member=member, devices=jax.devices(), ensemble_size=2, member_data='shuffled',
+                         config=small_config('', member_sharding=layout, **config))
+
+
+@functools.cache
+def _mlp_on_two_devices():
+  member = _mlp_member()
+  state, losses = _train(backends.create('jit', member=member, devices=jax.devices()[:2], ensemble_size=2,
+                                         member_data='shuffled'), 2, 2, 'shuffled')
+  return jax.tree.map(np.asarray, state.params), losses
+
+
+@pytest.mark.parametrize('logical', [True, False], ids=['logical', 'mesh'])
+def test_model_members_split_their_annotated_weights_over_their_devices_and_train_the_same(logical):
+  """K=2 on 8 with member_sharding=model: each member's hidden units over its 4 devices, its trajectory its own.
+
+  Both spellings of the MLP's annotations (logical names and rules, or mesh axes) split the same weights.
+  """
+  backend = _spread(_mlp_member(logical), 'model')
+  state, losses = _train(backend, 2, 2, 'shuffled')
+  w1, w2 = state.params['block_0']['Dense_0']['kernel'], state.params['block_0']['W2']
+  assert w1.value.sharding.spec == P('ensemble', None, 'model')
+  assert w2.value.sharding.spec == P('ensemble', 'model', None)
+  assert w1.value.addressable_shards[0].data.shape == (1, 64, 16)  # a quarter of each member's 64 hidden units
+  assert state.params['input']['kernel'].value.sharding.spec == P('ensemble', None, None)  # not annotated 'hidden'
+  ref_params, ref_losses = _mlp_on_two_devices()
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  for ours, reference in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_params)):  # boxes of either kind
+    np.testing.assert_allclose(np.asarray(ours), reference, rtol=1e-4, atol=1e-5)
+  # The blocks' weights and their momentum, all annotated, hold a quarter of a member's bytes on each device.
+  blocks = [x for path, x in jax.tree_util.tree_flatten_with_path(state)[0] if 'block_' in jax.tree_util.keystr(path)]
+  assert len(blocks) == 8
+  assert backends.bytes_per_device(blocks) * 4 == sum(x.nbytes for x in blocks) / 2
+
+
+def test_a_users_model_splits_the_weights_its_own_logical_names_map_onto_model():
+  member = config_lib.member(small_config(''), MNIST_INFO, model=user_models.Annotated())
+  backend = _spread(member, 'model', logical_axis_rules=(('mlp', 'model'),))
+  params = backend.init(0).params
+  assert params['Dense_0']['kernel'].value.sharding.spec == P('ensemble', None, 'model')
+  assert params['Dense_1']['kernel'].value.sharding.spec == P('ensemble', 'model', None)
+  assert params['Dense_1']['bias'].sharding.spec == P('ensemble', None)
+
+
+@pytest.mark.parametrize('member, message', [
+    (lambda: make_member(), "member_sharding=model splits the parameters a model annotates onto the 'model' mesh "
+     "axis, and this model annotates none: annotate its large weights with nn.with_logical_partitioning"),
+    (lambda: _mlp_member(depth=66), "['block_0']['Dense_0']['kernel'] has shape (66, 66)"),
+], ids=['none', 'indivisible'])
+def test_model_members_whose_annotations_cannot_split_them_are_refused_in_one_line(member, message):
+  with pytest.raises(UsageError, match=re.escape(message)):
+    _spread(member(), 'model')
+
+
+def test_model_members_are_refused_where_each_has_one_device_and_keep_their_batch_whole():
+  with pytest.raises(UsageError, match=re.escape('member_sharding=model splits a member over the devices it has')):
+    config_lib.resolve(small_config('', backend='jit', ensemble_size=8, member_sharding='model'), jax.devices())
+  # Each of a member's devices computes on its whole batch, so the batch need not split over them.
+  config, _ = config_lib.resolve(small_config('', backend='jit', ensemble_size=2, member_sharding='model',
+                                              batch_size=30, eval_batch_size=30), jax.devices())
+  assert config.member_sharding == 'model'

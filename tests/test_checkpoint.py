@@ -384,16 +384,17 @@ def test_a_checkpoint_from_before_a_new_empty_field_restores(tmp_path):
   _assert_same(jax.tree.map(np.asarray, serialization.to_state_dict(restored)), serialization.to_state_dict(state))
 
 
-def _restored(workdir: str, devices, ensemble_size: int = 2) -> dict:
-  """The epoch-1 checkpoint of `workdir` restored onto `devices` in their canonical layout, as numpy."""
-  config = small_config('', ensemble_size=ensemble_size)
+def _restored(workdir: str, devices, ensemble_size: int = 2, layout: str = 'replicated', **fields) -> dict:
+  """The epoch-1 checkpoint of `workdir` restored onto `devices` in `layout` (the canonical one), as numpy."""
+  config = small_config('', ensemble_size=ensemble_size, **fields)
   ckpt = checkpoint.Checkpointer(workdir)
   member = config_lib.member(config, ckpt.meta(1)['data'])
-  abstract = backends.abstract_member_state(member, ensemble_size, devices)
+  abstract = backends.abstract_member_state(member, ensemble_size, devices, layout)
   state = ckpt.restore(1, abstract, {'model': config.model, 'ensemble_size': ensemble_size})
   ckpt.close()
   leaf = jax.tree.leaves(state.params)[0]
-  assert leaf.sharding.is_equivalent_to(backends.member_sharding(devices, ensemble_size), leaf.ndim)
+  if layout == 'replicated':
+    assert leaf.sharding.is_equivalent_to(backends.member_sharding(devices, ensemble_size), leaf.ndim)
   return jax.tree.map(np.asarray, serialization.to_state_dict(state))
 
 
@@ -410,3 +411,20 @@ def test_checkpoints_move_between_fewer_members_than_devices_and_a_device_each(t
   images = synthetic_mnist(8, 8)[1][0]
   predictions = [api.load(workdir).predict(images)['probs'] for workdir in (spread, own)]
   np.testing.assert_allclose(*predictions, rtol=1e-4, atol=1e-6)
+
+
+MLP = dict(model='mlp', num_layers=1, depth=64, use_scan=False, logical=True)
+
+
+def test_checkpoints_of_model_parallel_members_restore_in_every_layout(trained, tmp_path):
+  """K=2 members split over 'model' (member_sharding=model) write the canonical checkpoint: it restores on 2
+  devices, split over 'model' or 'data' on 8, and in `ensemble.load`."""
+  workdir = str(tmp_path / 'model')
+  trainer.train_and_evaluate(small_config(trained[0], backend='jit', ensemble_size=2, member_sharding='model', **MLP),
+                             workdir)
+  two, eight = jax.devices()[:2], jax.devices()
+  on_two = _restored(workdir, two, **MLP)
+  for layout in ('model', 'fsdp'):
+    jax.tree.map(np.testing.assert_array_equal, on_two, _restored(workdir, eight, layout=layout, **MLP))
+  ens = api.load(workdir)
+  assert ens.predict(synthetic_mnist(8, 8)[1][0])['probs'].shape == (8, 10)

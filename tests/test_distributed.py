@@ -161,6 +161,26 @@ def test_two_processes_train_the_same_ensemble_as_one(runs, recipe, workdirs, ep
                _checkpoint_params(two, epoch), _checkpoint_params(one, epoch))
 
 
+SPANNING = {'backend': 'jit', 'ensemble_size': 1, 'member_data': 'shuffled', 'steps_per_dispatch': 4}
+
+
+def test_a_member_spanning_two_processes_trains_as_on_one(tmp_path):
+  """K=1 member data-parallel over 2 processes x 4 devices (the fast path: its own batches' indices split over
+  its devices, which are both processes') against 1 process x 8, by its metrics and its parameters."""
+  mnist_dir = write_mnist(str(tmp_path / 'mnist'))
+  two, one = str(tmp_path / 'two'), str(tmp_path / 'one')
+  launched = subprocess.run([sys.executable, LAUNCHER, '--num_processes=2', '--cpu_devices=4', '--',
+                             *_train_args(two, mnist_dir, **SPANNING, num_epochs=1)],
+                            cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+  assert launched.returncode == 0, launched.stdout[-3000:]
+  trainer.train_and_evaluate(small_config(mnist_dir, **SPANNING, num_epochs=1), one)
+  (two_line,), (one_line,) = _metrics(two), _metrics(one)
+  for key in {key for key in one_line if not key.endswith('_seconds')}:
+    np.testing.assert_allclose(two_line[key], one_line[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  params = [_checkpoint_state(workdir, 1, ensemble_size=1)['params'] for workdir in (two, one)]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *params)
+
+
 @pytest.mark.parametrize('flags, message', [
     ({'num_processes': 2, 'process_id': 2}, '--process_id=2 is out of range for --num_processes=2'),
     ({'num_processes': 2, 'process_id': -1}, '--process_id=-1 is out of range for --num_processes=2'),
@@ -294,3 +314,14 @@ def test_a_process_reads_only_its_rows_of_each_batch():
     np.testing.assert_array_equal(my_x, x[_MY_ROWS])
     np.testing.assert_array_equal(my_y, y[_MY_ROWS])
     np.testing.assert_array_equal(my_mask, mask)  # the outputs cover the whole batch
+
+
+def test_each_process_feeds_its_block_of_a_per_member_batch():
+  """Per-member batches (K, B): whole members per device, or each member's rows over its D/K devices."""
+  batch = np.arange(16 * 16).reshape(16, 16)
+  np.testing.assert_array_equal(distributed.process_block(_TWO_PROCESSES, batch), batch[_MY_ROWS])
+  two = batch[:2]  # members 0 and 1 on devices 0-3 and 4-7: this process holds half the devices of each
+  np.testing.assert_array_equal(distributed.process_block(_TWO_PROCESSES, two), two[:, :8])
+  one = batch[:1]  # one member over all 8 devices: this process holds the rows of its 4
+  np.testing.assert_array_equal(distributed.process_block(_TWO_PROCESSES, one), one[:, _MY_ROWS])
+  np.testing.assert_array_equal(distributed.process_block(jax.devices(), two), two)

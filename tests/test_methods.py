@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ensemble import calibration, config as config_lib, data, evaluation, methods, optim, steps, trainer
+from ensemble import backends, calibration, config as config_lib, data, evaluation, methods, optim, steps, trainer
 from ensemble.errors import UsageError
 from ensemble.methods import batchensemble
 
@@ -236,3 +236,24 @@ def test_every_method_has_a_name_and_the_default_is_independent():
   assert methods.NAMES == ('independent', 'bagging', 'hyper', 'snapshot', 'batchensemble')
   assert isinstance(make_member().method, methods.Independent)
   assert make_member(data_info=MNIST_INFO).method.num_params({'w': np.zeros(3)}, 4) == 12
+
+
+@pytest.mark.parametrize('backend', ['pmap', 'jit'])
+def test_batchensemble_keeps_its_shared_weights_once_per_device_and_checkpoints_a_copy_per_member(backend):
+  """K=4 on 2 devices: each device holds one copy of a shared kernel (and of its momentum), not one per member;
+  the canonical (K, ...) layout repeats it for every member and converts back."""
+  created = backends.create(backend, member=make_member(method='batchensemble'), devices=jax.devices()[:2],
+                            ensemble_size=K, member_data='shared')
+  state = created.init(0)
+  layout = jax.tree_util.tree_flatten_with_path(state)[0]
+  shared = [x for path, x in layout if batchensemble.is_shared_path(path)]
+  assert len(shared) == 8  # 4 kernels, 4 momentum traces
+  members = lambda x: x.addressable_shards[0].data.shape[:1 if backend == 'jit' else 2]  # a device's, (D, M) on pmap
+  assert {members(x) for x in shared} == {(1,) if backend == 'jit' else (1, 1)}
+  assert members(state.params['_Rank1_0']['fast_in']) == ((2,) if backend == 'jit' else (1, 2))
+  canonical = created.to_canonical(state)
+  for path, x in jax.tree_util.tree_flatten_with_path(canonical)[0]:
+    assert x.shape[0] == K
+    if batchensemble.is_shared_path(path):
+      np.testing.assert_array_equal(np.asarray(x), np.broadcast_to(np.asarray(x)[0], x.shape))
+  _tree_equal(created.to_canonical(created.from_canonical(canonical)), canonical)

@@ -70,3 +70,16 @@ class Regressor(nn.Module):
     x = nn.tanh(dense(self.width)(x))
     x = nn.tanh(dense(self.width)(x))
     return dense(self.num_classes)(x)
+
+
+class Annotated(nn.Module):
+  """An MLP whose hidden units carry a logical axis name of its own, 'mlp': member_sharding=model splits them."""
+  width: int = 64
+  num_classes: int = 10
+
+  @nn.compact
+  def __call__(self, x):
+    init = nn.initializers.lecun_normal()
+    x = nn.Dense(self.width, kernel_init=nn.with_logical_partitioning(init, ('pixels', 'mlp')))(
+        x.reshape((x.shape[0], -1)))
+    return nn.Dense(self.num_classes, kernel_init=nn.with_logical_partitioning(init, ('mlp', None)))(nn.relu(x))

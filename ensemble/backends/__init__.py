@@ -10,20 +10,24 @@ which backend wrote them.
 import functools
 from typing import Any, Protocol, Sequence
 
+import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, parallel, steps
-from ensemble.parallel import fsdp
+from ensemble.methods import batchensemble
+from ensemble.parallel import fsdp, logical
 from ensemble.errors import UsageError
 
 ENSEMBLE_AXIS = 'ensemble'
 DATA_AXIS = parallel.DATA_AXIS  # a member's own devices, when there are fewer members than devices (backend jit)
+MODEL_AXIS = parallel.MODEL_AXIS  # a member's own devices under member_sharding=model
 MEMBER_AXIS = 'member'  # the members that one device holds
 # How a member's state lies on its devices when it has several (backend jit, fewer members than devices):
-# 'replicated' (a copy on each) or 'fsdp' (each leaf split over them, as parallel/fsdp.py splits one model).
-MEMBER_SHARDINGS = ('replicated', 'fsdp')
+# 'replicated' (a copy on each), 'fsdp' (each leaf split over them, as parallel/fsdp.py splits one model) or
+# 'model' (the leaves its model annotates split along 'model', as the mesh MLP's are; the others copied).
+MEMBER_SHARDINGS = ('replicated', 'fsdp', 'model')
 # An fsdp member's leaves with fewer values stay whole, as configs/fsdp.py's min_weight_size keeps them.
 FSDP_MIN_WEIGHT_SIZE = 2**14
 NAMES = ('pmap', 'jit', 'sharded', 'dp', 'fsdp')
@@ -37,15 +41,21 @@ def devices_per_member(ensemble_size: int | None, num_devices: int) -> int:
   return 1 if not ensemble_size or ensemble_size >= num_devices else num_devices // ensemble_size
 
 
-def ensemble_mesh(devices: Sequence[jax.Device], ensemble_size: int | None = None) -> Mesh:
+def ensemble_mesh(devices: Sequence[jax.Device], ensemble_size: int | None = None,
+                  layout: str = 'replicated') -> Mesh:
   """The 1-D 'ensemble' mesh; with fewer members than devices, ('ensemble', 'data'): a row of devices per member.
 
   A member's devices are adjacent, so on a multi-device host (and across
   processes) a member's gradient reductions stay on its closest devices.
+  Under `layout` 'model' the row is ('data', 'model') of shape (1, D/K): the
+  axes the mesh models' annotations and activation constraints name, the
+  member's batch whole on each device and its annotated weights split.
   """
   per_member = devices_per_member(ensemble_size, len(devices))
   if per_member == 1:
     return Mesh(np.asarray(devices), (ENSEMBLE_AXIS,))
+  if layout == 'model':
+    return Mesh(np.asarray(devices).reshape(-1, 1, per_member), (ENSEMBLE_AXIS, DATA_AXIS, MODEL_AXIS))
   return Mesh(np.asarray(devices).reshape(-1, per_member), (ENSEMBLE_AXIS, DATA_AXIS))
 
 
@@ -55,31 +65,58 @@ def member_sharding(devices: Sequence[jax.Device], ensemble_size: int | None = N
 
 
 def abstract_member_state(member: steps.Member, ensemble_size: int, devices: Sequence[jax.Device],
-                          layout: str = 'replicated'):
+                          layout: str = 'replicated', rules=logical.DEFAULT_RULES):
   """The canonical ensemble state as shapes, dtypes and shardings: a restore target."""
   abstract = member.abstract_ensemble_state(ensemble_size)
   return jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                      abstract, state_shardings(abstract, devices, ensemble_size, layout))
+                      abstract, state_shardings(abstract, devices, ensemble_size, layout, rules))
+
+
+def _is_box(x) -> bool:
+  return isinstance(x, nn.Partitioned)
 
 
 def state_shardings(abstract_state: Any, devices: Sequence[jax.Device], ensemble_size: int,
-                    layout: str = 'replicated') -> Any:
-  """Each (K, ...) leaf's sharding: members over 'ensemble'; with `layout` fsdp also split over a member's 'data'.
+                    layout: str = 'replicated', rules=logical.DEFAULT_RULES) -> Any:
+  """Each (K, ...) leaf's sharding: members over 'ensemble', and within a member as `layout` says.
 
-  Either way a leaf stays one global (K, ...) array, so checkpoints do not
-  see the layout, and XLA gathers an fsdp member's weights where its step
-  needs them and reduce-scatters their gradients.
+  fsdp splits a member's large leaves over its 'data' devices; model splits
+  the leaves whose partitioning annotations map (by `rules`, for logical
+  names) onto 'model', and copies the rest. Either way a leaf stays one
+  global (K, ...) array, so checkpoints do not see the layout, and XLA
+  gathers or partitions each member's computation as its weights lie.
+  Annotated leaves keep their boxes, so the shardings mirror the state's tree.
   """
-  mesh = ensemble_mesh(devices, ensemble_size)
+  mesh = ensemble_mesh(devices, ensemble_size, layout)
   per_member = devices_per_member(ensemble_size, len(devices))
+  split_any = []
 
-  def sharding(x):
-    dim = fsdp.split_dimension(x.shape[1:], per_member, FSDP_MIN_WEIGHT_SIZE) if layout == 'fsdp' else None
+  def sharding(path, x):
+    box, x = (x, x.value) if _is_box(x) else (None, x)
     spec = [None] * (len(x.shape) - 1)
-    if dim is not None:
-      spec[dim] = DATA_AXIS
-    return NamedSharding(mesh, P(ENSEMBLE_AXIS, *spec))
-  return jax.tree.map(sharding, abstract_state)
+    if layout == 'fsdp':
+      dim = fsdp.split_dimension(x.shape[1:], per_member, FSDP_MIN_WEIGHT_SIZE)
+      if dim is not None:
+        spec[dim] = DATA_AXIS
+    elif layout == 'model' and per_member > 1 and box is not None:
+      for dim, name in enumerate(logical.mesh_axes(box, rules)):
+        if name == MODEL_AXIS:
+          if x.shape[1 + dim] % per_member:
+            raise UsageError(f'{jax.tree_util.keystr(path)} has shape {x.shape[1:]}: its dimension {dim}, which '
+                             f"its annotation splits over 'model', cannot be split over a member's {per_member} "
+                             'devices; make it a multiple of that, or set --config.member_sharding=fsdp')
+          spec[dim] = MODEL_AXIS
+          split_any.append(path)
+    named = NamedSharding(mesh, P(ENSEMBLE_AXIS, *spec))
+    return box.replace_boxed(named) if box is not None else named
+
+  shardings = jax.tree_util.tree_map_with_path(sharding, abstract_state, is_leaf=_is_box)
+  if layout == 'model' and per_member > 1 and not split_any:
+    raise UsageError("member_sharding=model splits the parameters a model annotates onto the 'model' mesh axis, "
+                     "and this model annotates none: annotate its large weights with nn.with_logical_partitioning "
+                     f'(mapped by --config.logical_axis_rules, now {tuple(rules)!r}) or nn.with_partitioning, '
+                     'or set --config.member_sharding=fsdp')
+  return shardings
 
 
 def bytes_per_device(state: Any) -> int:
@@ -170,7 +207,23 @@ def map_members(fn, in_axes: Sequence[int | None], devices: Sequence[jax.Device]
   return mapped
 
 
-def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_axis: int | None):
+def once_per_device(member: steps.Member, state: Any) -> Any:
+  """A device's stacked members' state with the leaves they share (BatchEnsemble's) kept once: (1, ...)."""
+  return batchensemble.map_shared(lambda x: x[:1], state) if member.method.shares_weights else state
+
+
+def for_each_member(state: Any, size: int) -> Any:
+  """Undoes `once_per_device` for `size` members, without copying; shared leaves already (size, ...) stay."""
+  return batchensemble.map_shared(lambda x: jax.numpy.broadcast_to(x, (size, *x.shape[1:])), state)
+
+
+def init_members(member: steps.Member):
+  """A device's members' fresh state from their keys, in the backends' layout (`once_per_device`)."""
+  return lambda keys: once_per_device(member, jax.vmap(member.init)(keys))
+
+
+def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_axis: int | None,
+                    ensemble_axis: str | None = ENSEMBLE_AXIS):
   """(one step, many steps) of the members a device holds, inside pmap or shard_map over 'ensemble'.
 
   `data_axis` is 0 when each member has its own batch, None when all share it.
@@ -179,7 +232,7 @@ def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_ax
   method's members share weights (BatchEnsemble) a step is one program over
   the device's members: their gradients, the shared ones averaged over all
   members (`method.average_shared`), then each member's update; the fast path
-  loops over such steps.
+  loops over such steps. `ensemble_axis` None: the devices hold one member in all (see `evaluate_members`).
   """
   unroll = unrolls(devices)
   if not member.method.shares_weights:
@@ -189,8 +242,11 @@ def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_ax
   gradients = map_members(member.gradients, (0, data_axis, data_axis), devices)
 
   def one(state, images, labels):
+    """The device's one copy of the shared leaves serves each member, and one copy of their update is kept."""
+    state = for_each_member(state, len(state.step))
     grads, aux = gradients(state, images, labels)
-    return jax.vmap(member.update)(state, member.method.average_shared(grads, ENSEMBLE_AXIS), aux)
+    state, metrics = jax.vmap(member.update)(state, member.method.average_shared(grads, ensemble_axis), aux)
+    return once_per_device(member, state), metrics
 
   def many(state, images, labels, indices):
     """`indices` (M, S, batch) per member, or (S, batch) shared; metrics come back (M, S) like the others'."""
@@ -201,14 +257,21 @@ def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_ax
   return one, many
 
 
-def evaluate_members(member: steps.Member, devices: Sequence[jax.Device]):
+def evaluate_members(member: steps.Member, devices: Sequence[jax.Device], ensemble_axis: str | None = ENSEMBLE_AXIS):
   """`member.eval_step` for the members a device holds, inside pmap or shard_map over 'ensemble'.
 
   The forward passes go through `map_members`; only the cheap ensemble mean
   needs the members as a named (vmapped) axis, which with 'ensemble' spans all.
+  `ensemble_axis` None leaves a mesh's 'ensemble' axis of size 1 (one member
+  over all the devices) out of the mean: XLA's partitioner refuses a reduction
+  over a manual axis of size 1 beside automatic ones.
   """
   predict = map_members(member.predict, (0, None), devices)
-  outputs = jax.vmap(functools.partial(member.task.eval_outputs, axis_name=(ENSEMBLE_AXIS, MEMBER_AXIS)),
+  if member.method.shares_weights:
+    each = predict
+    predict = lambda state, images: each(for_each_member(state, len(state.step)), images)
+  axis_name = (ensemble_axis, MEMBER_AXIS) if ensemble_axis else MEMBER_AXIS
+  outputs = jax.vmap(functools.partial(member.task.eval_outputs, axis_name=axis_name),
                      in_axes=(0, None), axis_name=MEMBER_AXIS)
   return lambda state, images, labels: outputs(predict(state, images), labels)
 
@@ -224,7 +287,7 @@ def train_chunk(backend, state, split: dict[str, np.ndarray], resident, chunk: n
   if resident is not None:
     return backend.train_steps(state, resident, chunk)
   (batch,) = chunk
-  batch = batch[distributed.process_rows(backend.devices, len(batch))]
+  batch = distributed.process_block(backend.devices, batch)
   return backend.train_step(state, split['image'][batch], split['label'][batch])
 
 

@@ -7,22 +7,31 @@ instead is much slower: it turns the vmapped convolutions into one grouped
 convolution that it does not split, so every device all-gathers the parameters
 and computes all K members (seen in the compiled HLO; on 8 CPU
 devices about 20x slower). The backend's layout is the canonical one, so
-conversions are free. Across processes, batches are global arrays built from
-each process's rows, and a shared batch arrives split over all devices and is
-gathered back on each of them. With fewer members than devices, each member
-has a row of the mesh's 'data' axis to itself (`backends.ensemble_mesh`).
+conversions are free, but for BatchEnsemble's shared leaves with several
+members per device: one copy per device, repeated for the canonical layout.
+Across processes, batches are global arrays built from each process's rows,
+and a shared batch arrives split over all devices and is gathered back on each
+of them. With fewer members than devices, each member
+has a row of the mesh's 'data' axis to itself (`backends.ensemble_mesh`); under
+member_sharding=model, a row of its 'model' axis, and the steps are traced with
+that mesh and the logical axis rules in context, so that the model's weight and
+activation annotations split each member's computation over its devices.
 """
 
+import contextlib
 import functools
 from typing import Sequence
 
+import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
-from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, abstract_member_state, devices_per_member, ensemble_mesh,
-                               evaluate_members, gathering_batches, train_functions)
+from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, MODEL_AXIS, abstract_member_state, devices_per_member,
+                               ensemble_mesh, evaluate_members, gathering_batches, init_members, train_functions)
+from ensemble.methods import batchensemble
+from ensemble.parallel import logical
 
 
 class JitBackend:
@@ -33,9 +42,12 @@ class JitBackend:
     self.devices = list(devices)
     self.ensemble_size = ensemble_size
     layout = config.get('member_sharding', 'replicated') if config is not None else 'replicated'
-    self._abstract = functools.partial(abstract_member_state, member, ensemble_size, devices, layout)
-    self._state = jax.tree.map(lambda x: x.sharding, self._abstract())
-    mesh = ensemble_mesh(self.devices, ensemble_size)
+    rules = logical.check_rules(config.get('logical_axis_rules', logical.DEFAULT_RULES) if config is not None
+                                else logical.DEFAULT_RULES, logical_axes=None)
+    mesh = ensemble_mesh(self.devices, ensemble_size, layout)
+    self._mesh, self._rules = mesh, rules if MODEL_AXIS in mesh.axis_names else None
+    self._abstract_state = functools.partial(abstract_member_state, member, ensemble_size, devices, layout, rules)
+    self._state = jax.tree.map(lambda x: x.sharding, self.abstract_state())
     members, whole = P(ENSEMBLE_AXIS), P()
     # Fewer members than devices: a member's batch rows are split over its row of the mesh, 'data', which
     # shard_map leaves to XLA's partitioner. It then computes each member's step data-parallel, as jit does
@@ -46,15 +58,20 @@ class JitBackend:
     index_rows = (lambda spec: P(*spec, None, DATA_AXIS)) if spread else (lambda spec: spec)  # (S, batch) per member
     self._replicated = NamedSharding(mesh, whole)
     self._indices = NamedSharding(mesh, index_rows(members))
+    self._shared_indices = NamedSharding(mesh, index_rows(whole))
     self._shared_data = member_data == 'shared'
     # One process feeds whole shared batches; several each feed their devices' slices
     # (distributed.process_rows), which every device then gathers.
     split = distributed.spans_processes(self.devices)
     batch_spec, gather = (members, gathering_batches) if split else (whole, lambda fn: fn)
-    self._batches = NamedSharding(mesh, rows(batch_spec))
+    # A shared batch split over the processes is one axis of examples over every device in order,
+    # ('ensemble', 'data') together; shard_map hands each member's devices their slices to gather.
+    shared_rows = (lambda spec: P((ENSEMBLE_AXIS, DATA_AXIS)) if spec == members else rows(spec)) if spread else rows
+    self._batches = NamedSharding(mesh, shared_rows(batch_spec))
     # Per step: a batch (plain path), or its indices into the resident training set (fast path).
     data_axis, data_spec, index_spec = (None, batch_spec, whole) if self._shared_data else (0, members, members)
-    self._data = NamedSharding(mesh, rows(data_spec))
+    data_rows = shared_rows if self._shared_data else rows
+    self._data = NamedSharding(mesh, data_rows(data_spec))
 
     def compile_mapped(member_fn, in_specs, out_specs, donate=(), batches=0, state_in=True, state_out=True,
                        split=rows):
@@ -80,26 +97,46 @@ class JitBackend:
                      out_shardings=tuple(outputs) if isinstance(out_specs, tuple) else outputs[0],
                      donate_argnums=donate)
 
-    self._init = compile_mapped(jax.vmap(member.init), (members,), members, state_in=False)
-    train, many = train_functions(member, self.devices, data_axis)
+    self._init = compile_mapped(init_members(member), (members,), members, state_in=False)
+    # Shared leaves (BatchEnsemble) hold a copy per device: a member's, repeated for the device's members.
+    per_device = ensemble_size // mesh.shape[ENSEMBLE_AXIS] if member.method.shares_weights else 1
+    self._repeat_shared = self._first_of_each = None
+    if per_device > 1:
+      on_devices = functools.partial(jax.jit, out_shardings=NamedSharding(mesh, members))
+      self._repeat_shared = on_devices(lambda x: jax.numpy.repeat(x, per_device, axis=0))
+      self._first_of_each = on_devices(lambda x: x[::per_device])
+    # One member over all the devices: no collective over 'ensemble' (`backends.evaluate_members`).
+    ensemble_axis = ENSEMBLE_AXIS if mesh.shape[ENSEMBLE_AXIS] > 1 else None
+    train, many = train_functions(member, self.devices, data_axis, ensemble_axis)
     self._train = compile_mapped(
         gather(train) if self._shared_data else train, (members, data_spec, data_spec), (members, members),
-        donate=0, batches=2)
+        donate=0, batches=2, split=data_rows)
     self._train_steps = compile_mapped(many, (members, whole, whole, index_spec), (members, members), donate=0,
                                        batches=1, split=index_rows)
     self._eval = compile_mapped(
-        gather(evaluate_members(member, self.devices)),
-        (members, batch_spec, batch_spec), members, batches=2, state_out=False)
+        gather(evaluate_members(member, self.devices, ensemble_axis)),
+        (members, batch_spec, batch_spec), members, batches=2, state_out=False, split=shared_rows)
+
+  def _context(self):
+    """Where a member's annotations find the mesh and the logical rules while traced (member_sharding=model)."""
+    stack = contextlib.ExitStack()
+    if self._rules is not None:
+      stack.enter_context(jax.set_mesh(self._mesh))
+      stack.enter_context(nn.logical_axis_rules(self._rules))
+    return stack
 
   def init(self, seed: int) -> steps.TrainState:
     keys = steps.member_keys(seed, self.ensemble_size)
-    return self._init(keys)
+    with self._context():
+      return self._init(keys)
 
   def abstract_state(self):
-    return self._abstract()
+    with self._context():  # the model's init runs, constraints and all
+      return self._abstract_state()
 
   def train_step(self, state, images: np.ndarray, labels: np.ndarray):
-    return self._train(state, *jax.make_array_from_process_local_data(self._data, (images, labels)))
+    with self._context():
+      return self._train(state, *jax.make_array_from_process_local_data(self._data, (images, labels)))
 
   def put_dataset(self, split):
     """The whole training set, replicated on every device, for `train_steps`."""
@@ -109,18 +146,27 @@ class JitBackend:
     """`indices` is (S, batch) for shared data, else (S, K, batch)."""
     if not self._shared_data:
       members = np.moveaxis(indices, 1, 0)
-      own = members[distributed.process_rows(self.devices, self.ensemble_size)]
+      # Each member's steps (S) aside, its rows are split as a per-member batch's are.
+      own = np.moveaxis(distributed.process_block(self.devices, np.moveaxis(members, 1, 2)), 2, 1)
       indices = jax.make_array_from_process_local_data(self._indices, own, members.shape)
-    return self._train_steps(state, *dataset, indices)
+    else:  # the same on every process; split over a spread member's devices, which may be other processes'
+      indices = jax.make_array_from_callback(indices.shape, self._shared_indices, lambda i, host=indices: host[i])
+    with self._context():
+      return self._train_steps(state, *dataset, indices)
 
   def eval_step(self, state, images: np.ndarray, labels: np.ndarray) -> steps.Metrics:
-    return self._eval(state, *jax.make_array_from_process_local_data(self._batches, (images, labels)))
+    with self._context():
+      return self._eval(state, *jax.make_array_from_process_local_data(self._batches, (images, labels)))
 
   def to_host(self, tree):
     return distributed.to_numpy(tree)
 
   def to_canonical(self, state):
-    return state
+    if self._repeat_shared is None:
+      return state
+    return batchensemble.map_shared(self._repeat_shared, state)
 
   def from_canonical(self, state):
-    return state
+    if self._repeat_shared is None:
+      return state
+    return batchensemble.map_shared(self._first_of_each, state)

@@ -1,7 +1,8 @@
 """The classic recipe: `jax.pmap` over devices; a device's members mapped with `jax.vmap`
 (on CPU, traced one after another: `backends.map_members`).
 
-State leaves are (D, K/D, ...): D devices, K/D members on each. Batches that all
+State leaves are (D, K/D, ...): D devices, K/D members on each (BatchEnsemble's
+shared leaves (D, 1, ...): a copy per device). Batches that all
 members share are replicated with `flax.jax_utils.replicate`. Across processes,
 each process pmaps over its own devices (host-local inputs and outputs, as pmap
 wants them), and a shared batch arrives split over all devices and is gathered
@@ -12,13 +13,15 @@ import functools
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import jax_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
 from ensemble.backends import (ENSEMBLE_AXIS, abstract_member_state, evaluate_members, gathering_batches,
-                               member_sharding, train_functions)
+                               init_members, member_sharding, train_functions)
+from ensemble.methods import batchensemble
 
 
 class PmapBackend:
@@ -39,7 +42,9 @@ class PmapBackend:
     self._pmapped = NamedSharding(Mesh(np.asarray(self.devices), ('devices',)), P('devices'))
     data_axis = None if self._shared_data else 0
     pmap = functools.partial(jax.pmap, axis_name=ENSEMBLE_AXIS, devices=self.devices)
-    self._init = pmap(jax.vmap(member.init))
+    self._init = pmap(init_members(member))
+    # Shared leaves (BatchEnsemble) hold a copy per device: (D, 1, ...) where the others are (D, K/D, ...).
+    self._shares_weights = member.method.shares_weights
     train, many = train_functions(member, self.devices, data_axis)
     self._train = pmap(whole(train) if self._shared_data else train, donate_argnums=0)
     self._train_steps = pmap(many, donate_argnums=0)
@@ -92,16 +97,25 @@ class PmapBackend:
     return distributed.to_numpy(self.to_canonical(tree))
 
   def to_canonical(self, state):
-    """(D, K/D, ...) per device -> one global (K, ...) array; each shard stays on its device."""
-    def convert(x):
-      shards = [s.data.reshape(s.data.shape[1:]) for s in x.addressable_shards]
+    """(D, K/D, ...) per device -> one global (K, ...) array; each shard stays on its device.
+
+    A shared leaf's (D, 1, ...) copy is repeated for the device's members, on the device.
+    """
+    def convert(x, repeats=1):
+      shards = [jnp.repeat(s.data.reshape(s.data.shape[1:]), repeats, axis=0) if repeats > 1
+                else s.data.reshape(s.data.shape[1:]) for s in x.addressable_shards]
       return jax.make_array_from_single_device_arrays(
           (self.ensemble_size, *x.shape[2:]), self._canonical, shards)
-    return jax.tree.map(convert, state)
+    return self._map_shared(functools.partial(convert, repeats=self.members_per_device), convert, state)
 
   def from_canonical(self, state):
-    def convert(x):
-      shards = [s.data.reshape(1, *s.data.shape) for s in x.addressable_shards]
+    def convert(x, keep=None):
+      shards = [s.data[:keep].reshape(1, -1, *s.data.shape[1:]) for s in x.addressable_shards]
       return jax.make_array_from_single_device_arrays(
-          (len(self.devices), self.members_per_device, *x.shape[1:]), self._pmapped, shards)
-    return jax.tree.map(convert, state)
+          (len(self.devices), keep or self.members_per_device, *x.shape[1:]), self._pmapped, shards)
+    return self._map_shared(functools.partial(convert, keep=1), convert, state)
+
+  def _map_shared(self, shared, other, state):
+    if not self._shares_weights:
+      return jax.tree.map(other, state)
+    return batchensemble.map_shared(shared, state, other)

@@ -134,12 +134,16 @@ class _MeshBackend:
     with self._context():
       return self._eval(state, images, labels)
 
-  # As under the jit backend, the state already is global arrays in their checkpoint layout,
-  # and the resident training set is replicated.
+  # As under the jit backend, the resident training set is replicated.
   put_dataset = jit.JitBackend.put_dataset
   to_host = jit.JitBackend.to_host
-  to_canonical = jit.JitBackend.to_canonical
-  from_canonical = jit.JitBackend.from_canonical
+
+  def to_canonical(self, state):
+    """The state already is global arrays in their checkpoint layout."""
+    return state
+
+  def from_canonical(self, state):
+    return state
 
 
 class AnnotatedBackend(_MeshBackend):

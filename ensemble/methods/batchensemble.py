@@ -8,9 +8,13 @@ members' gradients of those weights over the device's members and, with
 fast factors, biases and BatchNorm statistics are the member's own and live
 with it on the 'ensemble' axis like any member state.
 
-Each device keeps one copy of the shared weights per member it holds: with
-one member per device that is the replicated layout; checkpoints and the
-evaluation see K ordinary members. `num_params` counts the shared weights once.
+Each device keeps one copy of the shared weights (and of their optimizer
+state), however many members it holds: in the backends' layout a shared leaf
+has one entry per device where the others have one per member, and each step
+broadcasts it to the device's members and keeps one copy of the result
+(`map_shared`). Checkpoints and the evaluation see K ordinary members, each
+with its copy: the backends' `to_canonical` repeats the device's copy for its
+members. `num_params` counts the shared weights once.
 """
 
 import dataclasses
@@ -23,6 +27,16 @@ from ensemble.methods.independent import Independent
 
 # fold_in tag for the shared weights' key, so that they differ from every member's own parameters.
 _SHARED_INIT = 0x5368_6172
+
+
+def is_shared_path(path) -> bool:
+  """Whether a leaf at `path` (a key path into a member's state: params, optimizer state) is shared."""
+  return any(getattr(key, 'key', None) == 'shared' for key in path)
+
+
+def map_shared(fn, tree, other=lambda x: x):
+  """`tree` with `fn` applied to the leaves all members share, `other` to the rest."""
+  return jax.tree_util.tree_map_with_path(lambda path, x: fn(x) if is_shared_path(path) else other(x), tree)
 
 
 def is_shared(params):
@@ -45,12 +59,14 @@ class BatchEnsemble(Independent):
                           state.params, reference['params'], is_shared(state.params))
     return state.replace(params=params, opt_state=state.tx.init(params))
 
-  def average_shared(self, grads, axis_name: str):
-    """Gradients of a device's members, (M, ...) per leaf: the shared ones replaced by their mean over all members."""
+  def average_shared(self, grads, axis_name: str | None):
+    """Gradients of a device's members, (M, ...) per leaf: the shared ones replaced by their mean over all members
+    (over `axis_name` too, unless None: these are all the members)."""
     def average(grad, shared):
       if not shared:
         return grad
-      mean = jax.lax.pmean(jnp.mean(grad, axis=0), axis_name)
+      mean = jnp.mean(grad, axis=0)
+      mean = mean if axis_name is None else jax.lax.pmean(mean, axis_name)
       return jnp.broadcast_to(mean, grad.shape)
     return jax.tree.map(average, grads, is_shared(grads))
 
