@@ -25,7 +25,7 @@ import scipy.ndimage
 from absl import logging
 from jax.sharding import PartitionSpec as P
 
-from ensemble import backends, calibration, checkpoint, console, data, report, steps
+from ensemble import backends, calibration, checkpoint, console, data, regression_report, report, steps
 from ensemble import config as config_lib
 from ensemble.data import tfds
 from ensemble.errors import UsageError
@@ -407,6 +407,35 @@ def score_conformal(predict: Predictor, heldout: data.Split, seen_in_training: b
   return {'calibration_examples': n, 'seen_in_training': seen_in_training, 'rows': rows}
 
 
+def _evaluate_regression(workdir: str, config, member, state, devices, epoch: int, *, data_dir: str | None,
+                         output_dir: str | None, alphas: Sequence[float]) -> dict[str, Any]:
+  """`evaluate` for a regression workdir, restored by the caller: reads the data, scores it
+  (`regression_report.score`), writes the report into `output_dir` (default WORKDIR/eval), returns its numbers."""
+  data_dir = config.data_dir if data_dir is None else data_dir
+  dataset = data.load(config.get('dataset', 'mnist'), data_dir, task='regression', target=config.get('target', ''))
+  if tuple(dataset.image_shape) != member.image_shape or dataset.num_classes != member.task.targets:
+    raise UsageError(f'{dataset.source} holds inputs {dataset.image_shape} with {dataset.num_classes} '
+                     f'targets but {workdir} was trained on {member.image_shape} with '
+                     f'{member.task.targets}; give --data_dir the data it was trained on')
+  heldout, seen_in_training = heldout_split(dataset.train, config)
+  predict = Predictor(member, state, devices, config.eval_batch_size)
+  components = lambda split: (*member.task.components(predict.log_probs(split)),
+                              split['label'].astype(np.float64))
+  logging.info('Predicting the %d test examples and the %d held-out ones.', len(dataset.test['label']),
+               len(heldout['label']))
+  results = {'workdir': os.path.abspath(workdir), 'epoch': epoch,
+             'checkpoint': checkpoint_id(workdir, epoch), 'ensemble_size': config.ensemble_size,
+             'task': 'regression', 'data': dataset.source,
+             'data_dir': config_lib.data_location(data_dir), 'test_examples': len(dataset.test['label']),
+             **regression_report.score(components(dataset.test), components(heldout), config.ensemble_size, alphas,
+                                       seen_in_training)}
+  logging.info('test: ensemble RMSE %.4g NLL %.4g CRPS %.4g 90%% coverage %.3f; mean member RMSE %.4g NLL %.4g '
+               'CRPS %.4g 90%% coverage %.3f', *(results[who][name] for who in ('ensemble', 'mean_member')
+                                                 for name in ('rmse', 'nll', 'crps', 'coverage_90')))
+  regression_report.write(results, output_dir or os.path.join(workdir, 'eval'))
+  return results
+
+
 def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = None,
              output_dir: str | None = None, angles: Sequence[int] = DEFAULT_ANGLES,
              ood_names: Sequence[str] = DEFAULT_OOD, alphas: Sequence[float] = DEFAULT_ALPHAS) -> dict[str, Any]:
@@ -424,9 +453,8 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
   if member.task.name == 'regression':
     if ood_names and list(ood_names) != list(DEFAULT_OOD):  # the built-in image sets are on by default
       raise UsageError(f'--ood detects unfamiliar images, and {workdir} is a regression ensemble: leave --ood out')
-    from ensemble import regression_report  # pylint: disable=g-import-not-at-top
-    return regression_report.evaluate(workdir, config, member, state, devices, epoch, data_dir=data_dir,
-                                      output_dir=output_dir, alphas=alphas)
+    return _evaluate_regression(workdir, config, member, state, devices, epoch, data_dir=data_dir,
+                                output_dir=output_dir, alphas=alphas)
   data_dir = config.data_dir if data_dir is None else data_dir
   dataset = data.load(config.get('dataset', 'mnist'), data_dir, config.get('train_split', 'train'),
                       config.get('test_split', 'test'))

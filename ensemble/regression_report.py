@@ -1,6 +1,6 @@
 """`python -m ensemble.evaluate` on a regression workdir: scores, interval calibration, the report and its plot.
 
-What `evaluation.evaluate` runs when the workdir's task is regression. Scores
+The scores and the report that `evaluation.evaluate` makes of a regression workdir. Scores
 the mixture and the mean member on the test split (RMSE, the exact mixture's
 NLL, CRPS, the coverage of central intervals), fits a variance scale on the
 held-out slice (regression's temperature), calibrates split-conformal
@@ -8,7 +8,6 @@ intervals normalised by the predicted std on it at each alpha, and ranks the
 test inputs by predicted std for selective prediction.
 """
 
-import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -16,7 +15,6 @@ from absl import logging
 from matplotlib.figure import Figure
 
 from ensemble import report
-from ensemble.errors import UsageError
 from ensemble.tasks import regression
 
 # The expected coverages of the calibration plot.
@@ -101,31 +99,3 @@ def write(results: dict[str, Any], output_dir: str):
   report.save(results, '\n'.join(lines), {'coverage.png': _coverage_figure(results)}, output_dir)
   logging.info('Wrote metrics.json, report.md and coverage.png to %s.', output_dir)
 
-
-def evaluate(workdir: str, config, member, state, devices, epoch: int, *, data_dir: str | None, output_dir: str | None,
-             alphas: Sequence[float]) -> dict[str, Any]:
-  """`evaluation.evaluate` for a regression workdir: restores nothing itself (the caller did), reads the data,
-  scores, writes the report into `output_dir` (default WORKDIR/eval) and returns its numbers."""
-  from ensemble import config as config_lib, data, evaluation  # pylint: disable=g-import-not-at-top
-  data_dir = config.data_dir if data_dir is None else data_dir
-  dataset = data.load(config.get('dataset', 'mnist'), data_dir, task='regression', target=config.get('target', ''))
-  if tuple(dataset.image_shape) != member.image_shape or dataset.num_classes != member.task.targets:
-    raise UsageError(f'{dataset.source} holds inputs {dataset.image_shape} with {dataset.num_classes} '
-                                f'targets but {workdir} was trained on {member.image_shape} with '
-                                f'{member.task.targets}; give --data_dir the data it was trained on')
-  heldout, seen_in_training = evaluation.heldout_split(dataset.train, config)
-  predict = evaluation.Predictor(member, state, devices, config.eval_batch_size)
-  components = lambda split: (*member.task.components(predict.log_probs(split)),
-                              split['label'].astype(np.float64))
-  logging.info('Predicting the %d test examples and the %d held-out ones.', len(dataset.test['label']),
-               len(heldout['label']))
-  results = {'workdir': os.path.abspath(workdir), 'epoch': epoch,
-             'checkpoint': evaluation.checkpoint_id(workdir, epoch), 'ensemble_size': config.ensemble_size,
-             'task': 'regression', 'data': dataset.source,
-             'data_dir': config_lib.data_location(data_dir), 'test_examples': len(dataset.test['label']),
-             **score(components(dataset.test), components(heldout), config.ensemble_size, alphas, seen_in_training)}
-  logging.info('test: ensemble RMSE %.4g NLL %.4g CRPS %.4g 90%% coverage %.3f; mean member RMSE %.4g NLL %.4g '
-               'CRPS %.4g 90%% coverage %.3f', *(results[who][name] for who in ('ensemble', 'mean_member')
-                                                 for name in ('rmse', 'nll', 'crps', 'coverage_90')))
-  write(results, output_dir or os.path.join(workdir, 'eval'))
-  return results
