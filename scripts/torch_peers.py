@@ -1,6 +1,7 @@
 """What a PyTorch user would run to train the same K members: the peers of `scripts/benchmark.py --peers`.
 
-  python scripts/torch_peers.py --model=cnn --members=8 --batch=128 [--dtype=bfloat16] [--json=peers.json]
+  python scripts/torch_peers.py --model=cnn --members=8 --batch=128 [--dtypes=float32,bfloat16] [--json=peers.json]
+  pip install -e ".[peers]"    # PyTorch, where it is not installed
 
 Two peers, each in its fastest form found: channels-last memory, fused SGD
 (momentum 0.9), with `--dtypes=bfloat16` autocast (parameters and optimizer state

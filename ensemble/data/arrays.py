@@ -30,8 +30,8 @@ def pair(split: Any, name: str) -> tuple[np.ndarray, np.ndarray]:
   try:
     return np.asarray(inputs), np.asarray(labels)
   except ValueError as e:  # a ragged list
-    raise base.DataError(f'{name}: cannot be made an array ({base.first_line(e)}); give equally shaped examples') \
-        from None
+    message = f'{name}: cannot be made an array ({base.first_line(e)}); give equally shaped examples'
+    raise base.DataError(message) from None
 
 
 def _as_inputs(inputs: np.ndarray, kind: str, name: str) -> np.ndarray:
