@@ -22,6 +22,10 @@ memory as `ensemble.train` does at start-up (ensemble/host_memory.py) and times 
 again ('reference, freed memory kept'), so the table separates the allocator's share of the
 trainer's lead from the rest. Ratios are to the first reference.
 
+On CPU the trainer's rows run as `ensemble.train` trains: its train steps compiled with XLA's own
+kernels instead of YNNPACK's (`backends.train_program`, docs/speed.md), while the reference rows run
+the classic recipe as it runs, with JAX's defaults.
+
 `--dtypes=float32,bfloat16` times each path with both forward-pass dtypes (configs' `dtype`).
 `--peers` first runs scripts/torch_peers.py in a child process (before JAX takes the GPU's
 memory): PyTorch's vmap ensemble and a loop over K models, compiled, channels-last, autocast for

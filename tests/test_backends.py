@@ -4,6 +4,7 @@ import functools
 import re
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -15,9 +16,9 @@ from ensemble import backends, config as config_lib, models, steps
 from ensemble.errors import UsageError
 
 
-def _backend(name, ensemble_size=8, num_devices=8, member_data='shared', **overrides):
+def _backend(name, ensemble_size=8, num_devices=8, member_data='shared', config=None, **overrides):
   return backends.create(name, member=make_member(**overrides), devices=jax.devices()[:num_devices],
-                         ensemble_size=ensemble_size, member_data=member_data)
+                         ensemble_size=ensemble_size, member_data=member_data, config=config)
 
 
 def _batches(num_steps, batch=16, ensemble_size=8, member_data='shared'):
@@ -155,11 +156,15 @@ def test_fast_path_matches_the_plain_path(name, member_data):
 
 
 RESNET = dict(model='resnet', resnet_depth=8, augment='crop_flip')
+# XLA's own CPU kernels (the training default, backends.train_program) sum a convolution's weight gradient in an
+# order that depends on how many members share a device: 2e-5 apart after two steps. YNNPACK's do not, so these
+# comparisons train with them and stay exact to 1e-5.
+SAME_SUMS = ml_collections.ConfigDict({'xla_cpu_ynnpack': True})
 
 
 @functools.cache
 def _pmap_resnet_on_eight_devices():
-  return _train_with_stats(_backend('pmap', **RESNET))
+  return _train_with_stats(_backend('pmap', config=SAME_SUMS, **RESNET))
 
 
 def _train_with_stats(backend):
@@ -171,7 +176,7 @@ def _train_with_stats(backend):
 def test_augmented_resnet_members_do_not_depend_on_backend_or_device_count(name, num_devices):
   """Each member's augmentation and BatchNorm statistics are its own, wherever it runs."""
   (ref_params, ref_stats), ref_losses = _pmap_resnet_on_eight_devices()
-  (params, stats), losses = _train_with_stats(_backend(name, num_devices=num_devices, **RESNET))
+  (params, stats), losses = _train_with_stats(_backend(name, num_devices=num_devices, config=SAME_SUMS, **RESNET))
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   for ours, reference in ((params, ref_params), (stats, ref_stats)):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), ours, reference)
@@ -328,3 +333,26 @@ def test_model_members_are_refused_where_each_has_one_device_and_keep_their_batc
   config, _ = config_lib.resolve(small_config('', backend='jit', ensemble_size=2, member_sharding='model',
                                               batch_size=30, eval_batch_size=30), jax.devices())
   assert config.member_sharding == 'model'
+
+
+def test_training_programs_on_cpu_run_xlas_own_kernels_and_the_others_keep_jaxs():
+  """Training without YNNPACK (backends.train_program); its results are the same, one program per signature."""
+  from jax._src.lib import version as jaxlib_version  # pylint: disable=g-import-not-at-top
+  conv = jax.jit(lambda x, k: jax.lax.conv_general_dilated(x, k, (1, 1), 'SAME',
+                                                           dimension_numbers=('NHWC', 'HWIO', 'NHWC')))
+  rng = np.random.default_rng(0)
+  x, k = rng.normal(size=(16, 14, 14, 32)).astype(np.float32), rng.normal(size=(3, 3, 32, 64)).astype(np.float32)
+  program = backends.train_program(conv, jax.devices())
+  np.testing.assert_allclose(program(x, k), conv(x, k), rtol=1e-4, atol=1e-4)
+  (compiled,) = program.programs.values()
+  if jaxlib_version >= (0, 9):  # JAX's default hands this convolution to YNNPACK
+    assert '__ynn' in conv.lower(x, k).compile().as_text()
+  assert '__ynn' not in compiled.as_text()
+  program(x[:8], k)
+  assert len(program.programs) == 2
+  assert backends.train_program(conv, jax.devices(), ml_collections.ConfigDict({'xla_cpu_ynnpack': True})) is conv
+  unknown = backends.CompiledWith(conv, {'xla_cpu_no_such_option': ''})  # a jaxlib without the option
+  np.testing.assert_array_equal(unknown(x, k), conv(x, k))
+  for name in ('pmap', 'jit'):
+    backend = _backend(name, ensemble_size=2, num_devices=2)
+    assert isinstance(backend._train, backends.CompiledWith) and isinstance(backend._train_steps, backends.CompiledWith)

@@ -183,6 +183,58 @@ def create(name: str, *, member: steps.Member, devices: Sequence[jax.Device], en
                         config=config)
 
 
+def train_program(fn, devices: Sequence[jax.Device], config=None):
+  """A jitted or pmapped training function as the backends run it: on CPU, compiled with XLA's own kernels.
+
+  Since jaxlib 0.9, XLA:CPU hands convolutions, dots and the elementwise work
+  around them to YNNPACK. On the CNN's train step its kernels ran 1.3x slower
+  than XLA's own (a third of the step went to one convolution's weight
+  gradient), while the test pass ran 2x faster with them (docs/speed.md): so
+  the training programs go without and the others keep JAX's default.
+  `config.xla_cpu_ynnpack` keeps the default for training too. Across
+  processes the programs keep it as well: there pmap takes process-local
+  arguments, which its ahead-of-time path does not.
+  """
+  if (devices[0].platform != 'cpu' or distributed.spans_processes(devices)
+      or (config is not None and config.get('xla_cpu_ynnpack', False))):
+    return fn
+  return CompiledWith(fn, {'xla_cpu_experimental_ynn_fusion_type': ''})
+
+
+class CompiledWith:
+  """`fn` (jitted or pmapped) compiled with XLA `options`, once for each signature of its arguments.
+
+  JAX takes XLA options for one program only on its ahead-of-time path
+  (`lower(...).compile(options)`), which serves one signature; this keeps one
+  program per signature, as `jax.jit` does. A jaxlib that does not know an
+  option (YNNPACK's came with 0.9) compiles without it.
+  """
+
+  def __init__(self, fn, options: dict[str, Any]):
+    self._fn, self._options = fn, options
+    self.programs = {}  # signature -> compiled program
+
+  def __call__(self, *args):
+    leaves, tree = jax.tree.flatten(args)
+    key = (tree, tuple((np.shape(x), getattr(x, 'dtype', type(x)), getattr(x, 'weak_type', False),
+                        getattr(x, 'sharding', None)) for x in leaves))
+    if key not in self.programs:
+      self.programs[key] = self._compile(self._fn.lower(*args))
+    return self.programs[key](*args)
+
+  def lower(self, *args):
+    """The function's own lowering (for inspecting a program), as `jax.jit`'s `lower`."""
+    return self._fn.lower(*args)
+
+  def _compile(self, lowered):
+    try:
+      return lowered.compile(self._options)
+    except jax.errors.JaxRuntimeError as e:
+      if 'No such compile option' not in str(e):
+        raise
+      return lowered.compile()
+
+
 def unrolls(devices: Sequence[jax.Device]) -> bool:
   """Whether loops over steps and members are traced unrolled: on CPU, for XLA:CPU's sake.
 

@@ -29,7 +29,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
 from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, MODEL_AXIS, abstract_member_state, devices_per_member,
-                               ensemble_mesh, evaluate_members, gathering_batches, init_members, train_functions)
+                               ensemble_mesh, evaluate_members, gathering_batches, init_members, train_functions,
+                               train_program)
 from ensemble.methods import batchensemble
 from ensemble.parallel import logical
 
@@ -108,11 +109,12 @@ class JitBackend:
     # One member over all the devices: no collective over 'ensemble' (`backends.evaluate_members`).
     ensemble_axis = ENSEMBLE_AXIS if mesh.shape[ENSEMBLE_AXIS] > 1 else None
     train, many = train_functions(member, self.devices, data_axis, ensemble_axis)
-    self._train = compile_mapped(
+    self._train = train_program(compile_mapped(
         gather(train) if self._shared_data else train, (members, data_spec, data_spec), (members, members),
-        donate=0, batches=2, split=data_rows)
-    self._train_steps = compile_mapped(many, (members, whole, whole, index_spec), (members, members), donate=0,
-                                       batches=1, split=index_rows)
+        donate=0, batches=2, split=data_rows), devices, config)
+    self._train_steps = train_program(compile_mapped(
+        many, (members, whole, whole, index_spec), (members, members), donate=0, batches=1, split=index_rows),
+        devices, config)
     self._eval = compile_mapped(
         gather(evaluate_members(member, self.devices, ensemble_axis)),
         (members, batch_spec, batch_spec), members, batches=2, state_out=False, split=shared_rows)

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
 from ensemble.backends import (ENSEMBLE_AXIS, abstract_member_state, evaluate_members, gathering_batches,
-                               init_members, member_sharding, train_functions)
+                               init_members, member_sharding, train_functions, train_program)
 from ensemble.methods import batchensemble
 
 
@@ -29,7 +29,6 @@ class PmapBackend:
 
   def __init__(self, *, member: steps.Member, devices: Sequence[jax.Device], ensemble_size: int,
                member_data: str, config=None):
-    del config  # everything it needs is in `member`
     self.devices = list(devices)
     self.ensemble_size = ensemble_size
     self._abstract = functools.partial(abstract_member_state, member, ensemble_size, devices)
@@ -46,8 +45,8 @@ class PmapBackend:
     # Shared leaves (BatchEnsemble) hold a copy per device: (D, 1, ...) where the others are (D, K/D, ...).
     self._shares_weights = member.method.shares_weights
     train, many = train_functions(member, self.devices, data_axis)
-    self._train = pmap(whole(train) if self._shared_data else train, donate_argnums=0)
-    self._train_steps = pmap(many, donate_argnums=0)
+    self._train = train_program(pmap(whole(train) if self._shared_data else train, donate_argnums=0), devices, config)
+    self._train_steps = train_program(pmap(many, donate_argnums=0), devices, config)
     self._eval = pmap(whole(evaluate_members(member, self.devices)))
 
   def _by_device(self, x: np.ndarray) -> np.ndarray:

@@ -27,7 +27,7 @@ from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ensemble import steps
-from ensemble.backends import ENSEMBLE_AXIS, jit
+from ensemble.backends import ENSEMBLE_AXIS, jit, train_program
 from ensemble.errors import UsageError
 from ensemble.parallel import DATA_AXIS, MESH_AXES, fsdp, logical
 
@@ -164,12 +164,13 @@ class AnnotatedBackend(_MeshBackend):
     self._abstract = _abstract(state, shardings)
     # The state is created sharded: no device ever holds all the parameters.
     self._init = jax.jit(lambda key: nn.meta.unbox(create(key)), out_shardings=shardings)
-    self._train = jax.jit(_as_ensemble_of_one(member.train_step), in_shardings=(shardings, self._batch, self._batch),
-                          out_shardings=(shardings, self._replicated), donate_argnums=0)
-    self._train_steps = jax.jit(
+    self._train = train_program(jax.jit(
+        _as_ensemble_of_one(member.train_step), in_shardings=(shardings, self._batch, self._batch),
+        out_shardings=(shardings, self._replicated), donate_argnums=0), devices, config)
+    self._train_steps = train_program(jax.jit(
         _as_ensemble_of_one(functools.partial(steps.train_steps, step_fn=member.train_step)),
         in_shardings=(shardings, *(self._replicated,) * 3), out_shardings=(shardings, self._replicated),
-        donate_argnums=0)
+        donate_argnums=0), devices, config)
     self._eval = jax.jit(_ensemble_of_one(member.eval_step),
                          in_shardings=(shardings, self._batch, self._batch), out_shardings=self._by_column)
 
@@ -228,15 +229,15 @@ class ShardMapBackend(_MeshBackend):
     shardings = nn.get_sharding(local, self.mesh)
     self._abstract = _abstract(jax.eval_shape(init, jax.random.key(0)), shardings)
     self._init = jax.jit(init, out_shardings=shardings)
-    self._train = jax.jit(
+    self._train = train_program(jax.jit(
         shard(train, in_specs=(specs, P(DATA_AXIS), P(DATA_AXIS)), out_specs=(specs, P())),
         in_shardings=(shardings, self._batch, self._batch), out_shardings=(shardings, self._replicated),
-        donate_argnums=0)
+        donate_argnums=0), devices, config)
     columns = self._by_column.spec
-    self._train_steps = jax.jit(
+    self._train_steps = train_program(jax.jit(
         shard(train_many, in_specs=(specs, P(), P(), columns), out_specs=(specs, P())),
         in_shardings=(shardings, self._replicated, self._replicated, self._by_column),
-        out_shardings=(shardings, self._replicated), donate_argnums=0)
+        out_shardings=(shardings, self._replicated), donate_argnums=0), devices, config)
     self._eval = jax.jit(shard(evaluate, in_specs=(specs, P(DATA_AXIS), P(DATA_AXIS)), out_specs=columns),
                          in_shardings=(shardings, self._batch, self._batch), out_shardings=self._by_column)
 
