@@ -127,11 +127,12 @@ def drop_io_debris(hook):
 
 
 class DroppedTasks(py_logging.Filter):
-  """For asyncio's logger: drops its report of an orbax task whose failure nobody retrieved, a sibling of the
-  read or write that failed (one per shard when a file is missing), with a traceback each."""
+  """For asyncio's logger: drops its report of an orbax task or future whose failure nobody retrieved, a sibling
+  of the read or write that failed (one per shard when a file is missing; a `_GatheringFuture` over them), with a
+  traceback each."""
 
   def filter(self, record: py_logging.LogRecord) -> bool:
-    if not record.getMessage().startswith('Task exception was never retrieved') or not record.exc_info:
+    if not record.getMessage().partition('\n')[0].endswith(' exception was never retrieved') or not record.exc_info:
       return True
     frames = traceback.extract_tb(record.exc_info[2])
     return not any('/orbax/' in frame.filename for frame in frames)

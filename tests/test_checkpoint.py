@@ -113,8 +113,10 @@ def test_evaluate_goes_back_past_a_damaged_checkpoint_and_leaves_it(run, tmp_pat
     evaluation.restore(run, evaluation.load_run_config(run), 2, jax.devices())
 
 
-# Loads `run` once per array file of its newest checkpoint, that file cut in half each time (and put back after);
-# prints what the hook is after each load.
+# Loads `run` once per file of its newest checkpoint's OCDBT store, that file cut in half each time (and put back
+# after); prints the file's size, the epoch loaded and whether the hook is the caller's after each load, and marks
+# the end of each load's stderr. Orbax packs the arrays into one large data file or several (it varies from run to
+# run), next to small tree nodes that a load may find in its cache.
 _LOAD_EACH_FILE_DAMAGED = """
 import glob, os, sys
 import ensemble
@@ -122,9 +124,10 @@ run, hook = sys.argv[1], sys.unraisablehook
 for path in sorted(glob.glob(os.path.join(run, 'checkpoints', '2', 'state', 'ocdbt.process_0', 'd', '*'))):
   intact = open(path, 'rb').read()
   open(path, 'wb').write(intact[:len(intact) // 2])
-  ensemble.load(run)
+  epoch = ensemble.load(run).epoch
   open(path, 'wb').write(intact)
-  print(sys.unraisablehook is hook)
+  print(len(intact), epoch, sys.unraisablehook is hook, flush=True)
+  print('<end of load>', file=sys.stderr, flush=True)
 """
 
 
@@ -136,13 +139,38 @@ def test_a_damaged_array_costs_one_warning_line_and_leaves_the_callers_hook(run)
   result = subprocess.run([sys.executable, '-c', _LOAD_EACH_FILE_DAMAGED, run], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
-  files = glob.glob(os.path.join(run, 'checkpoints', '2', 'state', 'ocdbt.process_0', 'd', '*'))
-  assert result.stdout.split() == ['True'] * len(files) and len(files) > 1
-  lines = result.stderr.strip().splitlines()
+  loads = [line.split() for line in result.stdout.splitlines()]
+  outputs = result.stderr.split('<end of load>\n')
+  assert len(loads) > 1 and len(outputs) == len(loads) + 1 and not outputs[-1].strip(), result.stderr[-3000:]
+  assert all(hook == 'True' for _, _, hook in loads), loads
   warning = re.compile(rf'WARNING:absl:checkpoint {run}/checkpoints/2 is damaged \([^\n]*\); left in place, using '
                        r'epoch 1 instead$')
-  assert lines and all(warning.match(line) for line in lines), result.stderr[-3000:]
-  assert len(lines) >= 2  # the two large files (parameters and optimizer state) at least
+  for (_, epoch, _), output in zip(loads, outputs):
+    lines = output.strip().splitlines()
+    if epoch == '1':  # the damage was found: one line says so
+      assert len(lines) == 1 and warning.match(lines[0]), output[-3000:]
+    else:
+      assert epoch == '2' and not lines, output[-3000:]
+  largest = max(loads, key=lambda load: int(load[0]))
+  assert largest[1] == '1', loads  # an array's bytes were cut: it cannot have loaded
+
+
+def _asyncio_report(message: str, filename: str) -> logging.LogRecord:
+  """asyncio's report of a failure nobody retrieved, as its default exception handler logs it, raised in `filename`."""
+  try:
+    exec(compile('raise ValueError("OUT_OF_RANGE")', filename, 'exec'))  # pylint: disable=exec-used
+  except ValueError:
+    exc_info = sys.exc_info()
+  return logging.LogRecord('asyncio', logging.ERROR, filename, 1, f'{message}\nfuture: <...>', None, exc_info)
+
+
+@pytest.mark.parametrize('kind', ['Task', '_GatheringFuture'])
+def test_asyncios_reports_of_orbax_reads_nobody_retrieved_are_dropped_and_no_others(kind):
+  """A failed read leaves one report per shard's task and one for the future that gathers them."""
+  dropped = checkpoint.DroppedTasks()
+  assert not dropped.filter(_asyncio_report(f'{kind} exception was never retrieved', '/site/orbax/read.py'))
+  assert dropped.filter(_asyncio_report(f'{kind} exception was never retrieved', '/home/me/mine.py'))
+  assert dropped.filter(_asyncio_report('Unclosed client session', '/site/orbax/read.py'))
 
 
 def test_with_no_intact_checkpoint_left_it_is_one_line_and_nothing_moves(trained, run):
