@@ -104,7 +104,7 @@ def get_config() -> ml_collections.ConfigDict:
   # the program (or the caller of ensemble.fit) has set up already is left as it is.
   config.compilation_cache = 'auto'
   # On CPU, whether XLA may run the train steps' convolutions, dots and elementwise work with YNNPACK (JAX's default
-  # since jaxlib 0.9). False: XLA's own kernels, which ran the CNN's train steps 1.3x faster; evaluation keeps the
+  # since jaxlib 0.9). False: XLA's own kernels, which ran the CNN's train steps 1.04-1.06x faster; evaluation keeps the
   # default either way, as YNNPACK ran the test pass 2x faster (docs/speed.md).
   config.xla_cpu_ynnpack = False
   return config

@@ -11,14 +11,15 @@ from jax.sharding import PartitionSpec as P
 
 import user_models
 from configs import mlp as mlp_config
-from conftest import MNIST_INFO, make_member, small_config, synthetic_mnist
+from conftest import MNIST_INFO, SAME_SUMS, make_member, small_config, synthetic_mnist
 from ensemble import backends, config as config_lib, models, steps
 from ensemble.errors import UsageError
 
 
 def _backend(name, ensemble_size=8, num_devices=8, member_data='shared', config=None, **overrides):
   return backends.create(name, member=make_member(**overrides), devices=jax.devices()[:num_devices],
-                         ensemble_size=ensemble_size, member_data=member_data, config=config)
+                         ensemble_size=ensemble_size, member_data=member_data,
+                         config=ml_collections.ConfigDict(config) if config else None)
 
 
 def _batches(num_steps, batch=16, ensemble_size=8, member_data='shared'):
@@ -156,10 +157,6 @@ def test_fast_path_matches_the_plain_path(name, member_data):
 
 
 RESNET = dict(model='resnet', resnet_depth=8, augment='crop_flip')
-# XLA's own CPU kernels (the training default, backends.train_program) sum a convolution's weight gradient in an
-# order that depends on how many members share a device: 2e-5 apart after two steps. YNNPACK's do not, so these
-# comparisons train with them and stay exact to 1e-5.
-SAME_SUMS = ml_collections.ConfigDict({'xla_cpu_ynnpack': True})
 
 
 @functools.cache

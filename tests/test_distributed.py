@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import checkpoint_state, small_config, synthetic_mnist, write_mnist
+from conftest import SAME_SUMS, checkpoint_state, small_config, synthetic_mnist, write_mnist
 from ensemble import backends, checkpoint, data, distributed, trainer, writers
 from ensemble.errors import UsageError
 
@@ -49,11 +49,6 @@ def _env(**extra) -> dict[str, str]:
   """Only the CLI's --cpu_devices decides the devices; no cluster variables leak in from outside."""
   env = {k: v for k, v in os.environ.items() if not k.startswith(('SLURM_', 'OMPI_', 'JAX_COORDINATOR'))}
   return {**env, 'XLA_FLAGS': '', 'JAX_PLATFORMS': 'cpu', **extra}
-
-
-# Across processes the train steps keep YNNPACK's kernels (backends.train_program); the one-process runs they are
-# compared with use them too, for the same sums.
-SAME_SUMS = dict(xla_cpu_ynnpack=True)
 
 
 def _train_args(workdir: str, mnist_dir: str, **overrides) -> list[str]:

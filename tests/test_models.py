@@ -28,18 +28,6 @@ def test_cnn_shapes_follow_the_image_and_the_class_count():
   assert cnn.apply({'params': params}, jnp.ones((5, 32, 32, 3))).shape == (5, 7)
 
 
-@pytest.mark.parametrize('shape', [(3, 28, 28, 5), (2, 7, 7, 3), (2, 5, 8, 1)])
-def test_the_cnns_pooling_is_flaxs_average_pooling_values_and_gradients(shape):
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  from ensemble.models import cnn  # pylint: disable=g-import-not-at-top
-  x = jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)
-  flax_pool = lambda x: nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
-  np.testing.assert_allclose(cnn.average_pool_2x2(x), flax_pool(x), rtol=1e-6, atol=1e-7)
-  weights = jnp.asarray(np.random.default_rng(1).normal(size=flax_pool(x).shape), jnp.float32)
-  grad = lambda pool: jax.grad(lambda x: jnp.sum(pool(x) * weights))(x)
-  np.testing.assert_allclose(grad(cnn.average_pool_2x2), grad(flax_pool), rtol=1e-6, atol=1e-7)
-
-
 @pytest.mark.parametrize('depth, blocks', [(8, 1), (20, 3)])
 def test_resnet_has_6n_plus_2_layers_and_batch_statistics(depth, blocks):
   resnet = models.create(_config(model='resnet', resnet_depth=depth, resnet_width=2), 100, (32, 32, 3))

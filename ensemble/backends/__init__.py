@@ -187,10 +187,10 @@ def train_program(fn, devices: Sequence[jax.Device], config=None):
   """A jitted or pmapped training function as the backends run it: on CPU, compiled with XLA's own kernels.
 
   Since jaxlib 0.9, XLA:CPU hands convolutions, dots and the elementwise work
-  around them to YNNPACK. On the CNN's train step its kernels ran 1.3x slower
-  than XLA's own (a third of the step went to one convolution's weight
-  gradient), while the test pass ran 2x faster with them (docs/speed.md): so
-  the training programs go without and the others keep JAX's default.
+  around them to YNNPACK. On the CNN's train step its kernels ran 1.04-1.06x
+  slower than XLA's own (one convolution's weight gradient is the slow part),
+  while the test pass ran 2x faster with them (docs/speed.md): so the training
+  programs go without and the others keep JAX's default.
   `config.xla_cpu_ynnpack` keeps the default for training too. Across
   processes the programs keep it as well: there pmap takes process-local
   arguments, which its ahead-of-time path does not.
