@@ -1,6 +1,6 @@
 """The trainer's train step under several configs, in alternating rounds in one process: which change is faster.
 
-  python scripts/compare_steps.py --cpu_devices=8 --variants='' 'augment=none' 'model=mypackage.nets:CNN'
+  python scripts/compare_steps.py --cpu_devices=8 --variants '' 'augment=none' 'model=mypackage.nets:CNN'
 
 Each variant is the default config (configs/default.py: K = one member per device, batch 128, each member its
 own batches; no held-out slice) with `key=value` overrides separated by '|', e.g. 'batch_size=64|augment=none';
@@ -20,7 +20,13 @@ import statistics
 import sys
 import time
 
+import jax
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+from ensemble import backends, config as config_lib, data, defaults, host_memory
+from ensemble.data import bundled, idx
 
 
 def refuse(message: str):
@@ -40,7 +46,7 @@ def parse_variant(text: str) -> dict[str, str]:
   return overrides
 
 
-def build(overrides: dict[str, str], dataset, jax, backends, config_lib, data, defaults):
+def build(overrides: dict[str, str], dataset: data.Dataset):
   """(backend, fresh state, the epoch's batch indices) for the default config with `overrides`."""
   config = defaults.get_config()
   config.heldout_fraction = 0.0
@@ -73,17 +79,13 @@ def main():
   parser.add_argument('--rounds', type=int, default=6)
   args = parser.parse_args()
 
-  import jax  # pylint: disable=g-import-not-at-top  # after the arguments: --cpu_devices must come first
-  if args.cpu_devices:
+  if args.cpu_devices:  # before JAX picks its devices
     jax.config.update('jax_num_cpu_devices', args.cpu_devices)
-  # pylint: disable=g-import-not-at-top
-  from ensemble import backends, config as config_lib, data, defaults, host_memory
-  from ensemble.data import bundled, idx
   host_memory.keep_freed_memory_on_cpu()
   dataset = idx.load(args.data_dir) if args.data_dir else bundled.load('mnist')
   runs = []
   for text in args.variants:
-    backend, state, indices = build(parse_variant(text), dataset, jax, backends, config_lib, data, defaults)
+    backend, state, indices = build(parse_variant(text), dataset)
     needed = 2 + args.rounds * args.steps
     if len(indices) < needed:
       refuse(f'{text or "the default"} has {len(indices)} steps an epoch, fewer than the {needed} that --rounds '
