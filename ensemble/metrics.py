@@ -1,4 +1,12 @@
-"""clu metric collections for training and evaluation."""
+"""clu metric collections for training and evaluation, a pair for each task.
+
+They live here, not beside the tasks, so that only the trainer, which collects
+metrics, imports clu: the step modules (steps, tasks, backends, models) import
+with jax, flax, optax and numpy alone, as scripts/benchmark.py does on a GPU
+host without clu.
+"""
+
+from typing import NamedTuple
 
 import flax
 import jax.numpy as jnp
@@ -42,3 +50,30 @@ class EvalMetrics(clu_metrics.Collection):
   accuracy: clu_metrics.Average.from_output('ensemble_correct')
   member_loss: PerMember.from_output('member_loss')
   member_accuracy: PerMember.from_output('member_correct')
+
+
+@flax.struct.dataclass
+class RegressionTrainMetrics(clu_metrics.Collection):
+  """The members' training loss, in standardised units, averaged over the members and the steps."""
+  loss: clu_metrics.Average.from_output('loss')
+
+
+@flax.struct.dataclass
+class RegressionEvalMetrics(clu_metrics.Collection):
+  """Test NLL of the mixture and of each member (nats per input, original units) and their squared errors."""
+  loss: clu_metrics.Average.from_output('ensemble_loss')
+  squared_error: clu_metrics.Average.from_output('ensemble_squared_error')
+  member_loss: PerMember.from_output('member_loss')
+  member_squared_error: PerMember.from_output('member_squared_error')
+
+
+class TaskMetrics(NamedTuple):
+  """A task's collections: of its train steps' outputs, and of its eval steps' outputs over a split."""
+  train: type[clu_metrics.Collection]
+  eval: type[clu_metrics.Collection]
+
+
+BY_TASK = {
+    'classification': TaskMetrics(TrainMetrics, EvalMetrics),
+    'regression': TaskMetrics(RegressionTrainMetrics, RegressionEvalMetrics),
+}

@@ -30,8 +30,8 @@ def evaluate(backend, state, split: data.Split, batch_size: int, task: Any = Non
   outputs = jax.tree.map(lambda *xs: np.concatenate(xs, axis=-1), *backend.to_host(outputs))
   # The ensemble outputs are the same on every member; member 0's copy is enough.
   outputs = {k: v[0] if k.startswith('ensemble_') else v.T for k, v in outputs.items()}
-  eval_metrics = metrics.EvalMetrics if task is None else task.eval_metrics
-  return eval_metrics.single_from_model_output(**outputs, mask=np.concatenate(masks)).compute()
+  collections = metrics.BY_TASK[task.name if task else 'classification']
+  return collections.eval.single_from_model_output(**outputs, mask=np.concatenate(masks)).compute()
 
 
 def _epoch_summary(train: dict[str, Any], test: dict[str, Any], epoch: int, train_seconds: float,
@@ -291,7 +291,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
       train_outputs = jax.tree.map(
           lambda *xs: np.concatenate([x.reshape(config.ensemble_size, -1) for x in xs], axis=1), *train_outputs)
       train_seconds = time.perf_counter() - started
-      train = member.task.train_metrics.single_from_model_output(**train_outputs).compute()
+      train = metrics.BY_TASK[member.task.name].train.single_from_model_output(**train_outputs).compute()
       started = time.perf_counter()
       test = evaluate(backend, state, test_split, config.eval_batch_size, member.task)
       summary = _epoch_summary(train, test, epoch, train_seconds, time.perf_counter() - started, member.task)

@@ -86,11 +86,12 @@ def main():
   runs = []
   for text in args.variants:
     backend, state, indices = build(parse_variant(text), dataset)
-    needed = 2 + args.rounds * args.steps
-    if len(indices) < needed:
-      refuse(f'{text or "the default"} has {len(indices)} steps an epoch, fewer than the {needed} that --rounds '
-             'and --steps ask for: lower them')
     runs.append({'name': text or '(default)', 'backend': backend, 'state': state, 'indices': indices, 'ms': []})
+  needed = 2 + args.rounds * args.steps
+  for run in runs:  # after every variant is known to be valid: a mistake in the last is reported first
+    if len(run['indices']) < needed:
+      refuse(f'{run["name"]} has {len(run["indices"])} steps an epoch, fewer than the {needed} that --rounds and '
+             '--steps ask for: lower them, or give more data')
 
   def train(run, first: int, steps: int) -> float:
     started = time.perf_counter()

@@ -7,8 +7,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ensemble import metrics
-
 AxisName = str | Sequence[str]
 Metrics = dict[str, jnp.ndarray]
 
@@ -51,8 +49,6 @@ def eval_outputs(logits: jnp.ndarray, labels: jnp.ndarray, *, axis_name: AxisNam
 class Classification:
   """Logits, one per class; trained by cross-entropy."""
   name: str = 'classification'
-  train_metrics = metrics.TrainMetrics
-  eval_metrics = metrics.EvalMetrics
 
   def member_output(self, logits: jnp.ndarray) -> jnp.ndarray:
     """What prediction takes from a member: its log-probabilities."""

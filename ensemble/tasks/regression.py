@@ -22,15 +22,12 @@ a component.
 import dataclasses
 from typing import Sequence
 
-import flax
 import jax
 import jax.numpy as jnp
 import jax.scipy.special
 import numpy as np
 import scipy.special  # ndtr and ndtri are the standard normal's CDF and quantile; scipy.stats takes 0.6 s to import
-from clu import metrics as clu_metrics
 
-from ensemble import metrics
 from ensemble.errors import UsageError
 
 AxisName = str | Sequence[str]
@@ -69,21 +66,6 @@ def gaussian_nll(mean, variance, y):
   return 0.5 * (_LOG_2PI + jnp.log(variance) + (y - mean) ** 2 / variance)
 
 
-@flax.struct.dataclass
-class TrainMetrics(clu_metrics.Collection):
-  """The members' training loss, in standardised units, averaged over the members and the steps."""
-  loss: clu_metrics.Average.from_output('loss')
-
-
-@flax.struct.dataclass
-class EvalMetrics(clu_metrics.Collection):
-  """Test NLL of the mixture and of each member (nats per input, original units) and their squared errors."""
-  loss: clu_metrics.Average.from_output('ensemble_loss')
-  squared_error: clu_metrics.Average.from_output('ensemble_squared_error')
-  member_loss: metrics.PerMember.from_output('member_loss')
-  member_squared_error: metrics.PerMember.from_output('member_squared_error')
-
-
 @dataclasses.dataclass(frozen=True)
 class Regression:
   """A mean and a variance per target, trained by `loss`:
@@ -99,8 +81,6 @@ class Regression:
   target_mean: tuple[float, ...] = (0.0,)
   target_std: tuple[float, ...] = (1.0,)
   name: str = 'regression'
-  train_metrics = TrainMetrics
-  eval_metrics = EvalMetrics
 
   @property
   def targets(self) -> int:

@@ -1,0 +1,54 @@
+"""The measuring scripts: they run where the GPU machines have neither clu, TFDS nor ml_collections."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Runs a script (argv[1:]) with these packages unimportable, as on a GPU host that has only JAX, Flax and optax.
+WITHOUT_EXTRAS = '''
+import runpy, sys
+MISSING = ('clu', 'ml_collections', 'tensorflow', 'tensorflow_datasets', 'tensorboard')
+
+class Missing:
+  def find_spec(self, name, path=None, target=None):
+    if name.split('.')[0] in MISSING:
+      raise ModuleNotFoundError(f'No module named {name!r} (hidden by the test)')
+
+sys.meta_path.insert(0, Missing())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+'''
+
+
+def _run(*args: str, without_extras: bool = False) -> subprocess.CompletedProcess:
+  command = ['-c', WITHOUT_EXTRAS] if without_extras else []
+  return subprocess.run([sys.executable, *command, *args], cwd=REPO, capture_output=True, text=True,
+                        env={**os.environ, 'XLA_FLAGS': ''}, timeout=600)
+
+
+def test_benchmark_runs_without_clu_tfds_or_ml_collections(mnist_dir, tmp_path):
+  out = tmp_path / 'bench.json'
+  result = _run('scripts/benchmark.py', '--cpu_devices=2', '--ensemble_sizes=2', '--batch_sizes=16',
+                '--paths=pmap,jit-fast', '--dtypes=float32,bfloat16', '--steps=1', '--repeats=1',
+                '--steps_per_dispatch=2', f'--data_dir={mnist_dir}', f'--json={out}', without_extras=True)
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = json.loads(out.read_text())['results']
+  assert {(row['path'], row.get('dtype')) for row in rows} >= {
+      ('pmap', 'float32'), ('pmap', 'bfloat16'), ('jit-fast', 'float32'), ('jit-fast', 'bfloat16')}
+  assert all(row['member_images_per_s'] > 0 for row in rows)
+  assert [row['path'] for row in rows[:2]] == ['reference', 'reference, freed memory kept']
+
+
+@pytest.mark.parametrize('variants, message', [
+    (['', 'batch_sise=64'], "error: 'batch_sise' in --variants is not a config field"),
+    (['', 'augment=none'], 'error: (default) has 2 steps an epoch, fewer than the 62 that --rounds and --steps'),
+])
+def test_compare_steps_refuses_what_it_cannot_run(mnist_dir, variants, message):
+  result = _run('scripts/compare_steps.py', '--cpu_devices=2', f'--data_dir={mnist_dir}', '--variants', *variants)
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1].startswith(message)
