@@ -280,6 +280,18 @@ def test_cpu_devices_before_and_after_jax_starts():
   assert 'JAX has already started with 3 CPU devices; call ensemble.cpu_devices(5) before' in result.stdout
 
 
+def test_the_compilation_cache_is_the_users_unless_the_process_has_one(tmp_path):
+  result = _python('import jax\n'
+                   'from ensemble import devices\n'
+                   'print(devices.compilation_cache("auto"))\n'
+                   'print(devices.compilation_cache("elsewhere"))  # set already: kept\n'
+                   'jax.config.update("jax_compilation_cache_dir", None)\n'
+                   'print(devices.compilation_cache(""))\n', XDG_CACHE_HOME=str(tmp_path))
+  assert result.returncode == 0, result.stderr[-3000:]
+  folder = str(tmp_path / 'ensemble' / 'jax')
+  assert result.stdout.split() == [folder, folder, 'None'] and os.path.isdir(folder)
+
+
 def test_the_cli_trains_a_model_named_by_import_path(mnist_dir, tmp_path):
   workdir = tmp_path / 'run'
   result = subprocess.run(

@@ -13,8 +13,8 @@ from ensemble import writers
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _train(*args, config='configs/default.py'):
-  env = {**os.environ, 'XLA_FLAGS': ''}  # the CLI's own --cpu_devices must do the job
+def _train(*args, config='configs/default.py', **env):
+  env = {**os.environ, 'XLA_FLAGS': '', **env}  # the CLI's own --cpu_devices must do the job
   return subprocess.run([sys.executable, '-m', 'ensemble.train', '--config', config, *args],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
@@ -22,11 +22,17 @@ def _train(*args, config='configs/default.py'):
 def test_cli_trains_and_resumes(mnist_dir, tmp_path):
   args = ['--workdir', str(tmp_path / 'run'), '--cpu_devices=4', f'--config.data_dir={mnist_dir}',
           '--config.batch_size=32', '--config.ensemble_size=8', '--config.backend=jit']
-  first = _train(*args, '--config.num_epochs=1')
+  cache = tmp_path / 'compiled'  # every program cached, however fast it compiles
+  first = _train(*args, '--config.num_epochs=1', f'--config.compilation_cache={cache}',
+                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
   assert first.returncode == 0, first.stderr[-2000:]
-  second = _train(*args, '--config.num_epochs=2')
+  cached = set(os.listdir(cache))
+  assert cached
+  second = _train(*args, '--config.num_epochs=2', '--config.compilation_cache=',
+                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', XDG_CACHE_HOME=str(tmp_path / 'user_cache'))
   assert second.returncode == 0, second.stderr[-2000:]
   assert 'Resumed from' in second.stderr
+  assert set(os.listdir(cache)) == cached and not (tmp_path / 'user_cache').exists()  # '' is off
   lines = writers.read_jsonl(str(tmp_path / 'run' / 'metrics.jsonl'))
   assert [line['epoch'] for line in lines] == [1, 2]
   assert len(lines[0]['member_test_accuracy']) == 8
