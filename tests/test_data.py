@@ -342,6 +342,12 @@ def test_tfds_failed_download_is_one_line(empty_tfds_dir, monkeypatch):
                 'cifar10')
 
 
+def test_tfds_not_installed_is_one_line(monkeypatch):
+  monkeypatch.setitem(sys.modules, 'tensorflow_datasets', None)  # `import` raises ImportError
+  _expect_error("dataset 'cifar10' is read with tensorflow-datasets, which does not import here .*pip install "
+                'tensorflow-datasets, or give a folder of IDX files or an .npz file as data_dir', 'cifar10')
+
+
 # channel_stats and the Dataset contract.
 
 @pytest.mark.parametrize('channels', [1, 3])

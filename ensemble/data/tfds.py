@@ -132,7 +132,12 @@ def _read(tfds, builder, name: str, split: str) -> tuple[np.ndarray, np.ndarray]
 
 def load(name: str, train_split: str = 'train', test_split: str = 'test') -> base.Dataset:
   """Loads `name`'s two splits (any tfds split string), downloading and preparing it first if need be."""
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  try:
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  except ImportError as e:  # a declared dependency, missing from a trimmed install (a GPU host's, say)
+    raise base.DataError(
+        f'dataset {name!r} is read with tensorflow-datasets, which does not import here ({e}): '
+        'pip install tensorflow-datasets, or give a folder of IDX files or an .npz file as data_dir') from e
   builder = _builder(tfds, name)
   _check_features(builder, name)
   splits = {'train': train_split, 'test': test_split}
