@@ -57,8 +57,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import reference_recipe  # pylint: disable=g-import-not-at-top,wrong-import-position
-from ensemble import backends, data, host_memory, steps  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ensemble import backends, data, files, host_memory, steps  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ensemble.data import bundled, idx  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ensemble.models import cnn, resnet  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -190,8 +191,14 @@ def main():
   parser.add_argument('--steps_per_dispatch', type=int, default=8, help='fast paths: steps per dispatch')
   parser.add_argument('--dtypes', default='float32', help="the members' forward-pass dtypes, e.g. float32,bfloat16")
   parser.add_argument('--peers', action='store_true', help="PyTorch's peers too (scripts/torch_peers.py)")
-  parser.add_argument('--json', default='benchmark.json')
+  parser.add_argument('--json', default='', help='also write the figures to this file (default: print them only)')
   args = parser.parse_args()
+  if args.json:
+    try:
+      files.check_output('--json', args.json)  # before the minutes of timing, not after
+    except UsageError as e:
+      print(f'error: {e}', file=sys.stderr)
+      sys.exit(2)
   ensemble_sizes = args.ensemble_sizes or ('8,16,32' if args.model == 'cnn' else '8')
   batch_sizes = [int(b) for b in (args.batch_sizes or ('64,128' if args.model == 'cnn' else '128')).split(',')]
   peers = (run_peers(args.model, int(ensemble_sizes.split(',')[0]), batch_sizes, args.dtypes, args.repeats)
@@ -259,12 +266,12 @@ def main():
     eval_rate = f"{r['eval_images_per_s']:.0f}" if 'eval_images_per_s' in r else ''
     print(f"| {r['path']} | {r['dtype']} | {r['K']} | {r['D']} | {r['batch']} | {r['member_images_per_s']:.0f} | "
           f"{ratio} | {peer_ratio} | {100 * r['peak_fraction']:.1f}% | {eval_rate} | {r['compile_s']:.1f} |")
-  with open(args.json, 'w', encoding='utf-8') as f:
-    json.dump({'platform': platform, 'jax': jax.__version__, 'model': args.model, 'data': dataset.source,
-               'matmul_peak_flops': peak,
-               'train_flops_per_image': flops_per_image, 'steps_per_dispatch': args.steps_per_dispatch,
-               'results': results, 'peers': peers}, f, indent=2)
-  print(f'\nwrote {args.json}')
+  if args.json:
+    files.write_atomically(args.json, json.dumps(
+        {'platform': platform, 'jax': jax.__version__, 'model': args.model, 'data': dataset.source,
+         'matmul_peak_flops': peak, 'train_flops_per_image': flops_per_image,
+         'steps_per_dispatch': args.steps_per_dispatch, 'results': results, 'peers': peers}, indent=2))
+    print(f'\nwrote {args.json}')
 
 
 if __name__ == '__main__':

@@ -52,3 +52,10 @@ def test_compare_steps_refuses_what_it_cannot_run(mnist_dir, variants, message):
   result = _run('scripts/compare_steps.py', '--cpu_devices=2', f'--data_dir={mnist_dir}', '--variants', *variants)
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1].startswith(message)
+
+
+def test_benchmark_refuses_an_output_it_could_not_write_before_timing(tmp_path):
+  result = _run('scripts/benchmark.py', f'--json={tmp_path / "missing" / "bench.json"}', without_extras=True)
+  assert result.returncode == 2 and not (tmp_path / 'missing').exists()
+  assert result.stderr.strip().splitlines()[-1] == (
+      f'error: --json={tmp_path / "missing" / "bench.json"}: no folder {tmp_path / "missing"}; create it first')
