@@ -16,9 +16,8 @@ from ensemble import console, devices as devices_lib, files, host_memory
 from ensemble.errors import UsageError
 
 
-def evaluate(backend, state, split: data.Split, batch_size: int, task: Any = None) -> dict[str, Any]:
-  """Ensemble and member metrics over the whole split, each example counted once (the `task`'s, by default
-  classification's).
+def evaluate(backend, state, split: data.Split, batch_size: int, task: Any) -> dict[str, Any]:
+  """The `task`'s ensemble and member metrics over the whole split, each example counted once.
 
   Each process feeds only its rows of every batch; the outputs cover whole batches.
   """
@@ -30,8 +29,7 @@ def evaluate(backend, state, split: data.Split, batch_size: int, task: Any = Non
   outputs = jax.tree.map(lambda *xs: np.concatenate(xs, axis=-1), *backend.to_host(outputs))
   # The ensemble outputs are the same on every member; member 0's copy is enough.
   outputs = {k: v[0] if k.startswith('ensemble_') else v.T for k, v in outputs.items()}
-  collections = metrics.BY_TASK[task.name if task else 'classification']
-  return collections.eval.single_from_model_output(**outputs, mask=np.concatenate(masks)).compute()
+  return metrics.BY_TASK[task.name].eval.single_from_model_output(**outputs, mask=np.concatenate(masks)).compute()
 
 
 def _epoch_summary(train: dict[str, Any], test: dict[str, Any], epoch: int, train_seconds: float,

@@ -120,7 +120,7 @@ def _restore_and_evaluate(config, workdir, backend_name, num_devices):
   backend = backends.create(backend_name, member=member, devices=devices, ensemble_size=8, member_data='shared')
   state = ckpt.restore(ckpt.latest_epoch(), backend.abstract_state(), {'model': config.model, 'ensemble_size': 8})
   test = trainer.evaluate(backend, backend.from_canonical(state), data.load(data_dir=config.data_dir).test,
-                          config.eval_batch_size)
+                          config.eval_batch_size, member.task)
   return state, test
 
 
