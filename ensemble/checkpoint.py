@@ -48,6 +48,7 @@ CHECKPOINTS_DIR = 'checkpoints'
 DAMAGED_DIR = 'checkpoints_damaged'
 LOCK_FILE = 'lock'
 _MAX_FOUND_CHARS = 300  # what a warning quotes of the error that a damaged checkpoint raised
+_TENSORSTORE_STATUS = re.compile(r'[A-Z]+(_[A-Z]+)*: ')  # how TensorStore's errors begin, e.g. 'DATA_LOSS: '
 
 
 def signature(state: Any) -> dict[str, list]:
@@ -129,12 +130,15 @@ def drop_io_debris(hook):
 class DroppedTasks(py_logging.Filter):
   """For asyncio's logger: drops its report of an orbax task or future whose failure nobody retrieved, a sibling
   of the read or write that failed (one per shard when a file is missing; a `_GatheringFuture` over them), with a
-  traceback each."""
+  traceback each; and of a TensorStore read's own future, whose error TensorStore set from C++ (no Python
+  traceback, a status code such as `OUT_OF_RANGE:` first)."""
 
   def filter(self, record: py_logging.LogRecord) -> bool:
     if not record.getMessage().partition('\n')[0].endswith(' exception was never retrieved') or not record.exc_info:
       return True
     frames = traceback.extract_tb(record.exc_info[2])
+    if not frames:
+      return not _TENSORSTORE_STATUS.match(str(record.exc_info[1]))
     return not any('/orbax/' in frame.filename for frame in frames)
 
 

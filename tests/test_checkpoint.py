@@ -173,6 +173,17 @@ def test_asyncios_reports_of_orbax_reads_nobody_retrieved_are_dropped_and_no_oth
   assert dropped.filter(_asyncio_report('Unclosed client session', '/site/orbax/read.py'))
 
 
+def test_a_tensorstore_reads_own_future_nobody_retrieved_is_dropped_and_no_other_future_without_traceback():
+  """TensorStore sets a read's error on its asyncio future from C++: the report has no Python traceback."""
+  def report(error: Exception) -> logging.LogRecord:
+    message = f'Future exception was never retrieved\nfuture: <Future finished exception={error!r}>'
+    return logging.LogRecord('asyncio', logging.ERROR, __file__, 1, message, None, (type(error), error, None))
+  dropped = checkpoint.DroppedTasks()
+  assert not dropped.filter(report(ValueError('OUT_OF_RANGE: Error reading "params.Dense_0.kernel/0.0.0"')))
+  assert dropped.filter(report(ValueError('my own failure: out of range')))
+  assert dropped.filter(report(ValueError('OUT_OF_RANGE')))
+
+
 def test_with_no_intact_checkpoint_left_it_is_one_line_and_nothing_moves(trained, run):
   for epoch in (1, 2):
     _truncate(_largest_array_file(run, epoch))
