@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 from absl import app, flags, logging as absl_logging
 
-from ensemble import checkpoint, console, files
+from ensemble import checkpoint, console, errors, files
 from ensemble.errors import UsageError
 
 
@@ -40,8 +40,7 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     if not any('/ml_collections/' in frame.filename for frame in traceback.extract_tb(e.__traceback__)):
       raise
     message = _config_field_error(e, argv)
-  print(f'error: {message}', file=sys.stderr)
-  sys.exit(2)
+  errors.exit_with_error(message)
 
 
 def _config_file(argv: Sequence[str]) -> str:
@@ -96,8 +95,7 @@ def run(argv: Sequence[str], program: str, body: Callable[[], None], exit_: Call
     console.setup(program)
     body()
   except UsageError as e:
-    print(f'error: {e}', file=sys.stderr)
-    exit_(2)
+    errors.exit_with_error(str(e), exit_)
 
 
 class QuietLibraries:

@@ -27,12 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from ensemble import backends, config as config_lib, data, defaults, host_memory
 from ensemble.data import bundled, idx
-
-
-def refuse(message: str):
-  """A mistake in the command line: one `error:` line and exit status 2, as the package's programs do."""
-  print(f'error: {message}', file=sys.stderr)
-  sys.exit(2)
+from ensemble.errors import exit_with_error
 
 
 def parse_variant(text: str) -> dict[str, str]:
@@ -41,7 +36,7 @@ def parse_variant(text: str) -> dict[str, str]:
   for item in filter(None, text.split('|')):
     key, sep, value = item.partition('=')
     if not sep:
-      refuse(f"{item!r} in --variants is not key=value: write it as, e.g., 'batch_size=64'")
+      exit_with_error(f"{item!r} in --variants is not key=value: write it as, e.g., 'batch_size=64'")
     overrides[key.strip()] = value.strip()
   return overrides
 
@@ -52,12 +47,12 @@ def build(overrides: dict[str, str], dataset: data.Dataset):
   config.heldout_fraction = 0.0
   for key, value in overrides.items():
     if key not in config:
-      refuse(f'{key!r} in --variants is not a config field: use one of those ensemble/defaults.py lists')
+      exit_with_error(f'{key!r} in --variants is not a config field: use one of those ensemble/defaults.py lists')
     current = config[key]
     try:
       config[key] = value.lower() in ('1', 'true') if isinstance(current, bool) else type(current)(value)
     except (TypeError, ValueError):
-      refuse(f'{key}={value!r} in --variants: {key} takes {type(current).__name__} values, e.g. {current!r}')
+      exit_with_error(f'{key}={value!r} in --variants: {key} takes {type(current).__name__} values, e.g. {current!r}')
   config, devices = config_lib.resolve(config, jax.devices(), None)
   num_train = len(dataset.train['label'])
   info = config_lib.data_info(dataset.image_shape, dataset.num_classes,
@@ -90,8 +85,8 @@ def main():
   needed = 2 + args.rounds * args.steps
   for run in runs:  # after every variant is known to be valid: a mistake in the last is reported first
     if len(run['indices']) < needed:
-      refuse(f'{run["name"]} has {len(run["indices"])} steps an epoch, fewer than the {needed} that --rounds and '
-             '--steps ask for: lower them, or give more data')
+      exit_with_error(f'{run["name"]} has {len(run["indices"])} steps an epoch, fewer than the {needed} that '
+                      '--rounds and --steps ask for: lower them, or give more data')
 
   def train(run, first: int, steps: int) -> float:
     started = time.perf_counter()

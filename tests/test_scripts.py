@@ -59,3 +59,10 @@ def test_benchmark_refuses_an_output_it_could_not_write_before_timing(tmp_path):
   assert result.returncode == 2 and not (tmp_path / 'missing').exists()
   assert result.stderr.strip().splitlines()[-1] == (
       f'error: --json={tmp_path / "missing" / "bench.json"}: no folder {tmp_path / "missing"}; create it first')
+
+
+def test_compare_methods_refuses_an_unknown_method_before_training(tmp_path):
+  result = _run('scripts/compare_methods.py', '--methods=independent,bagings', f'--out={tmp_path / "runs"}')
+  assert result.returncode == 2 and not (tmp_path / 'runs').exists()
+  assert result.stderr.strip().splitlines() == [
+      "error: --methods: unknown ['bagings']; choose from independent, bagging, hyper, snapshot, batchensemble"]
