@@ -8,8 +8,8 @@ from typing import Callable, Sequence
 
 from absl import app, flags, logging as absl_logging
 
-from ensemble import checkpoint, console, errors, files
-from ensemble.errors import UsageError
+from ensemble import checkpoint, console, files
+from ensemble.errors import UsageError, exit_with_error
 
 
 # Moved to ensemble.files, which the report and the trainer share; the name stays for callers of this module.
@@ -40,7 +40,7 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     if not any('/ml_collections/' in frame.filename for frame in traceback.extract_tb(e.__traceback__)):
       raise
     message = _config_field_error(e, argv)
-  errors.exit_with_error(message)
+  exit_with_error(message)
 
 
 def _config_file(argv: Sequence[str]) -> str:
@@ -95,7 +95,7 @@ def run(argv: Sequence[str], program: str, body: Callable[[], None], exit_: Call
     console.setup(program)
     body()
   except UsageError as e:
-    errors.exit_with_error(str(e), exit_)
+    exit_with_error(str(e), exit_)
 
 
 class QuietLibraries:

@@ -57,9 +57,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import reference_recipe  # pylint: disable=g-import-not-at-top,wrong-import-position
-from ensemble import backends, data, errors, files, host_memory, steps  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ensemble import backends, data, files, host_memory, steps  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ensemble.data import bundled, idx  # pylint: disable=g-import-not-at-top,wrong-import-position
-from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ensemble.errors import UsageError, exit_with_error  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ensemble.models import cnn, resnet  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -197,7 +197,7 @@ def main():
     try:
       files.check_output('--json', args.json)  # before the minutes of timing, not after
     except UsageError as e:
-      errors.exit_with_error(str(e))
+      exit_with_error(str(e))
   ensemble_sizes = args.ensemble_sizes or ('8,16,32' if args.model == 'cnn' else '8')
   batch_sizes = [int(b) for b in (args.batch_sizes or ('64,128' if args.model == 'cnn' else '128')).split(',')]
   peers = (run_peers(args.model, int(ensemble_sizes.split(',')[0]), batch_sizes, args.dtypes, args.repeats)

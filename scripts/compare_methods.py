@@ -143,8 +143,8 @@ def main():
   methods = args.methods.split(',')
   unknown = sorted(set(methods) - set(METHODS))
   if unknown:
-    from ensemble import errors  # pylint: disable=g-import-not-at-top
-    errors.exit_with_error(f'--methods: unknown {unknown}; choose from {", ".join(METHODS)}')
+    from ensemble.errors import exit_with_error  # pylint: disable=g-import-not-at-top
+    exit_with_error(f'--methods: unknown {unknown}; choose from {", ".join(METHODS)}')
   os.makedirs(args.out, exist_ok=True)
   rows = []
   for method in methods:
