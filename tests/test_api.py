@@ -292,6 +292,18 @@ def test_the_compilation_cache_is_the_users_unless_the_process_has_one(tmp_path)
   assert result.stdout.split() == [folder, folder, 'None'] and os.path.isdir(folder)
 
 
+def test_the_compilation_cache_keeps_fast_compiles_unless_the_user_sets_a_threshold(tmp_path):
+  code = ('import os, jax\n'
+          'from ensemble import devices\n'
+          'folder = devices.compilation_cache("auto")\n'
+          'jax.jit(lambda x: x * 3 + 1)(1.0).block_until_ready()  # compiles in milliseconds\n'
+          'print(len(os.listdir(folder)))\n')
+  default = _python(code, XDG_CACHE_HOME=str(tmp_path / 'default'))
+  users = _python(code, XDG_CACHE_HOME=str(tmp_path / 'users'), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='60')
+  assert default.returncode == 0 and users.returncode == 0, default.stderr[-3000:] + users.stderr[-3000:]
+  assert int(default.stdout) >= 1 and int(users.stdout) == 0
+
+
 def test_the_cli_trains_a_model_named_by_import_path(mnist_dir, tmp_path):
   workdir = tmp_path / 'run'
   result = subprocess.run(

@@ -22,12 +22,11 @@ def _train(*args, config='configs/default.py', **env):
 def test_cli_trains_and_resumes(mnist_dir, tmp_path):
   args = ['--workdir', str(tmp_path / 'run'), '--cpu_devices=4', f'--config.data_dir={mnist_dir}',
           '--config.batch_size=32', '--config.ensemble_size=8', '--config.backend=jit']
-  cache = tmp_path / 'compiled'  # every program cached, however fast it compiles
-  first = _train(*args, '--config.num_epochs=1', f'--config.compilation_cache={cache}',
-                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+  cache = tmp_path / 'compiled'
+  first = _train(*args, '--config.num_epochs=1', f'--config.compilation_cache={cache}')
   assert first.returncode == 0, first.stderr[-2000:]
   cached = set(os.listdir(cache))
-  assert cached
+  assert len(cached) > 20  # every program, however fast it compiled: the steps and the small ones of set-up
   second = _train(*args, '--config.num_epochs=2', '--config.compilation_cache=',
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', XDG_CACHE_HOME=str(tmp_path / 'user_cache'))
   assert second.returncode == 0, second.stderr[-2000:]
