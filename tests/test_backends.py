@@ -229,7 +229,7 @@ def test_fewer_members_than_devices_split_each_members_batch_and_reduce_among_it
   indices = jax.make_array_from_process_local_data(backend._indices, indices, indices.shape)  # pylint: disable=protected-access
   dataset = backend.put_dataset({'image': images[0, 0], 'label': labels[0, 0]})
   hlo = backend._train_steps.lower(backend.init(0), *dataset, indices).compile().as_text()  # pylint: disable=protected-access
-  assert re.search(r'= f32\[4,28,28,32\]\S* convolution', hlo) and 'all-gather(' not in hlo
+  assert re.search(r'= f32\[4,14,14,64\]\S* convolution', hlo) and 'all-gather(' not in hlo  # the second convolution
 
 
 @pytest.mark.parametrize('backend, k, message', [

@@ -1,8 +1,10 @@
 """The models: shapes, the class count from the data, BatchNorm state, and refusals."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from configs import default
@@ -26,6 +28,70 @@ def test_cnn_shapes_follow_the_image_and_the_class_count():
   assert shapes['Dense_0']['kernel'] == (8 * 8 * 64, 256)
   assert shapes['Dense_1']['kernel'] == (256, 7)
   assert cnn.apply({'params': params}, jnp.ones((5, 32, 32, 3))).shape == (5, 7)
+
+
+class _FlaxExampleCNN(nn.Module):
+  """The CNN as Flax's example writes it: nn.Conv, nn.relu and nn.avg_pool, differentiated by JAX."""
+
+  @nn.compact
+  def __call__(self, x):
+    for features in (32, 64):
+      x = nn.avg_pool(nn.relu(nn.Conv(features, (3, 3))(x)), (2, 2), strides=(2, 2))
+    x = nn.relu(nn.Dense(256)(x.reshape((x.shape[0], -1))))
+    return nn.Dense(10)(x)
+
+
+def _loss_and_grads(model, params, images, labels):
+  """The cross-entropy, and its gradients with respect to the parameters and the images, as one program."""
+  loss = lambda params, images: optax.softmax_cross_entropy_with_integer_labels(
+      model.apply({'params': params}, images).astype(jnp.float32), labels).mean()
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, images)
+
+
+# An image's 1 channel (the first layer's kernel gradient from its patches) and 6 (from the convolution's VJP);
+# odd sizes, whose pooling drops a row or column.
+@pytest.mark.parametrize('shape', [(6, 28, 28, 1), (4, 13, 11, 6)])
+def test_the_cnn_is_the_flax_example_s_cnn_with_the_same_parameters_values_and_gradients(shape):
+  images = jax.random.normal(jax.random.key(1), shape)
+  labels = jnp.arange(shape[0]) % 10
+  cnn, plain = models.create(_config(), 10, shape[1:]), _FlaxExampleCNN()
+  params = cnn.init(jax.random.key(0), images)['params']
+  plain_params = plain.init(jax.random.key(0), images)['params']
+  # The same tree, initialised to the same values: checkpoints and seeds mean what they meant.
+  jax.tree.map(np.testing.assert_array_equal, params, plain_params)
+  np.testing.assert_array_equal(cnn.apply({'params': params}, images), plain.apply({'params': params}, images))
+  (loss, grads), (plain_loss, plain_grads) = (_loss_and_grads(cnn, params, images, labels),
+                                              _loss_and_grads(plain, params, images, labels))
+  np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)
+  for grad, plain_grad in zip(jax.tree.leaves(grads), jax.tree.leaves(plain_grads)):
+    np.testing.assert_allclose(grad, plain_grad, rtol=1e-4, atol=1e-5 * float(jnp.abs(plain_grad).max()))
+
+
+def test_on_cpu_the_cnn_s_gradient_does_without_the_pooling_s_reduce_window():
+  """What makes the step faster: no reduce-window (JAX's pooling and its transpose) where the gradient is taken,
+  while prediction keeps it (YNNPACK's kernels run it fastest)."""
+  images = jnp.ones((2, 28, 28, 1))
+  cnn = models.create(_config(), 10, (28, 28, 1))
+  params = cnn.init(jax.random.key(0), images)['params']
+  lowered = lambda fn, *args: jax.jit(fn).lower(*args).as_text()
+  grad = lambda model: jax.grad(lambda params: model.apply({'params': params}, images)[0, 0])
+  assert 'reduce_window' in lowered(grad(_FlaxExampleCNN()), params)
+  assert 'reduce_window' not in lowered(grad(cnn), params)
+  assert 'reduce_window' in lowered(lambda params: cnn.apply({'params': params}, images), params)
+
+
+def test_the_cnn_s_bfloat16_gradients_keep_their_dtype_and_follow_float32_s():
+  images = jax.random.normal(jax.random.key(1), (32, 28, 28, 1))
+  labels = jnp.arange(32) % 10
+  cnn = models.create(_config(), 10, (28, 28, 1))
+  params = cnn.init(jax.random.key(0), images)['params']
+  to_bf16 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree)
+  (_, (exact, _)), (_, (grads, _)) = (_loss_and_grads(cnn, params, images, labels),
+                                      _loss_and_grads(cnn, to_bf16(params), to_bf16(images), labels))
+  for grad, reference in zip(jax.tree.leaves(grads), jax.tree.leaves(exact)):
+    assert grad.dtype == jnp.bfloat16
+    error = jnp.linalg.norm(grad.astype(jnp.float32) - reference) / jnp.linalg.norm(reference)
+    assert error < 0.1, f'{float(error):.3f} of the float32 gradient\'s norm'
 
 
 @pytest.mark.parametrize('depth, blocks', [(8, 1), (20, 3)])
