@@ -23,7 +23,7 @@ kernel and bias gradients together, without the transposes.
 It is the same function: the plain layers' values and gradients to float32
 rounding, and their forward pass wherever nothing is differentiated
 (evaluation and prediction, where YNNPACK runs JAX's pooling fastest). The
-CNN's train step takes about 0.85 of the plain layers' time on the default
+CNN's train step takes about 0.83 of the plain layers' time on the default
 recipe (docs/benchmarks.md). Other platforms keep the plain layers, whose
 gradients their own kernels serve (`lax.platform_dependent`).
 """
