@@ -130,4 +130,3 @@ class ConvReluPool(nn.Module):
     bias = self.param('bias', nn.initializers.zeros_init(), (self.features,))
     dtype = jnp.result_type(x, kernel)  # what nn.Conv computes in (its dtype=None)
     return conv_relu_pool(x.astype(dtype), kernel.astype(dtype), bias.astype(dtype))
-
