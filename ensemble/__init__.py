@@ -20,7 +20,9 @@ def __getattr__(name: str):
     from ensemble.devices import cpu_devices  # pylint: disable=g-import-not-at-top
     return cpu_devices
   if name in _API:
-    from ensemble import api  # pylint: disable=g-import-not-at-top  # on first use: it imports jax
+    from ensemble import console  # pylint: disable=g-import-not-at-top
+    with console.root_logging_kept():  # orbax's import would configure the caller's root logger
+      from ensemble import api  # pylint: disable=g-import-not-at-top  # on first use: it imports jax
     return getattr(api, name)
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 

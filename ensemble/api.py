@@ -3,23 +3,26 @@
   import ensemble
   ensemble.cpu_devices(8)                        # on a CPU, before JAX starts: 8 simulated devices
   ens = ensemble.fit(MyModel(), (x_train, y_train), test=(x_test, y_test), ensemble_size=8, epochs=10)
+                                                 # in memory: nothing is written unless workdir= is given
   ens.predict(x)                                 # probabilities, class, entropy, mutual information, ...
   ens.evaluate(x_test, y_test)                   # accuracy, NLL, Brier, ECE: ensemble and mean member
   ens.save('/tmp/run')                           # python -m ensemble.evaluate / predict / export read it
 
-Nothing here defines flags, sets up logging or exits: the programs
+Nothing here defines flags, sets up logging, changes JAX's settings or exits: the programs
 (`ensemble.train`, `.evaluate`, `.predict`, `.export`) are shells over these
-calls and `ensemble.trainer`'s loop, and turn `UsageError` into one `error:`
-line. Every mistake a caller can make raises `UsageError`, a ValueError.
+calls and `ensemble.loop`'s, and turn `UsageError` into one `error:` line.
+Every mistake a caller can make raises `UsageError`, a ValueError, and its
+message names `fit`'s keywords (`learning_rate=`), not the programs' flags.
 """
 
 import functools
+import hashlib
 import json
 import numbers
 import os
+import re
 import shutil
 import tempfile
-import weakref
 from typing import Any, Sequence
 
 import jax
@@ -27,7 +30,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from ensemble import calibration, checkpoint, console, data, defaults, evaluation, steps, tasks
+from ensemble import calibration, console, data, defaults, evaluation, files, loop, steps, tasks
 from ensemble import config as config_lib
 from ensemble.data import arrays
 from ensemble.errors import UsageError
@@ -84,6 +87,21 @@ def _fitted_temperature(workdir: str, config: ml_collections.ConfigDict, epoch: 
   return None
 
 
+def _in_fit_terms(fn):
+  """`fn`'s UsageError in the terms of `fit`'s keywords: `--config.FIELD` becomes `FIELD=`, `--workdir` `workdir=`;
+  and the caller's root logger as it was (`console.root_logging_kept`)."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    try:
+      with console.root_logging_kept():
+        return fn(*args, **kwargs)
+    except UsageError as e:
+      message = re.sub(r'--config\.(\w+)(=?)', r'\1=', str(e))
+      e.args = (re.sub(r'--(workdir|step)\b', r'\1=', message),)
+      raise
+  return wrapped
+
+
 class Ensemble:
   """A trained ensemble, restored onto the devices at hand, that answers about new inputs.
 
@@ -93,12 +111,47 @@ class Ensemble:
   there is one.
   """
 
-  def __init__(self, workdir: str, config: ml_collections.ConfigDict, member: steps.Member, state: steps.TrainState,
-               devices: Sequence[jax.Device], epoch: int, temperature: float = 1.0, batch_size: int = 1000):
+  def __init__(self, workdir: str | None, config: ml_collections.ConfigDict, member: steps.Member,
+               state: steps.TrainState, devices: Sequence[jax.Device], epoch: int, temperature: float = 1.0,
+               batch_size: int = 1000, *, task: Any = None, data_info: dict[str, Any] | None = None,
+               summary: dict[str, float] | None = None):
     self.workdir, self.config, self.member, self.state = workdir, config, member, state
     self.devices, self.epoch, self.temperature, self.batch_size = list(devices), epoch, temperature, batch_size
-    self._temporary: weakref.finalize | None = None  # removes the workdir `fit` made, unless `save` kept it
+    self.task = member.task if task is None else task  # ensemble/tasks/: task.name is 'classification' or 'regression'
+    # An ensemble in memory (`fit`) keeps its data's description for `save`, and standardises features on the host
+    # by it, as its programs were trained (ensemble/loop.py); a restored member does that on the device.
+    self._data_info, self.summary = data_info, summary or {}
+    self._transform = loop.feature_transform(data_info) if data_info else None
     self._predictors: dict[int, evaluation.Predictor] = {}
+
+  @property
+  def _name(self) -> str:
+    return self.workdir or 'the ensemble'
+
+  @property
+  def params(self) -> Any:
+    """The members' parameters, each leaf (K, ...): what `apply` takes."""
+    return self.state.params
+
+  def apply(self, params: Any, inputs: jax.Array) -> Any:
+    """Every member's output for a batch of `inputs`, as a pure JAX function of `params` (the members', each leaf
+    (K, ...), as `params` gives them): it runs under `jax.jit`, `jax.grad` and `jax.vmap`, so that an acquisition
+    function or the predictive mean can be differentiated with respect to the inputs or the parameters.
+
+    Classification: (K, N, C) log-probabilities. Regression: (means, variances), each (K M, N, D) in the targets'
+    units (M = 1 component per member, or a snapshot member's snapshots); the mixture's mean is `means.mean(0)`.
+    The members' other state (BatchNorm's averages) is the trained one; no temperature is applied.
+    """
+    inputs = jax.numpy.asarray(inputs)
+    if self._transform is not None:
+      mean, std = (jax.numpy.asarray(self._data_info[k], jax.numpy.float32) for k in ('mean', 'std'))
+      inputs = ((inputs.reshape(len(inputs), -1) - mean) / std).reshape(inputs.shape)
+    state = self.state.replace(params=params)
+    member_output = lambda state: self.member.task.member_output(self.member.predict(state, inputs))
+    outputs = jax.vmap(member_output)(state)
+    if self.task.name == 'regression':
+      return self.task.components(outputs, xp=jax.numpy)
+    return outputs
 
   @property
   def batch_size(self) -> int:
@@ -146,7 +199,7 @@ class Ensemble:
     if kind == 'images' and shape[-1] == 1 and images.ndim == len(shape) and images.shape[1:] == shape[:-1]:
       images = images[..., None]  # greyscale (N, H, W)
     if images.ndim != len(shape) + 1 or images.shape[1:] != shape:
-      raise UsageError(f'{kind} of shape {images.shape}, but {self.workdir} was trained on {expected} {kind}; '
+      raise UsageError(f'{kind} of shape {images.shape}, but {self._name} was trained on {expected} {kind}; '
                        f'give a batch of shape (N, {", ".join(map(str, shape))})')
     if kind == 'tokens':
       if not np.issubdtype(images.dtype, np.integer):
@@ -170,19 +223,16 @@ class Ensemble:
                          'by 255, or give uint8')
     return images
 
-  @property
-  def task(self):
-    """What the members predict (ensemble/tasks/): `task.name` is 'classification' or 'regression'."""
-    return self.member.task
-
   def _require_task(self, task: str, what: str):
     if self.task.name != task:
-      raise UsageError(f'{self.workdir} holds a {self.task.name} ensemble; {what} is for {task} ensembles')
+      raise UsageError(f'{self._name} holds a {self.task.name} ensemble; {what} is for {task} ensembles')
 
   def member_outputs(self, images: Any, *, progress: bool = False) -> np.ndarray:
     """(K, N, W) float64: every member's output (log-probabilities; a regression member's raw outputs),
     `batch_size` inputs at a time, the last batch bucketed."""
     images = self.check(images)
+    if self._transform is not None:
+      images = self._transform(images)
     starts = range(0, len(images), self.batch_size)
     if progress and len(starts) > 1:
       starts = console.track(starts, 'predicting', unit='batch', items_per_step=self.batch_size, items='images')
@@ -258,7 +308,7 @@ class Ensemble:
       raise UsageError(f'targets of shape {targets.shape}; give {len(inputs)} targets, one row per input')
     targets = data.base.as_targets(targets, 'targets').astype(np.float64)
     if targets.shape[1] != self.task.targets:
-      raise UsageError(f'{targets.shape[1]} targets per input, but {self.workdir} predicts {self.task.targets}')
+      raise UsageError(f'{targets.shape[1]} targets per input, but {self._name} predicts {self.task.targets}')
     means, variances = self.components(inputs)
     per_member = len(means) // self.size
     members = [regression.score(means[k * per_member:(k + 1) * per_member],
@@ -289,11 +339,12 @@ class Ensemble:
     return evaluation.score_test_set(member_log_probs, labels.astype(np.int32))
 
   def save(self, path: str) -> 'Ensemble':
-    """Copies the workdir (checkpoints, config.json, metrics) to `path`, which must not exist, and uses it from now.
+    """Writes the ensemble as a workdir at `path`, which must not exist, and uses it from now: `ensemble.load(path)`
+    and `python -m ensemble.evaluate / predict / export` read it. An ensemble read from a workdir is copied.
 
-    A temporary workdir of `fit(workdir=None)` is removed when this object goes;
-    a saved copy stays, and `ensemble.load(path)` or the programs read it.
+    Written beside `path` and renamed into place when complete: a failed save leaves nothing at `path`.
     """
+    from ensemble import checkpoint  # pylint: disable=g-import-not-at-top  # orbax: only where files are written
     path = os.path.abspath(os.path.expanduser(path))
     if os.path.exists(path):
       raise UsageError(f'{path} exists; save to a new path (a workdir is never overwritten)')
@@ -301,7 +352,21 @@ class Ensemble:
       raise UsageError(f'no folder {os.path.dirname(path)}; create it first')
     partial = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=f'.{os.path.basename(path)}.')
     try:
-      shutil.copytree(self.workdir, partial, dirs_exist_ok=True, ignore=shutil.ignore_patterns(checkpoint.LOCK_FILE))
+      if self.workdir is not None:
+        shutil.copytree(self.workdir, partial, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(checkpoint.LOCK_FILE))
+      else:
+        files.write_atomically(os.path.join(partial, 'config.json'),
+                               json.dumps(self.config.to_dict(), indent=2, sort_keys=True))
+        meta = {'model': self.config.model, 'ensemble_size': self.size, 'data': self._data_info}
+        step = int(np.asarray(self.state.step).reshape(-1)[0])
+        ckpt = checkpoint.Checkpointer(partial)
+        try:
+          ckpt.save(self.epoch, self.state, meta, summary=(step, self.summary))
+        finally:
+          ckpt.close()
+        line = {'step': step, **self.summary}
+        files.write_atomically(os.path.join(partial, 'metrics.jsonl'), json.dumps(line) + '\n')
       os.replace(partial, path)
     except BaseException:
       shutil.rmtree(partial, ignore_errors=True)
@@ -319,6 +384,10 @@ class Ensemble:
     'risk' at that threshold.
     """
     self._require_task('classification', 'flag_threshold')
+    if self.workdir is None:
+      raise UsageError('flag_threshold reads the held-out slice of the data a workdir was trained on, and this '
+                       'ensemble is in memory; give the held-out inputs to predict() and threshold their '
+                       f"'{FLAG_SCORE}' with ensemble.uncertainty.selective, or save() it first")
     dataset = data.load(self.config.get('dataset', 'mnist'), self.config.data_dir if data_dir is None else data_dir,
                         self.config.get('train_split', 'train'), self.config.get('test_split', 'test'))
     if tuple(dataset.image_shape) != self.image_shape:
@@ -335,6 +404,7 @@ class Ensemble:
             'examples': len(heldout['label']), 'seen_in_training': seen_in_training}
 
 
+@_in_fit_terms
 def load(workdir: str, step: int | None = None, *, model: Any = None, batch_size: int | None = None,
          temperature: float | None = None) -> Ensemble:
   """The ensemble saved in `workdir` at epoch `step` (default: the latest), on as many of the available devices
@@ -389,10 +459,17 @@ def _config(config: ml_collections.ConfigDict | None, fields: dict[str, Any]) ->
   return config
 
 
+# Where `fit` departs from ensemble/defaults.py (a program's recipe): no held-out slice and one test pass at the end
+# unless asked, and no persistent compilation cache unless asked (it is a setting of the caller's whole process).
+FIT_DEFAULTS = {'heldout_fraction': 0.0, 'eval_every': 0, 'compilation_cache': '',
+                'steps_per_dispatch': loop.AUTO_DISPATCH}
+
+
+@_in_fit_terms
 def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None, *,
         ensemble_size: int | None = None, epochs: int | None = None, method: str | None = None,
-        workdir: str | None = None, config: ml_collections.ConfigDict | None = None, progress: bool = True,
-        **fields) -> Ensemble:
+        workdir: str | None = None, config: ml_collections.ConfigDict | None = None, init: 'Ensemble | None' = None,
+        keep_optimizer: bool = False, progress: bool = True, **fields) -> Ensemble:
   """Trains an ensemble of `model` on arrays, its members in parallel on the devices there are; returns it.
 
   `model`: a `flax.linen.Module` mapping a batch of inputs to logits (it gets
@@ -401,16 +478,25 @@ def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None,
   member builds its own); or a model name of ensemble/defaults.py ('cnn',
   'resnet', 'package.module:Name'). `train` and `test` are (inputs, labels)
   pairs of arrays: images, feature vectors or token ids (`inputs`:
-  ensemble/defaults.py says how they are told apart), labels integer classes.
-  Without `test`, the held-out slice (`heldout_fraction`) is the test set.
+  ensemble/defaults.py says how they are told apart), labels integer classes
+  (float targets for task='regression'). `test` is optional: its scores go
+  to `Ensemble.summary` after the last epoch (and every `eval_every` epochs).
   `fields` are ensemble/defaults.py's fields (learning_rate, optimizer,
-  augment, member_data, backend, seed, ...), starting from its values or from
-  `config`. Unless `num_devices` is given, the members go on as many devices
-  as split them evenly. `workdir=None` trains in a temporary folder that `Ensemble.save`
-  keeps; an existing workdir resumes, by the rules of `python -m
-  ensemble.train`. `progress` shows a bar and a line per epoch.
+  augment, member_data, backend, seed, ...), starting from its values (but
+  `FIT_DEFAULTS`) or from `config`. Unless `num_devices` is given, the members
+  go on as many devices as split them evenly.
+
+  `workdir=None` trains in memory and writes nothing anywhere; the
+  `Ensemble` holds the members (`save` writes a workdir). A loop of fits of
+  the same model and recipe compiles once (ensemble/loop.py), and `init=ens`
+  starts every member from `ens`'s (same model and size; the optimizer starts
+  afresh unless `keep_optimizer`). With `workdir`, the run writes checkpoints,
+  metrics and event files there, and an existing workdir resumes by the rules
+  of `python -m ensemble.train` if it was trained on the same arrays.
+  `progress` shows a bar and a line per epoch.
   """
-  config = _config(config, {'ensemble_size': ensemble_size, 'epochs': epochs, 'method': method, **fields})
+  given = {'ensemble_size': ensemble_size, 'epochs': epochs, 'method': method, **fields}
+  config = _config(config, {**(FIT_DEFAULTS if config is None else {}), **given})
   tasks.check(config)  # the task decides how the arrays are read
   dataset = _dataset(train, test, config)
   if dataset.inputs != 'images' and config.augment != 'none':
@@ -429,26 +515,64 @@ def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None,
   config.dataset, config.data_dir = data.ARRAYS, ''
   if config.ensemble_size and not config.num_devices:  # as many of the devices as split the members evenly
     config.num_devices = len(evaluation.evaluation_devices(config.ensemble_size))
-  temporary = workdir is None
-  workdir = tempfile.mkdtemp(prefix='ensemble-') if temporary else os.path.abspath(os.path.expanduser(workdir))
-  from ensemble import trainer  # pylint: disable=g-import-not-at-top  # only here: its writers import TensorFlow
-  try:
-    trainer.train_and_evaluate(config, workdir, dataset=dataset, model=model_object, progress=progress)
-    ens = load(workdir, model=model_object)
-  except BaseException:
-    if temporary:
-      shutil.rmtree(workdir, ignore_errors=True)
-    raise
-  if temporary:
-    ens._temporary = weakref.finalize(ens, shutil.rmtree, workdir, True)  # pylint: disable=protected-access
-  return ens
+  if init is not None and not isinstance(init, Ensemble):
+    raise UsageError(f'init={type(init).__name__}: give an Ensemble (what fit or load returned) to start from')
+  if workdir is not None:
+    if init is not None:
+      raise UsageError('init= starts a fit in memory, and a workdir resumes from its own checkpoints: leave out '
+                       'one of init= and workdir=')
+    config.data_fingerprint = _fingerprint(dataset)
+    from ensemble import trainer  # pylint: disable=g-import-not-at-top  # only here: its writers import TensorFlow
+    trainer.train_and_evaluate(config, os.path.abspath(os.path.expanduser(workdir)), dataset=dataset,
+                               model=model_object, progress=progress)
+    return load(workdir, model=model_object)
+  run = loop.prepare(config, dataset, model_object)
+  state = run.init() if init is None else _warm_start(run, init, keep_optimizer)
+  state, summary = loop.train(run, state, progress=progress)
+  devices = evaluation.evaluation_devices(run.config.ensemble_size)
+  state = run.backend.to_canonical(state)
+  if devices != run.devices:  # members spread over several devices each (backend jit): one device's worth each
+    from ensemble import backends  # pylint: disable=g-import-not-at-top
+    state = jax.device_put(state, backends.member_sharding(devices))
+  return Ensemble(None, run.config, run.member, state, devices, run.config.num_epochs,
+                  batch_size=run.config.eval_batch_size, task=run.task, data_info=run.data_info, summary=summary)
+
+
+def _warm_start(run: loop.Run, init: Ensemble, keep_optimizer: bool) -> Any:
+  """A fresh state of `run`'s members with `init`'s parameters and other model state (and optimizer state, if
+  `keep_optimizer`), copied: the steps donate what they train, and `init` stays usable."""
+  fresh = run.backend.to_canonical(run.init())
+  parts = ('params', 'batch_stats') + (('opt_state',) if keep_optimizer else ())
+  for part in parts:
+    target, source = getattr(fresh, part), getattr(init.state, part)
+    shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+    if jax.tree.structure(target) != jax.tree.structure(source) or shapes(target) != shapes(source):
+      raise UsageError(f'init=: its members\' {part} do not match this fit\'s ({init.size} members of '
+                       f'{init.config.model}, now {run.config.ensemble_size} of {run.config.model}); start from an '
+                       'ensemble of the same model, size and data shapes, or leave init= out')
+  copy = lambda target, source: jax.device_put(source, target.sharding, may_alias=False)
+  return run.backend.from_canonical(fresh.replace(**{part: jax.tree.map(copy, getattr(fresh, part),
+                                                                        getattr(init.state, part))
+                                                     for part in parts}))
+
+
+def _fingerprint(dataset: data.Dataset) -> str:
+  """The arrays' shapes and dtypes and a hash of their bytes: what a workdir records to refuse other arrays."""
+  digest, shapes = hashlib.sha256(), []
+  for name, split in (('train', dataset.train), ('test', dataset.test)):
+    if split is None:
+      continue
+    for key in ('image', 'label'):
+      array = np.ascontiguousarray(split[key])
+      digest.update(memoryview(array).cast('B'))
+      shapes.append(f'{name} {"x".join(map(str, array.shape))} {array.dtype}')
+  return f'{", ".join(shapes)}; sha256 {digest.hexdigest()[:16]}'
 
 
 def _dataset(train: Any, test: Any, config: ml_collections.ConfigDict) -> data.Dataset:
-  """The arrays as a Dataset; without `test`, the held-out slice of `train` tests (the trainer holds it out too)."""
-  if test is None:
-    if not config.heldout_fraction:
-      raise UsageError('no test set: give test=(x_test, y_test), or a heldout_fraction > 0 to test on')
+  """The arrays as a Dataset; without `test`, the held-out slice of `train` tests (the loop holds it out too), or
+  nothing when no slice is held out."""
+  if test is None and config.heldout_fraction:
     inputs, labels = arrays.pair(train, 'train')
     start = len(labels) - int(round(config.heldout_fraction * len(labels)))
     test = (inputs[start:], labels[start:])

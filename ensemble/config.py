@@ -17,7 +17,7 @@ MEMBER_DATA = ('shared', 'shuffled', 'bootstrap')
 # `ensemble.evaluate`: a resume must keep these as the workdir was started with them. Add new dataset
 # fields here.
 DATA_SETTINGS = ('dataset', 'train_split', 'test_split', 'data_dir', 'heldout_fraction', 'seed', 'batch_size',
-                 'member_data', 'inputs', 'standardize_features', 'target')
+                 'member_data', 'inputs', 'standardize_features', 'target', 'data_fingerprint')
 # What else a resume must keep: another method's or another task's members have another state.
 RESUME_SETTINGS = DATA_SETTINGS + ('method', 'task')
 # What a snapshot ensemble must keep besides: its cycles span num_epochs / snapshot_cycles epochs, and a resume with
@@ -151,8 +151,12 @@ def resolve(config: ml_collections.ConfigDict, available: Sequence[jax.Device],
     _require(config[name] % per_member == 0,
              f"{name}={config[name]} cannot be split over each member's {per_member} devices: set "
              f'--config.{name} to a multiple of {per_member}')
-  _require(config.steps_per_dispatch >= 0,
-           f'steps_per_dispatch={config.steps_per_dispatch} must be 0 (plain path) or positive (fast path)')
+  _require(isinstance(config.get('eval_every', 1), int) and config.get('eval_every', 1) >= 0,
+           f'eval_every={config.get("eval_every")!r} must be 0 (a test pass after the last epoch only) or a positive '
+           'number of epochs')
+  _require(config.steps_per_dispatch >= -2,
+           f'steps_per_dispatch={config.steps_per_dispatch} must be 0 (plain path), positive (fast path), -1 (a '
+           'whole epoch per dispatch) or -2 (-1 for a small training set, else 0)')
   optim.check(config)
   tasks.check(config)
   _require(0 <= config.heldout_fraction < 1, f'heldout_fraction={config.heldout_fraction} must be in [0, 1)')
@@ -243,6 +247,11 @@ def check_resume(config: ml_collections.ConfigDict, saved: dict[str, Any], path:
   data_dir is compared as `data_location` resolves it.
   """
   recorded = lambda key, value: data_location(value) if key == 'data_dir' else value
+  fingerprint = saved.get('data_fingerprint', '')
+  _require(not fingerprint or fingerprint == config.get('data_fingerprint', ''),
+           f'{os.path.dirname(path)} was trained on other arrays ({fingerprint}; now '
+           f'{config.get("data_fingerprint", "") or "none recorded"}): fit into a new --workdir, or give it the '
+           'arrays it was trained on to resume')
   changed = lambda keys: [f'{key}={saved[key]!r} (now {config[key]!r})' for key in keys
                           if key in saved and recorded(key, saved[key]) != recorded(key, config[key])]
   data_changes = changed(RESUME_SETTINGS)

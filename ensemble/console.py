@@ -13,6 +13,7 @@ This module must not import jax or TensorFlow at the top: the CLIs import it
 first so that `quiet_libraries` runs before those libraries load.
 """
 
+import contextlib
 import json
 import logging as py_logging
 import os
@@ -39,6 +40,21 @@ QUIET_LOGGERS = ('jax._src.xla_bridge',)
 # How often, in seconds, progress is drawn on a terminal and logged elsewhere (clu's ReportProgress logs every 60 s).
 BAR_EVERY_SECS = 0.5
 LOG_EVERY_SECS = 60.0
+
+
+@contextlib.contextmanager
+def root_logging_kept():
+  """Leaves the root logger's handlers as they were: absl's first log call (orbax's, at import) adds a stream
+  handler to an unconfigured root logger (`logging.basicConfig`), after which the caller's own `basicConfig`
+  would do nothing. Warnings logged meanwhile still show."""
+  root = py_logging.getLogger()
+  before = list(root.handlers)
+  try:
+    yield
+  finally:
+    for handler in root.handlers:
+      if handler not in before:
+        root.removeHandler(handler)
 
 
 def quiet_libraries():
@@ -319,10 +335,11 @@ def log_epoch(summary: Mapping[str, Any], num_epochs: int, seconds: float, echo:
   library caller (`ensemble.fit`) whose program does not show absl's INFO lines.
   With `num_classes`, a warning follows it while members stay near chance.
   """
+  figures = f'{_figures(summary)}; ' if 'test_loss' in summary else ''  # epochs without a test pass have none
   if echo and _is_main_process() and not logging.level_info():
-    tqdm.write(f'epoch {int(summary["epoch"])}/{num_epochs}: {_figures(summary)}; train loss '
+    tqdm.write(f'epoch {int(summary["epoch"])}/{num_epochs}: {figures}train loss '
                f'{_figure(summary["train_loss"])}; {_duration(seconds)}', file=sys.stderr)
-  logging.info('epoch %d/%d: %s; train loss %s; %s', summary['epoch'], num_epochs, _figures(summary),
+  logging.info('epoch %d/%d: %strain loss %s; %s', summary['epoch'], num_epochs, figures,
                _figure(summary['train_loss']), _duration(seconds))
   warning = _near_chance_warning(summary, num_classes)
   if warning and _is_main_process():

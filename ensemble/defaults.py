@@ -78,11 +78,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.augment = 'shift'
   # 0: the plain path, a host batch per step. N > 0: the fast path, the training set kept
   # on the devices and N steps run per dispatch (same results). Meant for accelerators; on CPU
-  # it pays with several members per device, at N=8 (docs/benchmarks.md).
+  # it pays with several members per device, at N=8 (docs/benchmarks.md). -1: a whole epoch per dispatch,
+  # what ensemble.fit chooses for a small training set (ensemble/loop.py's RESIDENT_LIMIT_BYTES).
   config.steps_per_dispatch = 0
   # The last fraction of the training split is never trained on: `ensemble.evaluate` fits the
   # ensemble's temperature there (a temperature fitted on training data would sharpen it).
   config.heldout_fraction = 0.1
+  # The test pass runs after the last epoch and every eval_every epochs (0: after the last only).
+  config.eval_every = 1
+  # What ensemble.fit's arrays were (shapes, dtypes, a hash of their bytes): a workdir refuses to resume on others.
+  config.data_fingerprint = ''
   config.num_epochs = 10
   config.batch_size = 128
   config.eval_batch_size = 1000

@@ -139,11 +139,7 @@ class Predictor:
   """
 
   def __init__(self, member: steps.Member, state: steps.TrainState, devices: Sequence[jax.Device], batch_size: int):
-    members, whole = P(backends.ENSEMBLE_AXIS), P()
-    log_probs = lambda state, images: member.task.member_output(member.predict(state, images))
-    mapped = jax.shard_map(backends.map_members(log_probs, (0, None), devices),
-                           mesh=backends.ensemble_mesh(devices), in_specs=(members, whole), out_specs=members)
-    self._log_probs = jax.jit(mapped)
+    self._log_probs = _log_probs_program(member, tuple(devices))
     self._state = state
     self._batch_size = batch_size
 
@@ -159,6 +155,17 @@ class Predictor:
     batches = [np.asarray(self._log_probs(self._state, images))[:, mask]
                for images, _, mask in data.eval_batches(split, self._batch_size)]
     return np.concatenate(batches, axis=1).astype(np.float64)
+
+
+@functools.lru_cache(maxsize=16)
+def _log_probs_program(member: steps.Member, devices: tuple[jax.Device, ...]):
+  """The members' outputs as one jitted program of (state, inputs), kept for the member: the ensembles that `fit`
+  returns in a loop share their member (ensemble/loop.py), and so their programs."""
+  members, whole = P(backends.ENSEMBLE_AXIS), P()
+  log_probs = lambda state, images: member.task.member_output(member.predict(state, images))
+  mapped = jax.shard_map(backends.map_members(log_probs, (0, None), devices, member),
+                         mesh=backends.ensemble_mesh(devices), in_specs=(members, whole), out_specs=members)
+  return jax.jit(mapped)
 
 
 def rotate(images: np.ndarray, angle: float) -> np.ndarray:

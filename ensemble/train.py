@@ -18,7 +18,7 @@ from absl import flags, logging  # pylint: disable=g-import-not-at-top,g-multipl
 import jax  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
-from ensemble import cli, distributed, trainer  # pylint: disable=g-import-not-at-top
+from ensemble import cli, distributed, host_memory, trainer  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Where checkpoints, metrics.jsonl and TensorBoard events go.')
@@ -67,6 +67,9 @@ def _train():
                          initialization_timeout=FLAGS.initialization_timeout,
                          heartbeat_timeout=FLAGS.heartbeat_timeout)
   logging.info('Process %d of %d; JAX devices: %s', jax.process_index(), jax.process_count(), jax.devices())
+  # On CPU, XLA's buffers come from malloc: kept mapped, steps stop page-faulting (a setting of the whole process,
+  # which ensemble.fit leaves to its caller).
+  host_memory.keep_freed_memory_on_cpu()
   _, summary = trainer.train_and_evaluate(FLAGS.config, FLAGS.workdir)
   console.log_training_summary(FLAGS.workdir, summary)
 

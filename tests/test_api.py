@@ -22,7 +22,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 # What every run here shares: small, so that two epochs of K=4 cost seconds; the learning rate of the tests' runs;
 # a constant rate, so that a 1-epoch run resumed to 2 trains as a 2-epoch run (a cosine's length is the run's).
-SETTINGS = {'epochs': 2, 'batch_size': 32, 'learning_rate': 0.05, 'schedule': 'constant', 'progress': False}
+SETTINGS = {'epochs': 2, 'batch_size': 32, 'learning_rate': 0.05, 'schedule': 'constant', 'progress': False,
+            'eval_every': 1}
 
 evaluate.define_flags()  # for the command lines run in this process
 

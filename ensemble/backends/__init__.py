@@ -7,6 +7,7 @@ axis named 'ensemble'. Checkpoints store that layout, so they do not know
 which backend wrote them.
 """
 
+import dataclasses
 import functools
 from typing import Any, Protocol, Sequence
 
@@ -235,21 +236,29 @@ class CompiledWith:
       return lowered.compile()
 
 
-def unrolls(devices: Sequence[jax.Device]) -> bool:
-  """Whether loops over steps and members are traced unrolled: on CPU, for XLA:CPU's sake.
+def unrolls(devices: Sequence[jax.Device], member: steps.Member | None = None) -> bool:
+  """Whether loops over steps and members are traced unrolled: on CPU, for the convolutions' sake.
 
   XLA:CPU gives a convolution its fast kernel only outside loop bodies (inside
   one the weight gradients ran 10-15x slower), and runs the grouped convolution
   that `jax.vmap` makes of several members' convolutions 4x slower per member
   than separate ones. Accelerators run loops and grouped convolutions well,
-  and loops compile faster.
+  and loops compile faster; so do a CPU's for a `member` without convolutions
+  (an MLP's, a sequence model's), whose steps then run as a `lax.scan`.
   """
-  return devices[0].platform == 'cpu'
+  return devices[0].platform == 'cpu' and (member is None or has_convolutions(member))
 
 
-def map_members(fn, in_axes: Sequence[int | None], devices: Sequence[jax.Device]):
-  """`jax.vmap(fn, in_axes)` over one device's members; on CPU one member after another (`unrolls`)."""
-  if not unrolls(devices):
+@functools.lru_cache(maxsize=64)
+def has_convolutions(member: steps.Member) -> bool:
+  """Whether the member's forward pass convolves: read off its traced program, never run."""
+  forward = lambda key: member.logits(member.init(key), member.example_input())
+  return 'conv_general_dilated' in str(jax.make_jaxpr(forward)(jax.random.key(0)))
+
+
+def map_members(fn, in_axes: Sequence[int | None], devices: Sequence[jax.Device], member: steps.Member | None = None):
+  """`jax.vmap(fn, in_axes)` over one device's members; where `unrolls`, one member after another."""
+  if not unrolls(devices, member):
     return jax.vmap(fn, in_axes=in_axes)
 
   def mapped(*args):
@@ -286,12 +295,12 @@ def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_ax
   members (`method.average_shared`), then each member's update; the fast path
   loops over such steps. `ensemble_axis` None: the devices hold one member in all (see `evaluate_members`).
   """
-  unroll = unrolls(devices)
+  unroll = unrolls(devices, member)
   if not member.method.shares_weights:
     many = functools.partial(steps.train_steps, step_fn=member.train_step, unroll=unroll)
-    return (map_members(member.train_step, (0, data_axis, data_axis), devices),
-            map_members(many, (0, None, None, data_axis), devices))
-  gradients = map_members(member.gradients, (0, data_axis, data_axis), devices)
+    return (map_members(member.train_step, (0, data_axis, data_axis), devices, member),
+            map_members(many, (0, None, None, data_axis), devices, member))
+  gradients = map_members(member.gradients, (0, data_axis, data_axis), devices, member)
 
   def one(state, images, labels):
     """The device's one copy of the shared leaves serves each member, and one copy of their update is kept."""
@@ -318,7 +327,7 @@ def evaluate_members(member: steps.Member, devices: Sequence[jax.Device], ensemb
   over all the devices) out of the mean: XLA's partitioner refuses a reduction
   over a manual axis of size 1 beside automatic ones.
   """
-  predict = map_members(member.predict, (0, None), devices)
+  predict = map_members(member.predict, (0, None), devices, member)
   if member.method.shares_weights:
     each = predict
     predict = lambda state, images: each(for_each_member(state, len(state.step)), images)
@@ -326,6 +335,24 @@ def evaluate_members(member: steps.Member, devices: Sequence[jax.Device], ensemb
   outputs = jax.vmap(functools.partial(member.task.eval_outputs, axis_name=axis_name),
                      in_axes=(0, None), axis_name=MEMBER_AXIS)
   return lambda state, images, labels: outputs(predict(state, images), labels)
+
+
+class ForTask:
+  """A program built from a member for the backend's current `task`, rebuilt when the task changes.
+
+  The test pass scores in the data's units (a regression task's target
+  statistics), which change from run to run while the training programs,
+  which never see them, are kept (ensemble/loop.py).
+  """
+
+  def __init__(self, member: steps.Member, build):
+    self._member, self._build = member, build
+    self._task, self._program = None, None
+
+  def __call__(self, task, *args):
+    if self._program is None or task != self._task:
+      self._task, self._program = task, self._build(dataclasses.replace(self._member, task=task))
+    return self._program(*args)
 
 
 def train_chunk(backend, state, split: dict[str, np.ndarray], resident, chunk: np.ndarray):

@@ -79,14 +79,15 @@ def _split(split: Any, kind: str, name: str, task: str = 'classification', sourc
   return {'image': _as_inputs(inputs, kind, name), 'label': base.as_labels(labels, f'{name} labels')}
 
 
-def from_arrays(train: Any, test: Any, inputs: str = 'auto', task: str = 'classification',
+def from_arrays(train: Any, test: Any | None, inputs: str = 'auto', task: str = 'classification',
                 source: str = 'arrays') -> base.Dataset:
   """(x, y) pairs -> a Dataset of `inputs` ('auto': `kind_of` the training inputs) from `source`.
 
   For task 'regression', y holds float targets (N,) or (N, D).
   """
   kind = kind_of(pair(train, 'train')[0]) if inputs == 'auto' else inputs
-  splits = {name: _split(split, kind, name, task, source) for name, split in (('train', train), ('test', test))}
+  splits = {name: None if split is None else _split(split, kind, name, task, source)
+            for name, split in (('train', train), ('test', test))}
   names = {name: (f'{name} inputs', f'{name} labels') for name in splits}
   if task == 'regression':
     return regression_dataset(splits['train'], splits['test'], source, names, kind)
@@ -98,7 +99,7 @@ def regression_dataset(train: base.Split, test: base.Split, source: str, names: 
   """Checks that the splits agree in input shape and number of targets."""
   for index, what in ((0, inputs), (1, 'targets')):
     key = 'image' if index == 0 else 'label'
-    if train[key].shape[1:] != test[key].shape[1:]:
+    if test is not None and train[key].shape[1:] != test[key].shape[1:]:
       raise base.DataError(f'{names["test"][index]}: {what} of shape {test[key].shape[1:]} per example, but the '
                            f'training {what} have {train[key].shape[1:]}; give both splits the same')
   return base.Dataset(train=train, test=test, source=source, num_classes=train['label'].shape[1], inputs=inputs,

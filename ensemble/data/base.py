@@ -34,7 +34,7 @@ class Dataset:
   normalises each batch.
   """
   train: Split
-  test: Split
+  test: Split | None  # None: no test set (`ensemble.fit` without one)
   source: str  # what it came from, for logs and reports
   num_classes: int  # for regression: the number of targets D
   inputs: str = 'images'  # what the inputs are: steps.INPUTS
@@ -46,6 +46,8 @@ class Dataset:
                'tokens': (np.int32, 'int32 (N, ...)')}
     dtype, layout = layouts[self.inputs]
     for name, split in (('train', self.train), ('test', self.test)):
+      if split is None:
+        continue
       images, labels = split['image'], split['label']
       if images.dtype != dtype or images.ndim < 2 or (self.inputs == 'images' and images.ndim != 4):
         raise ValueError(f'Dataset.{name}: {self.inputs} must be {layout}, got {images.dtype} {images.shape}')
@@ -55,7 +57,7 @@ class Dataset:
                            f'{labels.shape}')
       elif labels.dtype != np.int32 or labels.shape != images.shape[:1]:
         raise ValueError(f'Dataset.{name}: labels must be int32 ({len(images)},), got {labels.dtype} {labels.shape}')
-    if self.train['image'].shape[1:] != self.test['image'].shape[1:]:
+    if self.test is not None and self.train['image'].shape[1:] != self.test['image'].shape[1:]:
       raise ValueError(f'Dataset: train images {self.train["image"].shape[1:]} but test images '
                        f'{self.test["image"].shape[1:]}')
 
@@ -191,7 +193,8 @@ def make_dataset(train: Split, test: Split, source: str, names: dict[str, tuple[
 
   `names` maps 'train' and 'test' to their (images, labels) names, for the errors.
   """
-  train_shape, test_shape = train['image'].shape[1:], test['image'].shape[1:]
+  train_shape = train['image'].shape[1:]
+  test_shape = train_shape if test is None else test['image'].shape[1:]
   if train_shape != test_shape:
     raise DataError(f'{names["train"][0]} holds {"x".join(map(str, train_shape))} {inputs} but {names["test"][0]} '
                     f'holds {"x".join(map(str, test_shape))}; train and test {inputs} must have the same shape')
@@ -201,6 +204,8 @@ def make_dataset(train: Split, test: Split, source: str, names: dict[str, tuple[
   else:
     where = f'{source} has {num_classes} classes'
   for split_name, split in (('train', train), ('test', test)):
+    if split is None or not len(split['label']):
+      continue
     largest = int(split['label'].max())
     if largest >= num_classes:
       raise DataError(f'{names[split_name][1]}: label {largest} is outside 0..{num_classes - 1} ({where}); '

@@ -1,0 +1,390 @@
+"""The training core, in memory: a run's checks and programs, then the epoch loop with hooks at each epoch's end.
+
+  run = loop.prepare(config, dataset, model)      # checks, standardises, builds (or reuses) the compiled programs
+  state, summary = loop.train(run, run.init(), hooks=[...])
+
+`ensemble.fit` runs it alone and nothing is written anywhere; `python -m
+ensemble.train` and `fit(workdir=...)` attach the workdir's hooks
+(ensemble/trainer.py: checkpoints, metrics.jsonl, TensorBoard, resume), in the
+style of Flax's periodic actions and Keras callbacks: one loop, not two.
+
+Programs are kept for the process (`_PROGRAMS`), keyed by what they compute: a
+loop of fits of the same model and recipe on data of the same shapes traces
+and compiles once. What changes from fit to fit stays out of the programs:
+feature and target standardisation happen on the host, in float64, and the
+training set is padded to a size bucket, so a set that grows by a few rows
+reuses the programs (padded rows are never drawn into a batch).
+"""
+
+import collections
+import dataclasses
+import functools
+import json
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+
+from ensemble import backends, config as config_lib, console, data, devices as devices_lib, distributed, steps, tasks
+from ensemble.errors import UsageError
+
+# A training set up to this size (its inputs and labels, one copy per device) goes to the devices once, and a whole
+# epoch runs as one program (config.steps_per_dispatch = -1), unless the steps must be unrolled (convolutions on
+# CPU, `backends.unrolls`). Larger sets are fed a batch at a time from the host.
+RESIDENT_LIMIT_BYTES = 64 << 20
+# steps_per_dispatch's "choose": -1 for a set under RESIDENT_LIMIT_BYTES whose steps run as a loop, else 0.
+AUTO_DISPATCH = -2
+# How many runs' programs a process keeps.
+_CACHE_SIZE = 8
+# Fields that do not change what the programs compute (the seed only enters as the members' keys, an argument).
+_NOT_IN_PROGRAMS = ('seed', 'dataset', 'data_dir', 'train_split', 'test_split', 'heldout_fraction', 'target',
+                    'checkpoints_to_keep', 'compilation_cache', 'eval_every', 'data_fingerprint', 'inputs',
+                    'standardize_features', 'eval_batch_size', 'steps_per_dispatch')
+
+
+class Diverged(UsageError):
+  """A member's loss or parameters stopped being finite in `epoch`: nothing of that epoch may be kept."""
+
+  def __init__(self, message: str, epoch: int):
+    super().__init__(message)
+    self.epoch = epoch
+
+
+class Hook:
+  """What the loop calls as it goes; each does nothing unless a hook says otherwise. The workdir's checkpoints,
+  metrics and event files are hooks (ensemble/trainer.py)."""
+
+  def after_steps(self, step: int):
+    """After each dispatch, `step` steps in."""
+
+  def after_epoch(self, epoch: int, step: int, state: Any, summary: dict[str, float]):
+    """Once the epoch's summary is known; `state` is the backend's."""
+
+  def close(self):
+    """However the run ends."""
+
+
+@dataclasses.dataclass
+class Programs:
+  """What a run compiles, kept across the runs that share it: the member and its backend."""
+  member: steps.Member
+  backend: Any
+  num_outputs: int
+
+
+@dataclasses.dataclass
+class Run:
+  """A training run once its config and data are checked: the loop's input.
+
+  `train` and `test` are the host splits as the programs take them (features
+  and targets standardised); `data_info` describes the data as checkpoints
+  record it (with the standardisation's statistics), `task` the outputs in the
+  data's own units. `member` is what the programs compute, `task` aside.
+  """
+  config: ml_collections.ConfigDict
+  devices: list[jax.Device]
+  dataset: data.Dataset
+  train: data.Split
+  test: data.Split | None
+  data_info: dict[str, Any]
+  member: steps.Member
+  task: Any
+  backend: Any
+  steps_per_epoch: int
+
+  @property
+  def num_train(self) -> int:
+    return len(self.train['label'])
+
+  def init(self) -> Any:
+    """Every member's fresh state, from the config's seed."""
+    return self.backend.init(self.config.seed)
+
+
+_PROGRAMS: 'collections.OrderedDict[Any, Programs]' = collections.OrderedDict()
+
+
+def _program_key(config: ml_collections.ConfigDict, program_info: dict, model: Any, devices: Sequence[jax.Device],
+                 steps_per_epoch: int) -> Any:
+  """What the programs depend on: the config but its data-only fields, the data's shapes, the model, the devices."""
+  fields = {k: v for k, v in config.to_dict().items() if k not in _NOT_IN_PROGRAMS}
+  if fields.get('method') == 'batchensemble':
+    fields['seed'] = config.seed  # its rank-1 factors' signs are drawn from it
+  try:
+    model_key = (hash(model), model) if model is not None else None
+  except TypeError:  # an unhashable model object: itself, by identity (the cache keeps it alive)
+    model_key = ('id', id(model))
+  return (json.dumps(fields, sort_keys=True, default=repr), json.dumps(program_info, sort_keys=True), model_key,
+          tuple(d.id for d in devices), steps_per_epoch)
+
+
+def _programs(config, program_info: dict, model: Any, devices, steps_per_epoch: int) -> Programs:
+  """The member and backend for `program_info`'s data: kept from an earlier run with the same key, or built."""
+  key = _program_key(config, program_info, model, devices, steps_per_epoch)
+  if key in _PROGRAMS:
+    _PROGRAMS.move_to_end(key)
+    return _PROGRAMS[key]
+  outputs = program_info['num_classes']
+  member = config_lib.member(config, program_info, steps_per_epoch, model)
+  # The mesh backends' models are the package's own, built for their mesh (backends/sharded.py).
+  num_outputs = (outputs if config.backend in backends.MESH_MODELS
+                 else config_lib.check_model(member, outputs, config.method))
+  if num_outputs != outputs:  # a user's model with more outputs than the training labels use
+    member = config_lib.member(config, {**program_info, 'num_classes': num_outputs}, steps_per_epoch, model)
+  backend = backends.create(config.backend, member=member, devices=devices, ensemble_size=config.ensemble_size,
+                            member_data=config.member_data, config=config)
+  programs = Programs(member, backend, num_outputs)
+  _PROGRAMS[key] = programs
+  while len(_PROGRAMS) > _CACHE_SIZE:
+    _PROGRAMS.popitem(last=False)
+  return programs
+
+
+def _split_off_heldout(config: ml_collections.ConfigDict, dataset: data.Dataset,
+                       devices: list[jax.Device]) -> data.Split:
+  """The training split without its held-out slice, once the split sizes are checked against the config;
+  `config.eval_batch_size` at most the test set's size (rounded up to split over the devices), so that its one
+  batch is not padded to many times its size."""
+  train_split, heldout = data.hold_out(dataset.train, config.heldout_fraction)
+  num_train = len(train_split['label'])
+  if config.heldout_fraction and not len(heldout['label']):
+    raise UsageError(f'heldout_fraction={config.heldout_fraction} of the {num_train} training examples holds out '
+                     f'none; set --config.heldout_fraction to at least {1 / num_train:.2g}, or to 0 to hold out '
+                     'nothing')
+  if config.batch_size > num_train:
+    raise UsageError(f'batch_size={config.batch_size} exceeds the {num_train} training examples; '
+                     'lower --config.batch_size')
+  if dataset.test is not None:
+    num_test = len(dataset.test['label'])
+    fitting = -(-num_test // len(devices)) * len(devices)
+    if config.eval_batch_size > fitting:
+      logging.info('Evaluating in batches of %d, the %d test examples, not of eval_batch_size=%d.', fitting,
+                   num_test, config.eval_batch_size)
+      config.eval_batch_size = fitting
+  return train_split
+
+
+def _standardise(dataset: data.Dataset, train: data.Split, config: ml_collections.ConfigDict):
+  """(train, test, data_info, program_info): the splits as the programs take them, and two descriptions of the data.
+
+  Regression targets, and features when `standardize_features` asks, are
+  standardised here on the host in float64 by the training split's mean and
+  standard deviation (a constant one's taken as 1), then cast: `data_info`
+  records those statistics for checkpoints (a restored member applies them on
+  the device), while `program_info` leaves them out, so that the programs do
+  not change when the data does. Images keep their per-channel statistics in
+  the programs (normalised after augmentation, on the device).
+  """
+  test = dataset.test
+  target_stats = None
+  if dataset.task == 'regression':
+    targets = train['label'].astype(np.float64)
+    mean, std = targets.mean(0), targets.std(0)
+    std = np.where(std > 0, std, 1.0)
+    target_stats = (mean, std)
+    scale = lambda split: {**split, 'label': ((split['label'].astype(np.float64) - mean) / std).astype(np.float32)}
+    train, test = scale(train), (scale(test) if test is not None else None)
+  mean, std = data.input_stats(train['image'], dataset.inputs, config.get('standardize_features', False))
+  outputs = 2 * dataset.num_classes if target_stats else dataset.num_classes
+  data_info = config_lib.data_info(dataset.image_shape, outputs, mean, std, inputs=dataset.inputs,
+                                   target_stats=target_stats)
+  program_info = {k: v for k, v in data_info.items() if not k.startswith('target_')}
+  if dataset.inputs == 'features' and len(mean) > 1:
+    transform = feature_transform(data_info)
+    train = {**train, 'image': transform(train['image'])}
+    test = {**test, 'image': transform(test['image'])} if test is not None else None
+    program_info.update(mean=[0.0], std=[1.0])
+  return train, test, data_info, program_info
+
+
+def feature_transform(data_info: dict[str, Any]):
+  """The host's standardisation of features by `data_info`'s per-feature statistics (float64, then float32), or
+  None where the programs take the inputs as they are."""
+  if data_info.get('inputs') != 'features' or len(data_info['mean']) <= 1:
+    return None
+  mean, std = np.asarray(data_info['mean']), np.asarray(data_info['std'])
+
+  def transform(features: np.ndarray) -> np.ndarray:
+    flat = features.reshape(len(features), -1).astype(np.float64)
+    return ((flat - mean) / std).astype(np.float32).reshape(features.shape)
+  return transform
+
+
+def prepare(config: ml_collections.ConfigDict, dataset: data.Dataset, model: Any = None, *,
+            devices: Sequence[jax.Device] | None = None) -> Run:
+  """Checks `config` against the devices and `dataset`, and builds (or reuses) the programs; writes nothing.
+
+  `model` is a user's model object, which replaces the one `config.model` names. With `devices`, `config` is
+  already resolved for them (`config.resolve`).
+  """
+  if devices is None:
+    config, devices = config_lib.resolve(config, jax.devices(), model)
+  devices = list(devices)
+  devices_lib.compilation_cache(config.get('compilation_cache', 'auto'))
+  if config.get('inputs', 'auto') not in ('auto', dataset.inputs):
+    raise UsageError(f'{dataset.source} holds {dataset.inputs}, not {config.inputs}: set --config.inputs=auto')
+  if dataset.task != config.get('task', 'classification'):
+    raise UsageError(f'{dataset.source} holds {dataset.task} data but task={config.get("task", "classification")!r}: '
+                     f'set --config.task={dataset.task}')
+  train = _split_off_heldout(config, dataset, devices)
+  train, test, data_info, program_info = _standardise(dataset, train, config)
+  steps_per_epoch = data.steps_per_epoch(len(train['label']), config.batch_size)
+  programs = _programs(config, program_info, model, devices, steps_per_epoch)
+  data_info = {**data_info, 'num_classes': programs.num_outputs}
+  task = tasks.create(config, data_info)
+  programs.backend.task = task  # the test pass scores in the data's units
+  if config.steps_per_dispatch == AUTO_DISPATCH:
+    config.steps_per_dispatch = -1 if resident_eligible(train, programs.member, devices) else 0
+  return Run(config=config, devices=devices, dataset=dataset, train=train, test=test, data_info=data_info,
+             member=programs.member, task=task, backend=programs.backend, steps_per_epoch=steps_per_epoch)
+
+
+def resident_eligible(train: data.Split, member: steps.Member, devices: Sequence[jax.Device]) -> bool:
+  """Whether a whole epoch can run as one program: the set is small, and the steps run as a loop on the devices."""
+  size = sum(np.asarray(v).nbytes for v in train.values())
+  return size <= RESIDENT_LIMIT_BYTES and not backends.unrolls(devices, member)
+
+
+def evaluate(backend, state, split: data.Split, batch_size: int, task: Any) -> dict[str, Any]:
+  """The `task`'s ensemble and member metrics over the whole split, each example counted once.
+
+  Each process feeds only its rows of every batch; the outputs cover whole batches.
+  """
+  from ensemble import metrics  # pylint: disable=g-import-not-at-top  # clu: only where a test pass runs
+  outputs, masks = [], []
+  rows = distributed.process_rows(backend.devices, batch_size)
+  for images, labels, mask in data.eval_batches(split, batch_size, rows):
+    outputs.append(backend.eval_step(state, images, labels))
+    masks.append(mask)
+  outputs = jax.tree.map(lambda *xs: np.concatenate(xs, axis=-1), *backend.to_host(outputs))
+  # The ensemble outputs are the same on every member; member 0's copy is enough.
+  outputs = {k: v[0] if k.startswith('ensemble_') else v.T for k, v in outputs.items()}
+  return metrics.BY_TASK[task.name].eval.single_from_model_output(**outputs, mask=np.concatenate(masks)).compute()
+
+
+def _train_summary(outputs: list[dict[str, np.ndarray]]) -> dict[str, float]:
+  """The epoch's training metrics, each averaged over the members and the steps."""
+  return {name: float(np.concatenate([np.ravel(chunk[name]) for chunk in outputs]).mean(dtype=np.float64))
+          for name in outputs[0]}
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _finite_members(leaves: list[jax.Array], ensemble_size: int) -> jax.Array:
+  return jnp.stack([jnp.isfinite(x).reshape(ensemble_size, -1).all(1) for x in leaves]).all(0)
+
+
+def nonfinite_members(state: Any, ensemble_size: int) -> list[int]:
+  """The members whose state holds a NaN or an infinity: such a state must never be kept.
+
+  `state` is canonical, (K, ...) per leaf; a one-model state (the mesh backends, K = 1) has no member axis,
+  which the reshape to (1, -1) covers alike.
+  """
+  leaves = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return np.flatnonzero(~distributed.to_numpy(_finite_members(leaves, ensemble_size))).tolist()
+
+
+def _stop_if_diverged(losses: np.ndarray, config: ml_collections.ConfigDict, epoch: int, step: int):
+  """Ends the run once a member's training loss is NaN or infinite: its state must not be kept.
+
+  `losses` is (K, S): the S steps that ended at `step`, as every process sees them.
+  """
+  finite = np.isfinite(losses.reshape(config.ensemble_size, -1))
+  if finite.all():
+    return
+  first = step - finite.shape[1] + 1 + int(np.argmin(finite.all(0)))
+  members = np.flatnonzero(~finite.all(1)).tolist()
+  diverged(config, epoch, first, f'members {members} have a non-finite training loss')
+
+
+def diverged(config: ml_collections.ConfigDict, epoch: int, step: int, what: str):
+  raise Diverged(f'training diverged in epoch {epoch} at step {step}: {what}; lower --config.learning_rate '
+                 f'(now {config.learning_rate}) or --config.momentum (now {config.momentum})', epoch)
+
+
+def _test_due(config: ml_collections.ConfigDict, epoch: int) -> bool:
+  every = config.get('eval_every', 1)
+  return epoch == config.num_epochs or (every > 0 and epoch % every == 0)
+
+
+def train(run: Run, state: Any, *, start_epoch: int = 0, hooks: Sequence[Hook] = (),
+          progress: bool | None = None) -> tuple[Any, dict[str, float]]:
+  """Trains `state` from `start_epoch` to `config.num_epochs`; returns it and the last epoch's summary.
+
+  The test pass (when there is a test split) runs after the last epoch and
+  every `eval_every` epochs. `progress=True` shows a bar (on a terminal or in a
+  notebook) and writes a line per epoch, `False` neither; None: the bar on a
+  terminal at absl's INFO verbosity, the lines logged. Every dispatch is
+  waited for: with several simulated CPU devices, a deep queue of in-flight
+  multi-device programs starves XLA's collective rendezvous and aborts the
+  process (docs/backends-and-devices.md, "Many devices on a CPU"); fetching
+  the losses waits, and lets a diverged member stop the run at once.
+  """
+  config, backend = run.config, run.backend
+  per_dispatch = config.steps_per_dispatch
+  resident = None
+  if per_dispatch:
+    resident = backend.put_dataset(pad_rows(run.train))
+  per_dispatch = run.steps_per_epoch if per_dispatch < 0 else per_dispatch or 1
+  step, summary = start_epoch * run.steps_per_epoch, {}
+  show = progress is not False and (progress or logging.level_info())
+  try:
+    for epoch in range(start_epoch + 1, config.num_epochs + 1):
+      indices = data.train_batch_indices(run.num_train, config.batch_size, config.seed, epoch,
+                                         config.ensemble_size, config.member_data)
+      bar = console.Progress(run.steps_per_epoch, f'epoch {epoch}/{config.num_epochs}',
+                             items_per_step=config.batch_size * config.ensemble_size,
+                             bar=None if progress is None else progress and console.interactive()) if show else None
+      started = time.perf_counter()
+      outputs = []
+      for start in range(0, len(indices), per_dispatch):
+        chunk = indices[start:start + per_dispatch]
+        with jax.profiler.StepTraceAnnotation('train', step_num=step):
+          state, chunk_metrics = backends.train_chunk(backend, state, run.train, resident, chunk)
+        outputs.append(backend.to_host(chunk_metrics))
+        step += len(chunk)
+        _stop_if_diverged(outputs[-1]['loss'], config, epoch, step)
+        for hook in hooks:
+          hook.after_steps(step)
+        if bar is not None:
+          bar.update(len(chunk), chunk_metrics)
+      summary = {'epoch': epoch, 'train_seconds': time.perf_counter() - started}
+      train_metrics = _train_summary(outputs)
+      if run.test is not None and _test_due(config, epoch):
+        started = time.perf_counter()
+        test = evaluate(backend, state, run.test, config.eval_batch_size, run.task)
+        summary.update(test_seconds=time.perf_counter() - started, **run.task.summary(train_metrics, test))
+      else:
+        summary.update({f'train_{name}': value for name, value in train_metrics.items()})
+      summary = {k: float(v) for k, v in summary.items()}
+      if hooks or epoch == config.num_epochs:  # a state that may be kept
+        nonfinite = nonfinite_members(backend.to_canonical(state), config.ensemble_size)
+        if nonfinite:
+          diverged(config, epoch, step, f'members {nonfinite} have non-finite parameters')
+      for hook in hooks:
+        hook.after_epoch(epoch, step, state, summary)
+      if bar is not None:
+        console.log_epoch(summary, config.num_epochs, bar.close(), echo=bool(progress),
+                          num_classes=run.dataset.num_classes if run.dataset.task == 'classification' else None)
+  finally:
+    for hook in hooks:
+      hook.close()
+  return state, summary
+
+
+def pad_rows(split: data.Split) -> data.Split:
+  """`split` with zero rows appended up to its size bucket (`bucket_rows`): the programs that take it stay the same
+  while a training set grows by a few rows. The padded rows are never drawn into a batch."""
+  n = len(split['label'])
+  pad = bucket_rows(n) - n
+  if not pad:
+    return split
+  return {k: np.concatenate([v, np.zeros((pad, *v.shape[1:]), v.dtype)]) for k, v in split.items()}
+
+
+def bucket_rows(n: int) -> int:
+  """The next power of two: a growing set changes size bucket once per doubling, at most twice its memory."""
+  return 1 << max(n - 1, 0).bit_length()
