@@ -338,6 +338,7 @@ class Ensemble:
     member_log_probs = np.log(np.maximum(self.member_probs(inputs), np.finfo(np.float64).tiny))
     return evaluation.score_test_set(member_log_probs, labels.astype(np.int32))
 
+  @console.root_logging_kept()
   def save(self, path: str) -> 'Ensemble':
     """Writes the ensemble as a workdir at `path`, which must not exist, and uses it from now: `ensemble.load(path)`
     and `python -m ensemble.evaluate / predict / export` read it. An ensemble read from a workdir is copied.
@@ -404,7 +405,7 @@ class Ensemble:
             'examples': len(heldout['label']), 'seen_in_training': seen_in_training}
 
 
-@_in_fit_terms
+@console.root_logging_kept()
 def load(workdir: str, step: int | None = None, *, model: Any = None, batch_size: int | None = None,
          temperature: float | None = None) -> Ensemble:
   """The ensemble saved in `workdir` at epoch `step` (default: the latest), on as many of the available devices

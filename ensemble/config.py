@@ -17,7 +17,7 @@ MEMBER_DATA = ('shared', 'shuffled', 'bootstrap')
 # `ensemble.evaluate`: a resume must keep these as the workdir was started with them. Add new dataset
 # fields here.
 DATA_SETTINGS = ('dataset', 'train_split', 'test_split', 'data_dir', 'heldout_fraction', 'seed', 'batch_size',
-                 'member_data', 'inputs', 'standardize_features', 'target', 'data_fingerprint')
+                 'member_data', 'inputs', 'standardize_features', 'target')
 # What else a resume must keep: another method's or another task's members have another state.
 RESUME_SETTINGS = DATA_SETTINGS + ('method', 'task')
 # What a snapshot ensemble must keep besides: its cycles span num_epochs / snapshot_cycles epochs, and a resume with
@@ -247,17 +247,18 @@ def check_resume(config: ml_collections.ConfigDict, saved: dict[str, Any], path:
   data_dir is compared as `data_location` resolves it.
   """
   recorded = lambda key, value: data_location(value) if key == 'data_dir' else value
-  fingerprint = saved.get('data_fingerprint', '')
-  _require(not fingerprint or fingerprint == config.get('data_fingerprint', ''),
-           f'{os.path.dirname(path)} was trained on other arrays ({fingerprint}; now '
-           f'{config.get("data_fingerprint", "") or "none recorded"}): fit into a new --workdir, or give it the '
-           'arrays it was trained on to resume')
   changed = lambda keys: [f'{key}={saved[key]!r} (now {config[key]!r})' for key in keys
                           if key in saved and recorded(key, saved[key]) != recorded(key, config[key])]
   data_changes = changed(RESUME_SETTINGS)
   _require(not data_changes,
            f'{path} records {", ".join(data_changes)}: a resume must keep the data settings and the method '
            f'({", ".join(RESUME_SETTINGS)}); set them as recorded there, or train in a new --workdir')
+  # ensemble.fit's arrays: what `dataset='arrays'` alone does not tell apart.
+  fingerprint = saved.get('data_fingerprint', '')
+  _require(not fingerprint or fingerprint == config.get('data_fingerprint', ''),
+           f'{os.path.dirname(path)} was trained on other arrays ({fingerprint}; now '
+           f'{config.get("data_fingerprint", "") or "none recorded"}): fit into a new --workdir, or give it the '
+           'arrays it was trained on to resume')
   if methods.name(config) == 'snapshot':
     cycle_changes = changed(SNAPSHOT_SETTINGS)
     _require(not cycle_changes,

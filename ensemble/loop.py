@@ -17,6 +17,7 @@ reuses the programs (padded rows are never drawn into a batch).
 """
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -305,6 +306,25 @@ def diverged(config: ml_collections.ConfigDict, epoch: int, step: int, what: str
                  f'(now {config.learning_rate}) or --config.momentum (now {config.momentum})', epoch)
 
 
+# Draws the next epoch's batch indices while the devices train on this one.
+_DRAWER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='ensemble-batches')
+
+
+def _epoch_indices(run: Run, start_epoch: int):
+  """(epoch, its batch indices) from `start_epoch + 1` on. On small data an epoch's program is as short as the
+  host's draw of its K orders (0.2 ms for 5 members of 450 rows), so the next epoch's are drawn in a thread
+  while this one trains (the loop waits on the devices with the GIL released)."""
+  config = run.config
+  draw = lambda epoch: data.train_batch_indices(run.num_train, config.batch_size, config.seed, epoch,
+                                                config.ensemble_size, config.member_data)
+  upcoming = _DRAWER.submit(draw, start_epoch + 1)
+  for epoch in range(start_epoch + 1, config.num_epochs + 1):
+    indices = upcoming.result()
+    if epoch < config.num_epochs:
+      upcoming = _DRAWER.submit(draw, epoch + 1)
+    yield epoch, indices
+
+
 def _test_due(config: ml_collections.ConfigDict, epoch: int) -> bool:
   every = config.get('eval_every', 1)
   return epoch == config.num_epochs or (every > 0 and epoch % every == 0)
@@ -332,9 +352,7 @@ def train(run: Run, state: Any, *, start_epoch: int = 0, hooks: Sequence[Hook] =
   step, summary = start_epoch * run.steps_per_epoch, {}
   show = progress is not False and (progress or logging.level_info())
   try:
-    for epoch in range(start_epoch + 1, config.num_epochs + 1):
-      indices = data.train_batch_indices(run.num_train, config.batch_size, config.seed, epoch,
-                                         config.ensemble_size, config.member_data)
+    for epoch, indices in _epoch_indices(run, start_epoch):
       bar = console.Progress(run.steps_per_epoch, f'epoch {epoch}/{config.num_epochs}',
                              items_per_step=config.batch_size * config.ensemble_size,
                              bar=None if progress is None else progress and console.interactive()) if show else None

@@ -100,6 +100,8 @@ class Member:
     variables = self.init_variables(init_key)
     state = TrainState.create(apply_fn=self.model.apply, params=variables['params'], tx=self.tx,
                               batch_stats=variables.get('batch_stats', {}), key=jax.random.key_data(own_key))
+    # A typed step, as a trained or restored state has (flax's 0 is weakly typed): one program serves all three.
+    state = state.replace(step=jnp.zeros((), jnp.int32))
     return self.method.init(self, state, key)
 
   def apply(self, state: TrainState, params, images: jnp.ndarray, *, train: bool,

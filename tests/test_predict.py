@@ -58,9 +58,10 @@ def test_predictions_agree_with_training_and_with_themselves(trained):
   assert (result['mutual_information'] >= 0).all()
   assert ((0 <= result['disagreement']) & (result['disagreement'] <= 1)).all()
   assert 'member_probs' not in model.predict(test['image'][:2])
-  # Any batch size gives each image the same answer: padding to a bucket changes nothing.
+  # Any batch size gives each image the same answer: padding to a bucket changes nothing. To float32's rounding:
+  # XLA:CPU picks its convolution kernels (and their order of summation) by batch shape, 3e-6 apart on a Zen 3.
   for n in (1, 3, 37):
-    np.testing.assert_allclose(model.predict(test['image'][:n])['probs'], probs[:n], rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(model.predict(test['image'][:n])['probs'], probs[:n], rtol=1e-5, atol=1e-9)
   # Float pixels in [0, 1] and (N, H, W) greyscale batches are the same images.
   as_float = model.predict(test['image'][:5, ..., 0].astype(np.float32) / 255)
   np.testing.assert_allclose(as_float['probs'], probs[:5], rtol=1e-6, atol=1e-9)
@@ -76,7 +77,9 @@ def test_one_program_per_bucket(trained):
   model.predict(images[:4].astype(np.float32) / 255)  # bucket 4 again, and float: the same program
   model.predict(images[:40])  # 16 + 16 + 8
   assert sorted(model._predictors) == [4, 8, 16]  # pylint: disable=protected-access
-  assert all(p._log_probs._cache_size() == 1 for p in model._predictors.values())  # pylint: disable=protected-access
+  # One jitted function for the ensemble's members, holding a program per bucket.
+  programs = {id(p._log_probs) for p in model._predictors.values()}  # pylint: disable=protected-access
+  assert len(programs) == 1 and model._predictors[4]._log_probs._cache_size() == 3  # pylint: disable=protected-access
 
 
 def test_the_temperature_fitted_by_evaluate_is_applied_to_its_checkpoint_and_data_only(trained, tmp_path, caplog):

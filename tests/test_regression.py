@@ -23,7 +23,7 @@ from ensemble.tasks import regression
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = {'epochs': 2, 'batch_size': 32, 'learning_rate': 0.01, 'optimizer': 'adamw', 'weight_decay': 0.0,
-            'schedule': 'constant', 'progress': False, 'task': 'regression'}
+            'schedule': 'constant', 'progress': False, 'task': 'regression', 'eval_every': 1}
 
 
 # --- the mixture, on the host -------------------------------------------------------------------------------------

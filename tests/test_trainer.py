@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-from ensemble import backends, checkpoint, config as config_lib, data, trainer, writers
+from ensemble import backends, checkpoint, config as config_lib, data, loop, trainer, writers
 from ensemble.errors import UsageError
 
 from conftest import timeless
@@ -119,8 +119,8 @@ def _restore_and_evaluate(config, workdir, backend_name, num_devices):
   member = config_lib.member(config, ckpt.meta(ckpt.latest_epoch())['data'])
   backend = backends.create(backend_name, member=member, devices=devices, ensemble_size=8, member_data='shared')
   state = ckpt.restore(ckpt.latest_epoch(), backend.abstract_state(), {'model': config.model, 'ensemble_size': 8})
-  test = trainer.evaluate(backend, backend.from_canonical(state), data.load(data_dir=config.data_dir).test,
-                          config.eval_batch_size, member.task)
+  test = loop.evaluate(backend, backend.from_canonical(state), data.load(data_dir=config.data_dir).test,
+                       config.eval_batch_size, member.task)
   return state, test
 
 

@@ -249,11 +249,24 @@ def unrolls(devices: Sequence[jax.Device], member: steps.Member | None = None) -
   return devices[0].platform == 'cpu' and (member is None or has_convolutions(member))
 
 
-@functools.lru_cache(maxsize=64)
 def has_convolutions(member: steps.Member) -> bool:
-  """Whether the member's forward pass convolves: read off its traced program, never run."""
-  forward = lambda key: member.logits(member.init(key), member.example_input())
-  return 'conv_general_dilated' in str(jax.make_jaxpr(forward)(jax.random.key(0)))
+  """Whether the member's forward pass convolves: read off its traced program, never run; kept per model (a
+  linen Module is compared by its fields) and input shape."""
+  key = (member.model, member.image_shape, member.inputs)
+  try:
+    return _convolves(*key)
+  except TypeError:  # a model that cannot be hashed (a field holding a list): traced every time
+    return _convolves.__wrapped__(*key)
+
+
+@functools.lru_cache(maxsize=64)
+def _convolves(model, image_shape: tuple[int, ...], inputs: str) -> bool:
+  example = jax.ShapeDtypeStruct((1, *image_shape), jax.numpy.int32 if inputs == 'tokens' else jax.numpy.float32)
+  forward = lambda key, x: model.apply(model.init(key, x, train=False), x, train=False)
+  try:
+    return 'conv_general_dilated' in str(jax.make_jaxpr(forward)(jax.random.key(0), example))
+  except Exception:  # pylint: disable=broad-except  # traceable only in its mesh's context (a mesh model): unrolled
+    return True
 
 
 def map_members(fn, in_axes: Sequence[int | None], devices: Sequence[jax.Device], member: steps.Member | None = None):

@@ -38,7 +38,10 @@ class PmapBackend:
     self._split_batches = distributed.spans_processes(self.devices)
     whole = gathering_batches if self._split_batches else lambda fn: fn
     self._canonical = member_sharding(self.devices)
-    self._pmapped = NamedSharding(Mesh(np.asarray(self.devices), ('devices',)), P('devices'))
+    self._conversions = None  # `_programs`, built on first use
+    # As pmap lays out its outputs (its axis name names the mesh axis): a restored or warm-started state is then
+    # the same argument to the programs as a trained one, and compiles nothing new.
+    self._pmapped = NamedSharding(Mesh(np.asarray(self.devices), (ENSEMBLE_AXIS,)), P(ENSEMBLE_AXIS))
     data_axis = None if self._shared_data else 0
     pmap = functools.partial(jax.pmap, axis_name=ENSEMBLE_AXIS, devices=self.devices)
     self._init = pmap(init_members(member))
@@ -93,14 +96,23 @@ class PmapBackend:
     return self._eval(self.task, state, *self._shared_batch(images, labels))
 
   def to_host(self, tree):
-    """Device outputs of all processes as numpy arrays with the member axis first, (K, ...)."""
+    """Device outputs of all processes as numpy arrays with the member axis first, (K, ...).
+
+    In one process, read as they are, (D, K/D, ...), and reshaped on the host: no program runs for it.
+    """
+    if jax.process_count() == 1 and not self._shares_weights:
+      return jax.tree.map(lambda x: np.asarray(x).reshape(-1, *x.shape[2:]), tree)
     return distributed.to_numpy(self.to_canonical(tree))
 
   def to_canonical(self, state):
     """(D, K/D, ...) per device -> one global (K, ...) array; each shard stays on its device.
 
-    A shared leaf's (D, 1, ...) copy is repeated for the device's members, on the device.
+    A shared leaf's (D, 1, ...) copy is repeated for the device's members, on the device. In one process, one
+    program for the whole tree (compiled once for the backend); across processes, shard by shard.
     """
+    if jax.process_count() == 1:
+      return self._programs()[0](state)
+
     def convert(x, repeats=1):
       shards = [jnp.repeat(s.data.reshape(s.data.shape[1:]), repeats, axis=0) if repeats > 1
                 else s.data.reshape(s.data.shape[1:]) for s in x.addressable_shards]
@@ -109,11 +121,30 @@ class PmapBackend:
     return self._map_shared(functools.partial(convert, repeats=self.members_per_device), convert, state)
 
   def from_canonical(self, state):
+    """The canonical (K, ...) layout -> (D, K/D, ...) per device (a shared leaf: its first member's copy)."""
+    if jax.process_count() == 1:
+      return self._programs()[1](state)
+
     def convert(x, keep=None):
       shards = [s.data[:keep].reshape(1, -1, *s.data.shape[1:]) for s in x.addressable_shards]
       return jax.make_array_from_single_device_arrays(
           (len(self.devices), keep or self.members_per_device, *x.shape[1:]), self._pmapped, shards)
     return self._map_shared(functools.partial(convert, keep=1), convert, state)
+
+  def _programs(self):
+    """(to canonical, from canonical) as jitted programs of a whole state: reshapes that move nothing between
+    devices. Converted shard by shard instead, every shard's reshape compiled a program of its own."""
+    if self._conversions is not None:
+      return self._conversions
+    per_device, num_devices = self.members_per_device, len(self.devices)
+    merge = lambda repeats: lambda x: jnp.repeat(x, repeats, axis=1).reshape(-1, *x.shape[2:])
+    split = lambda keep: lambda x: x.reshape(num_devices, per_device, *x.shape[1:])[:, :keep]
+    to_canonical = jax.jit(lambda state: self._map_shared(merge(per_device), merge(1), state),
+                           out_shardings=self._canonical)
+    from_canonical = jax.jit(lambda state: self._map_shared(split(1), split(per_device), state),
+                             out_shardings=self._pmapped)
+    self._conversions = to_canonical, from_canonical
+    return self._conversions
 
   def _map_shared(self, shared, other, state):
     if not self._shares_weights:

@@ -26,7 +26,7 @@ def _takes_train(fn: Callable) -> bool:
   return 'train' in _parameters(fn)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class Linen:
   """A linen Module whose `__call__` may or may not take `train` (BatchNorm and Dropout need it to switch modes).
 
@@ -49,7 +49,7 @@ class Linen:
     return self.module.apply(variables, x, rngs=rngs, mutable=mutable, **self._train(train))
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class NNX:
   """An NNX model, given as `build(rngs)`: every member builds its own from its own key.
 
