@@ -6,8 +6,10 @@ from the kernel and unmaps them on free, so each training step faults all of its
 buffers in again. At batch 128 on 2 cores with 8 simulated devices, 16 steps
 took 5.3 s, with 2.3 s of CPU time spent in the kernel; served from a heap that
 is never given back, they took 3.8 s (1.4x the throughput). Device
-buffers on accelerators do not come from malloc, which is why the trainer does
-this on CPU only. The price is that the process keeps its peak heap.
+buffers on accelerators do not come from malloc, which is why the programs do
+this on CPU only. `ensemble.fit` does not: it is a setting of the caller's whole
+process, which a library must leave alone (a caller who wants it calls
+`keep_freed_memory()` once at start-up). The price is that the process keeps its peak heap.
 """
 
 import ctypes
@@ -33,8 +35,8 @@ def keep_freed_memory(top_pad_bytes: int = 256 << 20) -> bool:
 
 
 def keep_freed_memory_on_cpu():
-  """On CPU, glibc keeps the memory XLA frees; accelerators need nothing. The trainer calls it (for the programs
-  and `ensemble.fit` alike), and so do the programs that only predict."""
+  """On CPU, glibc keeps the memory XLA frees; accelerators need nothing. `python -m ensemble.train` calls it at
+  start-up, and so do the programs that only predict."""
   import jax  # pylint: disable=g-import-not-at-top  # here: importing this module must not start JAX
   from absl import logging  # pylint: disable=g-import-not-at-top
   if jax.default_backend() == 'cpu' and keep_freed_memory():

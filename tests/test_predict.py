@@ -64,7 +64,7 @@ def test_predictions_agree_with_training_and_with_themselves(trained):
     np.testing.assert_allclose(model.predict(test['image'][:n])['probs'], probs[:n], rtol=1e-5, atol=1e-9)
   # Float pixels in [0, 1] and (N, H, W) greyscale batches are the same images.
   as_float = model.predict(test['image'][:5, ..., 0].astype(np.float32) / 255)
-  np.testing.assert_allclose(as_float['probs'], probs[:5], rtol=1e-6, atol=1e-9)
+  np.testing.assert_allclose(as_float['probs'], probs[:5], rtol=1e-5, atol=1e-9)  # a batch of 5: as above
   empty = model.predict(np.zeros((0, 28, 28, 1), np.uint8))
   assert empty['probs'].shape == (0, 10) and empty['entropy'].shape == (0,)
 
