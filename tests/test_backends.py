@@ -350,6 +350,10 @@ def test_training_programs_on_cpu_run_xlas_own_kernels_and_the_others_keep_jaxs(
   assert backends.train_program(conv, jax.devices(), ml_collections.ConfigDict({'xla_cpu_ynnpack': True})) is conv
   unknown = backends.CompiledWith(conv, {'xla_cpu_no_such_option': ''})  # a jaxlib without the option
   np.testing.assert_array_equal(unknown(x, k), conv(x, k))
+  # A member without convolutions keeps JAX's default: its steps loop (backends.unrolls) and dispatch from C++.
+  dense = make_member(model='user_models:TinyNet', augment='none')
+  assert not backends.has_convolutions(dense) and backends.has_convolutions(make_member())
+  assert backends.train_program(conv, jax.devices(), member=dense) is conv
   for name in ('pmap', 'jit'):
     backend = _backend(name, ensemble_size=2, num_devices=2)
     assert isinstance(backend._train, backends.CompiledWith) and isinstance(backend._train_steps, backends.CompiledWith)

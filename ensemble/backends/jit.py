@@ -111,10 +111,10 @@ class JitBackend:
     train, many = train_functions(member, self.devices, data_axis, ensemble_axis)
     self._train = train_program(compile_mapped(
         gather(train) if self._shared_data else train, (members, data_spec, data_spec), (members, members),
-        donate=0, batches=2, split=data_rows), devices, config)
+        donate=0, batches=2, split=data_rows), devices, config, member)
     self._train_steps = train_program(compile_mapped(
         many, (members, whole, whole, index_spec), (members, members), donate=0, batches=1, split=index_rows),
-        devices, config)
+        devices, config, member)
     self.task = member.task  # what the test pass scores (`backends.ForTask`)
     self._eval = ForTask(member, lambda member: compile_mapped(
         gather(evaluate_members(member, self.devices, ensemble_axis)),

@@ -48,8 +48,9 @@ class PmapBackend:
     # Shared leaves (BatchEnsemble) hold a copy per device: (D, 1, ...) where the others are (D, K/D, ...).
     self._shares_weights = member.method.shares_weights
     train, many = train_functions(member, self.devices, data_axis)
-    self._train = train_program(pmap(whole(train) if self._shared_data else train, donate_argnums=0), devices, config)
-    self._train_steps = train_program(pmap(many, donate_argnums=0), devices, config)
+    self._train = train_program(pmap(whole(train) if self._shared_data else train, donate_argnums=0), devices,
+                                config, member)
+    self._train_steps = train_program(pmap(many, donate_argnums=0), devices, config, member)
     self.task = member.task  # what the test pass scores (`backends.ForTask`)
     self._eval = ForTask(member, lambda member: pmap(whole(evaluate_members(member, self.devices))))
 
@@ -59,6 +60,8 @@ class PmapBackend:
 
   def _own_members(self, x: np.ndarray) -> np.ndarray:
     """The rows of a (K, ...) array that belong to this process's members, by device."""
+    if not self._split_batches:  # one process: all of them
+      return self._by_device(x)
     return self._by_device(x[distributed.process_rows(self.devices, self.ensemble_size)])
 
   def _shared_batch(self, images: np.ndarray, labels: np.ndarray):
