@@ -30,7 +30,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from ensemble import calibration, console, data, defaults, evaluation, files, loop, steps, tasks
+from ensemble import calibration, console, data, defaults, files, host_memory, loop, predictor, steps, tasks
 from ensemble import config as config_lib
 from ensemble.data import arrays
 from ensemble.errors import UsageError
@@ -42,6 +42,13 @@ DEFAULT_FLAG_RISK = 0.01
 # The score that `flag` thresholds: the total predictive entropy counts both kinds of doubt, a blurred digit
 # (aleatoric) and a shape no member has seen (epistemic).
 FLAG_SCORE = 'entropy'
+
+
+def _evaluation():
+  """ensemble.evaluation, imported where a workdir is read or a test set scored: it brings orbax, scipy's
+  optimizers and matplotlib, which a fit in memory and its predictions do without."""
+  from ensemble import evaluation  # pylint: disable=g-import-not-at-top
+  return evaluation
 
 
 def bucket(n: int, batch_size: int) -> int:
@@ -74,7 +81,7 @@ def _fitted_temperature(workdir: str, config: ml_collections.ConfigDict, epoch: 
                            config_lib.data_location(config.get('data_dir', '')))
   if results.get('epoch') != epoch:
     problem = f'was fitted for epoch {results.get("epoch")}, not {epoch}'
-  elif results.get('checkpoint') != evaluation.checkpoint_id(workdir, epoch):
+  elif results.get('checkpoint') != _evaluation().checkpoint_id(workdir, epoch):
     problem = (f'was fitted for another checkpoint of epoch {epoch} (the run was trained again since)'
                if results.get('checkpoint') else 'does not record the checkpoint it was fitted for (an older version)')
   elif config.get('dataset') != data.ARRAYS and fitted_on != trained_on:  # arrays in memory: --data_dir names them
@@ -102,6 +109,13 @@ def _in_fit_terms(fn):
   return wrapped
 
 
+@functools.lru_cache(maxsize=64)
+def _output_width(member: steps.Member) -> int:
+  """A member's number of outputs, traced once per member: the ensembles of a loop of fits share theirs."""
+  state = jax.eval_shape(member.init, jax.random.key(0))
+  return int(jax.eval_shape(member.predict, state, member.example_input()).shape[-1])
+
+
 class Ensemble:
   """A trained ensemble, restored onto the devices at hand, that answers about new inputs.
 
@@ -122,7 +136,7 @@ class Ensemble:
     # by it, as its programs were trained (ensemble/loop.py); a restored member does that on the device.
     self._data_info, self.summary = data_info, summary or {}
     self._transform = loop.feature_transform(data_info) if data_info else None
-    self._predictors: dict[int, evaluation.Predictor] = {}
+    self._predictors: dict[int, predictor.Predictor] = {}
 
   @property
   def _name(self) -> str:
@@ -177,13 +191,10 @@ class Ensemble:
     """One input's shape: (H, W, C) for images."""
     return self.member.image_shape
 
-  @functools.cached_property
+  @property
   def num_classes(self) -> int:
     """The members' number of logits, read off their forward pass (without computing it)."""
-    first = lambda state: jax.tree.map(lambda leaf: leaf[0], state)
-    logits = jax.eval_shape(lambda state, x: self.member.predict(first(state), x), self.state,
-                            self.member.example_input())
-    return int(logits.shape[-1])
+    return _output_width(self.member)
 
   def check(self, images: Any) -> np.ndarray:
     """`images` as (N, *input_shape) of what the members take; anything else is a one-line UsageError.
@@ -257,24 +268,26 @@ class Ensemble:
     self._require_task('regression', 'components')
     return self.task.components(self.member_outputs(inputs, progress=progress))
 
-  def _predictor(self, batch_size: int) -> evaluation.Predictor:
+  def _predictor(self, batch_size: int) -> predictor.Predictor:
     if batch_size not in self._predictors:
-      self._predictors[batch_size] = evaluation.Predictor(self.member, self.state, self.devices, batch_size)
+      self._predictors[batch_size] = predictor.Predictor(self.member, self.state, self.devices, batch_size)
     return self._predictors[batch_size]
 
-  def predict(self, images: Any, *, members: bool = False, progress: bool = False) -> dict[str, np.ndarray]:
+  def predict(self, images: Any, *, members: bool = False, progress: bool = False,
+              levels: Sequence[float] = regression.LEVELS) -> dict[str, np.ndarray]:
     """Per image: 'probs' (N, C), the members' mean, temperature-scaled; 'class' (N,); and, in nats, 'entropy'
     (total predictive), 'aleatoric' (expected member entropy), 'mutual_information' (epistemic: their
     difference) and 'disagreement' (share of member pairs voting differently). 'member_probs' (K, N, C) with
     `members`. A regression ensemble returns the mixture's mean, std, aleatoric and epistemic variance and
-    central intervals instead (`_predict_regression`).
+    its central intervals holding each of `levels` instead (`_predict_regression`; `levels=()`: none, for a loop
+    that needs only the mean and std: the intervals cost most of a small prediction).
 
     The uncertainty is split on the members' own probabilities, where total =
     aleatoric + epistemic holds; the temperature only rescales 'probs' (and
     leaves 'class' as it is).
     """
     if self.task.name == 'regression':
-      return self._predict_regression(images, members=members, progress=progress)
+      return self._predict_regression(images, members=members, progress=progress, levels=levels)
     member_probs = self.member_probs(images, progress=progress)
     probs = member_probs.mean(0)
     if self.temperature != 1.0:
@@ -336,7 +349,7 @@ class Ensemble:
       raise UsageError(f'labels span [{labels.min()}, {labels.max()}], outside the {self.num_classes} classes '
                        f'0..{self.num_classes - 1} the members predict')
     member_log_probs = np.log(np.maximum(self.member_probs(inputs), np.finfo(np.float64).tiny))
-    return evaluation.score_test_set(member_log_probs, labels.astype(np.int32))
+    return _evaluation().score_test_set(member_log_probs, labels.astype(np.int32))
 
   @console.root_logging_kept()
   def save(self, path: str) -> 'Ensemble':
@@ -395,7 +408,7 @@ class Ensemble:
       raise UsageError(f'{dataset.source} holds {"x".join(map(str, dataset.image_shape))} images but '
                        f'{self.workdir} was trained on {"x".join(map(str, self.image_shape))}; give --data_dir the '
                        'data it was trained on')
-    heldout, seen_in_training = evaluation.heldout_split(dataset.train, self.config)
+    heldout, seen_in_training = _evaluation().heldout_split(dataset.train, self.config)
     if seen_in_training:
       logging.warning('%s held out no training examples (heldout_fraction=0): the flag threshold is fitted on '
                       'examples the members were trained on and flags too few images.', self.workdir)
@@ -416,9 +429,10 @@ def load(workdir: str, step: int | None = None, *, model: Any = None, batch_size
   `temperature` defaults to the one `ensemble.evaluate` fitted for that
   checkpoint (1 when there is none); `batch_size` to the run's eval_batch_size.
   """
+  evaluation = _evaluation()
   config = evaluation.load_run_config(workdir)
   evaluation.refuse_single_model(config, workdir)
-  devices = evaluation.evaluation_devices(config.ensemble_size)
+  devices = predictor.evaluation_devices(config.ensemble_size)
   member, state, epoch = evaluation.restore(workdir, config, step, devices, model)
   if temperature is None:
     temperature = _fitted_temperature(workdir, config, epoch) or 1.0
@@ -470,7 +484,8 @@ FIT_DEFAULTS = {'heldout_fraction': 0.0, 'eval_every': 0, 'compilation_cache': '
 def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None, *,
         ensemble_size: int | None = None, epochs: int | None = None, method: str | None = None,
         workdir: str | None = None, config: ml_collections.ConfigDict | None = None, init: 'Ensemble | None' = None,
-        keep_optimizer: bool = False, progress: bool = True, **fields) -> Ensemble:
+        keep_optimizer: bool = False, keep_freed_memory: bool = False, progress: bool = True,
+        **fields) -> Ensemble:
   """Trains an ensemble of `model` on arrays, its members in parallel on the devices there are; returns it.
 
   `model`: a `flax.linen.Module` mapping a batch of inputs to logits (it gets
@@ -494,8 +509,13 @@ def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None,
   afresh unless `keep_optimizer`). With `workdir`, the run writes checkpoints,
   metrics and event files there, and an existing workdir resumes by the rules
   of `python -m ensemble.train` if it was trained on the same arrays.
-  `progress` shows a bar and a line per epoch.
+  `progress` shows a bar and a line per epoch. `keep_freed_memory=True`
+  makes glibc keep the memory XLA:CPU frees, as `python -m ensemble.train`
+  does (`ensemble/host_memory.py`; convolutional members trained 1.44x
+  faster): a setting of the whole process, never undone, so only if asked.
   """
+  if keep_freed_memory:
+    host_memory.keep_freed_memory_on_cpu()
   given = {'ensemble_size': ensemble_size, 'epochs': epochs, 'method': method, **fields}
   config = _config(config, {**(FIT_DEFAULTS if config is None else {}), **given})
   tasks.check(config)  # the task decides how the arrays are read
@@ -515,7 +535,7 @@ def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None,
     config.model_kwargs = ml_collections.ConfigDict(kwargs)
   config.dataset, config.data_dir = data.ARRAYS, ''
   if config.ensemble_size and not config.num_devices:  # as many of the devices as split the members evenly
-    config.num_devices = len(evaluation.evaluation_devices(config.ensemble_size))
+    config.num_devices = len(predictor.evaluation_devices(config.ensemble_size))
   if init is not None and not isinstance(init, Ensemble):
     raise UsageError(f'init={type(init).__name__}: give an Ensemble (what fit or load returned) to start from')
   if workdir is not None:
@@ -530,7 +550,7 @@ def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None,
   run = loop.prepare(config, dataset, model_object)
   state = run.init() if init is None else _warm_start(run, init, keep_optimizer)
   state, summary = loop.train(run, state, progress=progress)
-  devices = evaluation.evaluation_devices(run.config.ensemble_size)
+  devices = predictor.evaluation_devices(run.config.ensemble_size)
   state = run.backend.to_canonical(state)
   if devices != run.devices:  # members spread over several devices each (backend jit): one device's worth each
     from ensemble import backends  # pylint: disable=g-import-not-at-top

@@ -9,7 +9,6 @@ the trainer computes it (`steps.log_mean_exp`).
 """
 
 import numpy as np
-import scipy.optimize
 
 from ensemble.uncertainty import decomposition
 
@@ -107,6 +106,7 @@ def fit_temperature(probs: np.ndarray, labels: np.ndarray) -> float:
   The NLL is convex in 1/T, so a bounded one-dimensional search (Brent's
   method, over log T) finds the optimum; it is deterministic.
   """
+  import scipy.optimize  # pylint: disable=g-import-not-at-top  # 0.5 s to import; only here
   result = scipy.optimize.minimize_scalar(
       lambda log_t: nll(temperature_scale(probs, np.exp(log_t)), labels),
       bounds=(-np.log(20.0), np.log(20.0)), method='bounded', options={'xatol': 1e-6})

@@ -19,7 +19,6 @@ running one writes.
 import contextlib
 import errno
 import fcntl
-import functools
 import gc
 import logging as py_logging
 import os
@@ -34,8 +33,6 @@ import weakref
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
@@ -198,21 +195,6 @@ def _storage_error(error: BaseException) -> str | None:
       return f'{os.strerror(number)} ({errno.errorcode.get(number, number)})'
     error = error.__cause__ or error.__context__
   return None
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _finite_members(leaves: list[jax.Array], ensemble_size: int) -> jax.Array:
-  return jnp.stack([jnp.isfinite(x).reshape(ensemble_size, -1).all(1) for x in leaves]).all(0)
-
-
-def nonfinite_members(state: Any, ensemble_size: int) -> list[int]:
-  """The members whose state holds a NaN or an infinity: such a state must never become a checkpoint.
-
-  `state` is canonical, (K, ...) per leaf; a one-model state (the mesh backends, K = 1) has no member axis,
-  which the reshape to (1, -1) covers alike.
-  """
-  leaves = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return np.flatnonzero(~distributed.to_numpy(_finite_members(leaves, ensemble_size))).tolist()
 
 
 def read_record(workdir: str, epoch: int) -> dict[str, Any]:

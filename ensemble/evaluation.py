@@ -23,11 +23,11 @@ import ml_collections
 import numpy as np
 import scipy.ndimage
 from absl import logging
-from jax.sharding import PartitionSpec as P
 
 from ensemble import backends, calibration, checkpoint, console, data, regression_report, report, steps
 from ensemble import config as config_lib
 from ensemble.data import tfds
+from ensemble.predictor import Predictor, evaluation_devices
 from ensemble.errors import UsageError
 from ensemble.uncertainty import conformal, decomposition, ood, selective
 
@@ -63,13 +63,6 @@ def refuse_single_model(config: ml_collections.ConfigDict, workdir: str):
     raise UsageError(f'{workdir} holds one {config.model} model trained with backend {backend!r}, not an ensemble; '
                      'evaluate, predict and export read ensembles trained with backend pmap or jit (its test loss '
                      f'and accuracy per epoch are in {os.path.join(workdir, "metrics.jsonl")})')
-
-
-def evaluation_devices(ensemble_size: int) -> list[jax.Device]:
-  """As many of the available devices as split the members evenly."""
-  available = jax.devices()
-  count = max(n for n in range(1, len(available) + 1) if ensemble_size % n == 0)
-  return available[:count]
 
 
 def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None, devices: Sequence[jax.Device],
@@ -126,46 +119,6 @@ def _recorded_data(ckpt: checkpoint.Checkpointer, epochs: Sequence[int]) -> dict
   raise checkpoint.NoIntactCheckpoint(f'no intact checkpoint in {ckpt.directory}: the records of epochs '
                                       f'{list(epochs)} cannot be read; copy intact ones back from a backup, or '
                                       'train afresh in a new --workdir')
-
-
-class Predictor:
-  """Every member's probabilities for a split: one jitted program, each device running its own members.
-
-  The members are mapped as in training (shard_map over 'ensemble', then
-  `backends.map_members`). Left to XLA's partitioner, the vmapped members
-  became one grouped convolution computed whole on every device: at K=32 on 8
-  CPU devices, a batch of 1,000 images got the process killed (exit 137) on a
-  machine with 24 GB.
-  """
-
-  def __init__(self, member: steps.Member, state: steps.TrainState, devices: Sequence[jax.Device], batch_size: int):
-    self._log_probs = _log_probs_program(member, tuple(devices))
-    self._state = state
-    self._batch_size = batch_size
-
-  def __call__(self, split: data.Split) -> np.ndarray:
-    """(K, N, C) float64 probabilities."""
-    return np.exp(self.log_probs(split))
-
-  def log_probs(self, split: data.Split) -> np.ndarray:
-    """(K, N, C) float64 log-probabilities: the ensemble's NLL is computed from them (`calibration.ensemble_nll`).
-
-    For regression, the members' raw outputs (`tasks.regression.Regression.components` reads them).
-    """
-    batches = [np.asarray(self._log_probs(self._state, images))[:, mask]
-               for images, _, mask in data.eval_batches(split, self._batch_size)]
-    return np.concatenate(batches, axis=1).astype(np.float64)
-
-
-@functools.lru_cache(maxsize=16)
-def _log_probs_program(member: steps.Member, devices: tuple[jax.Device, ...]):
-  """The members' outputs as one jitted program of (state, inputs), kept for the member: the ensembles that `fit`
-  returns in a loop share their member (ensemble/loop.py), and so their programs."""
-  members, whole = P(backends.ENSEMBLE_AXIS), P()
-  log_probs = lambda state, images: member.task.member_output(member.predict(state, images))
-  mapped = jax.shard_map(backends.map_members(log_probs, (0, None), devices, member),
-                         mesh=backends.ensemble_mesh(devices), in_specs=(members, whole), out_specs=members)
-  return jax.jit(mapped)
 
 
 def rotate(images: np.ndarray, angle: float) -> np.ndarray:

@@ -16,7 +16,7 @@ held-out images at --flag_risk. From Python:
   result = model.predict(images)   # uint8, or float in [0, 1]; (N, H, W, C) of any N
 
 A shell over `ensemble.api`: `load` restores the members onto the devices at
-hand, and `Ensemble.predict` predicts with `evaluation.Predictor` (the members
+hand, and `Ensemble.predict` predicts with `predictor.Predictor` (the members
 mapped as in training), one compiled program per bucket of batch sizes.
 """
 

@@ -21,17 +21,19 @@ the median of calls 2..--repeats in one process, the two alternating. Both are s
 --section=bo: a Bayesian-optimisation-style loop: --bo_fits fits on a training set that grows by one row per fit
 from --bo_start rows (batch --bo_batch_size), each warm-started from the previous ensemble (`init=prev`; the plain
 loop passes its previous parameters and starts Adam afresh), each followed by a prediction on 256 fixed candidate
-rows. Each loop runs in a fresh child process, so its totals include the first fit's compiles. XLA compiles are
-counted with JAX's monitoring events ('/jax/core/compile/backend_compile_duration'; `jax_log_compiles` records if
-this JAX lacks them). The plain loop keeps its natural shapes, so it compiles again for every new row count.
+rows: the mixture's mean and std, what an acquisition function needs (`predict(x, levels=())`: no intervals; the
+plain loop computes the same two). Each loop runs in a fresh child process, so its totals include the first fit's
+compiles. XLA compiles are counted with JAX's monitoring events ('/jax/core/compile/backend_compile_duration';
+`jax_log_compiles` records if this JAX lacks them). The plain loop keeps its natural shapes, so it compiles again for every new row count.
 
 --section=mnist: K=8 CNN members, 2 epochs of batch 128 on 8 simulated CPU devices, the full MNIST: `ensemble.fit`
 in a child process against `python -m ensemble.train --config=configs/default.py` (fit starts from the same
 ensemble/defaults.py; its own defaults hold nothing out and test after the last epoch only, where the CLI tests
 after every epoch and writes checkpoints). Each child's wall clock is timed whole (imports, data, compiles),
 both with an empty persistent compilation cache (XDG_CACHE_HOME in a fresh folder), with their test accuracies.
-The CLI keeps freed host memory for XLA:CPU at start-up (ensemble/host_memory.py) and `fit` does not;
---keep_freed_memory has the fit child do it too. --data_dir (a folder of IDX files or an .npz file) goes to both.
+The CLI keeps freed host memory for XLA:CPU at start-up (ensemble/host_memory.py) and `fit` does not unless
+asked; --keep_freed_memory has the fit child ask (`fit(keep_freed_memory=True)`). --data_dir (a folder of IDX
+files or an .npz file) goes to both.
 
 --section=all runs regression and bo; sections may be listed: --section=regression,mnist. Timings of a loaded
 machine mean little: run it alone.
@@ -264,7 +266,7 @@ def child_bo(trainer: str, fits: int, start_rows: int, batch_size: int) -> dict:
     previous = train(x[:rows], y[:rows], batch_size=batch_size, init=previous)
     fit_s, fit_compiles = time.perf_counter() - start, counter.count
     counter.count, start = 0, time.perf_counter()
-    prediction = previous.predict(grid)
+    prediction = previous.predict(grid, **({'levels': ()} if trainer == 'fit' else {}))
     predict_s, predict_compiles = time.perf_counter() - start, counter.count
     assert prediction['mean'].shape == prediction['std'].shape == (NUM_CANDIDATES,), prediction['mean'].shape
     iterations.append({'rows': rows, 'fit_s': fit_s, 'fit_compiles': fit_compiles, 'predict_s': predict_s,
@@ -277,15 +279,13 @@ def child_bo(trainer: str, fits: int, start_rows: int, batch_size: int) -> dict:
 
 def child_mnist_fit(data_dir: str, keep_freed_memory: bool) -> dict:
   ensemble.cpu_devices(8)  # before anything uses JAX
-  from ensemble import data, host_memory  # pylint: disable=g-import-not-at-top
-  if keep_freed_memory:
-    host_memory.keep_freed_memory_on_cpu()  # what python -m ensemble.train does at start-up
+  from ensemble import data  # pylint: disable=g-import-not-at-top
   _ = ensemble.fit  # ensemble.api's import, before the fit call's clock (the process's clock counts it)
   dataset = data.load('mnist', data_dir)
   train, test = dataset.train, dataset.test
   start = time.perf_counter()
   ens = ensemble.fit('cnn', (train['image'], train['label']), test=(test['image'], test['label']), ensemble_size=8,
-                     epochs=2, batch_size=128, progress=False)
+                     epochs=2, batch_size=128, progress=False, keep_freed_memory=keep_freed_memory)
   return {'fit_s': time.perf_counter() - start, 'test_accuracy': ens.summary['test_accuracy'],
           'devices': len(jax.devices())}
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import linked_workdir, run_main, small_config, synthetic_mnist, write_idx, write_mnist
-from ensemble import calibration, data, evaluate, evaluation, trainer, writers
+from ensemble import calibration, data, evaluate, evaluation, predictor, trainer, writers
 from ensemble import report as report_lib
 
 evaluate.define_flags()  # for the command lines run in this process
@@ -206,7 +206,7 @@ def test_the_temperature_is_fitted_on_the_held_out_slices_ensemble_mean(tmp_path
   results = evaluation.evaluate(workdir, angles=[0], output_dir=str(tmp_path / 'eval'))
   config = evaluation.load_run_config(workdir)
   member, state, _ = evaluation.restore(workdir, config, None, jax.devices())
-  predict = evaluation.Predictor(member, state, jax.devices(), config.eval_batch_size)
+  predict = predictor.Predictor(member, state, jax.devices(), config.eval_batch_size)
   dataset = data.load(data_dir=config.data_dir)
   _, heldout = data.hold_out(dataset.train, config.heldout_fraction)
   heldout_probs = predict(heldout)

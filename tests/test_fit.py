@@ -351,3 +351,15 @@ def test_one_epoch_per_dispatch_trains_the_members_the_plain_path_does(data, bac
   fast, plain = fit(), fit(steps_per_dispatch=0)
   assert fast.config.steps_per_dispatch == -1 and plain.config.steps_per_dispatch == 0
   _assert_same_members(fast, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_freed_memory_is_kept_only_when_asked(data, monkeypatch):
+  """glibc's settings are the caller's process's: `fit` changes them only with keep_freed_memory=True."""
+  from ensemble import host_memory  # pylint: disable=g-import-not-at-top
+  calls = []
+  monkeypatch.setattr(host_memory, 'keep_freed_memory', lambda *args, **kwargs: calls.append(args) or True)
+  train, _ = data
+  ensemble.fit(_model(), train, **{**REGRESSION, 'epochs': 1})
+  assert not calls
+  ensemble.fit(_model(), train, keep_freed_memory=True, **{**REGRESSION, 'epochs': 1})
+  assert len(calls) == 1

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ensemble import backends, calibration, config as config_lib, data, evaluation, methods, optim, steps, trainer
+from ensemble import backends, calibration, config as config_lib, data, evaluation, methods, optim, predictor
+from ensemble import steps, trainer
 from ensemble.errors import UsageError
 from ensemble.methods import batchensemble
 
@@ -190,9 +191,9 @@ def test_pmap_and_jit_train_every_method_alike(trained, method):
 def test_evaluate_scores_a_batchensemble_workdir_like_any_ensemble(trained):
   config, workdir, _, summary = trained('batchensemble')
   run_config = evaluation.load_run_config(workdir)
-  devices = evaluation.evaluation_devices(K)
+  devices = predictor.evaluation_devices(K)
   member, state, _ = evaluation.restore(workdir, run_config, None, devices)
-  log_probs = evaluation.Predictor(member, state, devices, 64).log_probs(data.load(data_dir=config.data_dir).test)
+  log_probs = predictor.Predictor(member, state, devices, 64).log_probs(data.load(data_dir=config.data_dir).test)
   test = data.load(data_dir=config.data_dir).test
   np.testing.assert_allclose(calibration.ensemble_nll(log_probs, test['label']), summary['test_loss'], rtol=1e-4)
 

@@ -261,6 +261,8 @@ def predictive(means: np.ndarray, variances: np.ndarray, levels: Sequence[float]
   'lower_P', 'upper_P' holding P% of the mixture at each of `levels`, bisected together. `Ensemble.predict` and
   `ensemble.export` both return this, so a served artifact's intervals are predict's."""
   result = mixture_moments(means, variances)
+  if not levels:
+    return result
   bounds = [p for level in levels for p in ((1 - level) / 2, (1 + level) / 2)]
   quantiles = mixture_quantile(means, variances, bounds, xp=xp)
   for i, level in enumerate(levels):
