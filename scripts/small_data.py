@@ -24,7 +24,8 @@ loop passes its previous parameters and starts Adam afresh), each followed by a 
 rows: the mixture's mean and std, what an acquisition function needs (`predict(x, levels=())`: no intervals; the
 plain loop computes the same two). Each loop runs in a fresh child process, so its totals include the first fit's
 compiles. XLA compiles are counted with JAX's monitoring events ('/jax/core/compile/backend_compile_duration';
-`jax_log_compiles` records if this JAX lacks them). The plain loop keeps its natural shapes, so it compiles again for every new row count.
+`jax_log_compiles` records if this JAX lacks them). The plain loop keeps its natural shapes, so it compiles again
+for every new row count.
 
 --section=mnist: K=8 CNN members, 2 epochs of batch 128 on 8 simulated CPU devices, the full MNIST: `ensemble.fit`
 in a child process against `python -m ensemble.train --config=configs/default.py` (fit starts from the same
