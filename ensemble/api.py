@@ -514,8 +514,6 @@ def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None,
   does (`ensemble/host_memory.py`; convolutional members trained 1.44x
   faster): a setting of the whole process, never undone, so only if asked.
   """
-  if keep_freed_memory:
-    host_memory.keep_freed_memory_on_cpu()
   given = {'ensemble_size': ensemble_size, 'epochs': epochs, 'method': method, **fields}
   config = _config(config, {**(FIT_DEFAULTS if config is None else {}), **given})
   tasks.check(config)  # the task decides how the arrays are read
@@ -538,6 +536,8 @@ def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None,
     config.num_devices = len(predictor.evaluation_devices(config.ensemble_size))
   if init is not None and not isinstance(init, Ensemble):
     raise UsageError(f'init={type(init).__name__}: give an Ensemble (what fit or load returned) to start from')
+  if keep_freed_memory:  # once the arguments are checked
+    host_memory.keep_freed_memory_on_cpu()
   if workdir is not None:
     if init is not None:
       raise UsageError('init= starts a fit in memory, and a workdir resumes from its own checkpoints: leave out '
