@@ -38,7 +38,6 @@ class PmapBackend:
     self._split_batches = distributed.spans_processes(self.devices)
     whole = gathering_batches if self._split_batches else lambda fn: fn
     self._canonical = member_sharding(self.devices)
-    self._conversions = None  # `_programs`, built on first use
     # As pmap lays out its outputs (its axis name names the mesh axis): a restored or warm-started state is then
     # the same argument to the programs as a trained one, and compiles nothing new.
     self._pmapped = NamedSharding(Mesh(np.asarray(self.devices), (ENSEMBLE_AXIS,)), P(ENSEMBLE_AXIS))
@@ -111,7 +110,7 @@ class PmapBackend:
     """(D, K/D, ...) per device -> one global (K, ...) array; each shard stays on its device.
 
     A shared leaf's (D, 1, ...) copy is repeated for the device's members, on the device. In one process, one
-    program for the whole tree (compiled once for the backend); across processes, shard by shard.
+    program for the whole tree (`_conversions`, kept per layout); across processes, shard by shard.
     """
     if jax.process_count() == 1:
       return self._programs()[0](state)
@@ -135,10 +134,7 @@ class PmapBackend:
     return self._map_shared(functools.partial(convert, keep=1), convert, state)
 
   def _programs(self):
-    """(to canonical, from canonical) as jitted programs of a whole state: reshapes that move nothing between
-    devices. Converted shard by shard instead, every shard's reshape compiled a program of its own."""
-    if self._conversions is not None:
-      return self._conversions
+    return _conversions(tuple(self.devices), self.ensemble_size, self._shares_weights)
     per_device, num_devices = self.members_per_device, len(self.devices)
     merge = lambda repeats: lambda x: jnp.repeat(x, repeats, axis=1).reshape(-1, *x.shape[2:])
     split = lambda keep: lambda x: x.reshape(num_devices, per_device, *x.shape[1:])[:, :keep]
@@ -153,3 +149,20 @@ class PmapBackend:
     if not self._shares_weights:
       return jax.tree.map(other, state)
     return batchensemble.map_shared(shared, state, other)
+
+
+@functools.lru_cache(maxsize=32)
+def _conversions(devices: tuple[jax.Device, ...], ensemble_size: int, shares_weights: bool):
+  """(to canonical, from canonical) as jitted programs of a whole state: reshapes that move nothing between
+  devices. Kept per layout, for every backend of that layout (a loop of fits, the tests' many runs): shard by
+  shard, every shard's reshape compiled a program of its own."""
+  per_device, num_devices = ensemble_size // len(devices), len(devices)
+  map_shared = ((lambda shared, other, state: batchensemble.map_shared(shared, state, other)) if shares_weights
+                else (lambda shared, other, state: jax.tree.map(other, state)))
+  merge = lambda repeats: lambda x: jnp.repeat(x, repeats, axis=1).reshape(-1, *x.shape[2:])
+  split = lambda keep: lambda x: x.reshape(num_devices, per_device, *x.shape[1:])[:, :keep]
+  pmapped = NamedSharding(Mesh(np.asarray(devices), (ENSEMBLE_AXIS,)), P(ENSEMBLE_AXIS))
+  to_canonical = jax.jit(lambda state: map_shared(merge(per_device), merge(1), state),
+                         out_shardings=member_sharding(devices))
+  from_canonical = jax.jit(lambda state: map_shared(split(1), split(per_device), state), out_shardings=pmapped)
+  return to_canonical, from_canonical
