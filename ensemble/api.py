@@ -57,7 +57,7 @@ def bucket(n: int, batch_size: int) -> int:
   Each bucket compiles once, so any number of images costs at most
   log2(batch_size) + 1 programs, and padding at most doubles the work of a small batch.
   """
-  return min(batch_size, 1 << max(n - 1, 0).bit_length())
+  return min(batch_size, loop.bucket_rows(n))
 
 
 def _fitted_temperature(workdir: str, config: ml_collections.ConfigDict, epoch: int) -> float | None:
@@ -158,8 +158,7 @@ class Ensemble:
     """
     inputs = jax.numpy.asarray(inputs)
     if self._transform is not None:
-      mean, std = (jax.numpy.asarray(self._data_info[k], jax.numpy.float32) for k in ('mean', 'std'))
-      inputs = ((inputs.reshape(len(inputs), -1) - mean) / std).reshape(inputs.shape)
+      inputs = loop.feature_transform(self._data_info, xp=jax.numpy)(inputs)
     state = self.state.replace(params=params)
     member_output = lambda state: self.member.task.member_output(self.member.predict(state, inputs))
     outputs = jax.vmap(member_output)(state)
@@ -551,7 +550,6 @@ def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None,
   state = run.init() if init is None else _warm_start(run, init, keep_optimizer)
   state, summary = loop.train(run, state, progress=progress)
   devices = predictor.evaluation_devices(run.config.ensemble_size)
-  state = run.backend.to_canonical(state)
   if devices != run.devices:  # members spread over several devices each (backend jit): one device's worth each
     from ensemble import backends  # pylint: disable=g-import-not-at-top
     state = jax.device_put(state, backends.member_sharding(devices))

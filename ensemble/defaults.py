@@ -78,8 +78,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.augment = 'shift'
   # 0: the plain path, a host batch per step. N > 0: the fast path, the training set kept
   # on the devices and N steps run per dispatch (same results). Meant for accelerators; on CPU
-  # it pays with several members per device, at N=8 (docs/benchmarks.md). -1: a whole epoch per dispatch,
-  # what ensemble.fit chooses for a small training set (ensemble/loop.py's RESIDENT_LIMIT_BYTES).
+  # it pays with several members per device, at N=8 (docs/benchmarks.md). -1: a whole epoch per dispatch. -2: -1
+  # for a training set under ensemble/loop.py's RESIDENT_LIMIT_BYTES whose steps run as a loop, else 0
+  # (ensemble.fit's default).
   config.steps_per_dispatch = 0
   # The last fraction of the training split is never trained on: `ensemble.evaluate` fits the
   # ensemble's temperature there (a temperature fitted on training data would sharpen it).

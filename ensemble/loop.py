@@ -63,7 +63,7 @@ class Hook:
     """After each dispatch, `step` steps in."""
 
   def after_epoch(self, epoch: int, step: int, state: Any, summary: dict[str, float]):
-    """Once the epoch's summary is known; `state` is the backend's."""
+    """Once the epoch's summary is known; `state` is canonical (what checkpoints store), and checked finite."""
 
   def close(self):
     """However the run ends."""
@@ -202,15 +202,17 @@ def _standardise(dataset: data.Dataset, train: data.Split, config: ml_collection
   return train, test, data_info, program_info
 
 
-def feature_transform(data_info: dict[str, Any]):
+def feature_transform(data_info: dict[str, Any], xp=np):
   """The host's standardisation of features by `data_info`'s per-feature statistics (float64, then float32), or
-  None where the programs take the inputs as they are."""
+  None where the programs take the inputs as they are. With xp=jnp, the same traced (in float32), for
+  `Ensemble.apply`."""
   if data_info.get('inputs') != 'features' or len(data_info['mean']) <= 1:
     return None
-  mean, std = np.asarray(data_info['mean']), np.asarray(data_info['std'])
+  dtype = np.float64 if xp is np else jnp.float32
+  mean, std = xp.asarray(data_info['mean'], dtype), xp.asarray(data_info['std'], dtype)
 
-  def transform(features: np.ndarray) -> np.ndarray:
-    flat = features.reshape(len(features), -1).astype(np.float64)
+  def transform(features):
+    flat = features.reshape(len(features), -1).astype(dtype)
     return ((flat - mean) / std).astype(np.float32).reshape(features.shape)
   return transform
 
@@ -332,7 +334,8 @@ def _test_due(config: ml_collections.ConfigDict, epoch: int) -> bool:
 
 def train(run: Run, state: Any, *, start_epoch: int = 0, hooks: Sequence[Hook] = (),
           progress: bool | None = None) -> tuple[Any, dict[str, float]]:
-  """Trains `state` from `start_epoch` to `config.num_epochs`; returns it and the last epoch's summary.
+  """Trains `state` (the backend's) from `start_epoch` to `config.num_epochs`; returns it in the canonical layout
+  and the last epoch's summary.
 
   The test pass (when there is a test split) runs after the last epoch and
   every `eval_every` epochs. `progress=True` shows a bar (on a terminal or in a
@@ -349,7 +352,7 @@ def train(run: Run, state: Any, *, start_epoch: int = 0, hooks: Sequence[Hook] =
   if per_dispatch:
     resident = backend.put_dataset(pad_rows(run.train))
   per_dispatch = run.steps_per_epoch if per_dispatch < 0 else per_dispatch or 1
-  step, summary = start_epoch * run.steps_per_epoch, {}
+  step, summary, canonical = start_epoch * run.steps_per_epoch, {}, None
   show = progress is not False and (progress or logging.level_info())
   try:
     for epoch, indices in _epoch_indices(run, start_epoch):
@@ -378,19 +381,21 @@ def train(run: Run, state: Any, *, start_epoch: int = 0, hooks: Sequence[Hook] =
       else:
         summary.update({f'train_{name}': value for name, value in train_metrics.items()})
       summary = {k: float(v) for k, v in summary.items()}
+      canonical = None
       if hooks or epoch == config.num_epochs:  # a state that may be kept
-        nonfinite = nonfinite_members(backend.to_canonical(state), config.ensemble_size)
+        canonical = backend.to_canonical(state)
+        nonfinite = nonfinite_members(canonical, config.ensemble_size)
         if nonfinite:
           diverged(config, epoch, step, f'members {nonfinite} have non-finite parameters')
       for hook in hooks:
-        hook.after_epoch(epoch, step, state, summary)
+        hook.after_epoch(epoch, step, canonical, summary)
       if bar is not None:
         console.log_epoch(summary, config.num_epochs, bar.close(), echo=bool(progress),
                           num_classes=run.dataset.num_classes if run.dataset.task == 'classification' else None)
   finally:
     for hook in hooks:
       hook.close()
-  return state, summary
+  return backend.to_canonical(state) if canonical is None else canonical, summary
 
 
 def pad_rows(split: data.Split) -> data.Split:

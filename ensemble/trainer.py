@@ -77,21 +77,17 @@ class _SavesInBackground(loop.Hook):
   """Each epoch's checkpoint written while the next epoch trains, and the epoch's metrics.jsonl line once the
   checkpoint is complete: a crash before the line costs no metric, as the resume writes it from the checkpoint."""
 
-  def __init__(self, ckpt: checkpoint.Checkpointer, writer: writers.Writers, backend, meta: dict[str, Any]):
-    self._ckpt, self._writer, self._saving = ckpt, writer, None
-    self._backend, self._meta = backend, meta
+  def __init__(self, ckpt: checkpoint.Checkpointer, writer: writers.Writers, meta: dict[str, Any]):
+    self._ckpt, self._writer, self._saving, self._meta = ckpt, writer, None, meta
     self._report_progress = writers.ProgressReport(writer.progress)
 
   def after_steps(self, step: int):
     self._report_progress(step)
 
   def after_epoch(self, epoch: int, step: int, state: Any, summary: dict[str, float]):
-    self.save(epoch, self._backend.to_canonical(state), self._meta, step, summary)
-
-  def save(self, epoch: int, state: Any, meta: dict[str, Any], step: int, summary: dict[str, float]):
     self.finish()
     started = time.perf_counter()
-    self._ckpt.save(epoch, state, meta, summary=(step, summary), wait=False)
+    self._ckpt.save(epoch, state, self._meta, summary=(step, summary), wait=False)
     self._saving = step, summary, time.perf_counter() - started
 
   def finish(self):
@@ -163,10 +159,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
                  '(replicated: %.2f MB).', 'model' if layout == 'model' else 'data',
                  len(devices) // config.ensemble_size, layout,
                  backends.bytes_per_device(state) / 1e6, member_bytes / config.ensemble_size / 1e6)
-  saves = _SavesInBackground(ckpt, writer, backend, ckpt_meta)
+  saves = _SavesInBackground(ckpt, writer, ckpt_meta)
   try:
     state, summary = loop.train(run, state, start_epoch=start_epoch, hooks=[saves], progress=progress)
   except loop.Diverged as e:
     resume = f'resume from epoch {e.epoch - 1}' if e.epoch > 1 else 'start again'
     raise UsageError(f'{e} and re-run to {resume} (the checkpoints saved so far are kept)') from None
-  return backend.to_canonical(state), summary
+  return state, summary

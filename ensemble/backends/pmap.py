@@ -38,9 +38,7 @@ class PmapBackend:
     self._split_batches = distributed.spans_processes(self.devices)
     whole = gathering_batches if self._split_batches else lambda fn: fn
     self._canonical = member_sharding(self.devices)
-    # As pmap lays out its outputs (its axis name names the mesh axis): a restored or warm-started state is then
-    # the same argument to the programs as a trained one, and compiles nothing new.
-    self._pmapped = NamedSharding(Mesh(np.asarray(self.devices), (ENSEMBLE_AXIS,)), P(ENSEMBLE_AXIS))
+    self._pmapped = _pmapped(self.devices)
     data_axis = None if self._shared_data else 0
     pmap = functools.partial(jax.pmap, axis_name=ENSEMBLE_AXIS, devices=self.devices)
     self._init = pmap(init_members(member))
@@ -135,20 +133,22 @@ class PmapBackend:
 
   def _programs(self):
     return _conversions(tuple(self.devices), self.ensemble_size, self._shares_weights)
-    per_device, num_devices = self.members_per_device, len(self.devices)
-    merge = lambda repeats: lambda x: jnp.repeat(x, repeats, axis=1).reshape(-1, *x.shape[2:])
-    split = lambda keep: lambda x: x.reshape(num_devices, per_device, *x.shape[1:])[:, :keep]
-    to_canonical = jax.jit(lambda state: self._map_shared(merge(per_device), merge(1), state),
-                           out_shardings=self._canonical)
-    from_canonical = jax.jit(lambda state: self._map_shared(split(1), split(per_device), state),
-                             out_shardings=self._pmapped)
-    self._conversions = to_canonical, from_canonical
-    return self._conversions
 
   def _map_shared(self, shared, other, state):
-    if not self._shares_weights:
-      return jax.tree.map(other, state)
-    return batchensemble.map_shared(shared, state, other)
+    return _map_shared(self._shares_weights, shared, other, state)
+
+
+def _map_shared(shares_weights: bool, shared, other, state):
+  """`shared` on the leaves the members share (BatchEnsemble's), `other` on the rest."""
+  if not shares_weights:
+    return jax.tree.map(other, state)
+  return batchensemble.map_shared(shared, state, other)
+
+
+def _pmapped(devices: Sequence[jax.Device]) -> NamedSharding:
+  """As pmap lays out its outputs (its axis name names the mesh axis): a restored or warm-started state is then the
+  same argument to the programs as a trained one, and compiles nothing new."""
+  return NamedSharding(Mesh(np.asarray(devices), (ENSEMBLE_AXIS,)), P(ENSEMBLE_AXIS))
 
 
 @functools.lru_cache(maxsize=32)
@@ -157,12 +157,10 @@ def _conversions(devices: tuple[jax.Device, ...], ensemble_size: int, shares_wei
   devices. Kept per layout, for every backend of that layout (a loop of fits, the tests' many runs): shard by
   shard, every shard's reshape compiled a program of its own."""
   per_device, num_devices = ensemble_size // len(devices), len(devices)
-  map_shared = ((lambda shared, other, state: batchensemble.map_shared(shared, state, other)) if shares_weights
-                else (lambda shared, other, state: jax.tree.map(other, state)))
   merge = lambda repeats: lambda x: jnp.repeat(x, repeats, axis=1).reshape(-1, *x.shape[2:])
   split = lambda keep: lambda x: x.reshape(num_devices, per_device, *x.shape[1:])[:, :keep]
-  pmapped = NamedSharding(Mesh(np.asarray(devices), (ENSEMBLE_AXIS,)), P(ENSEMBLE_AXIS))
-  to_canonical = jax.jit(lambda state: map_shared(merge(per_device), merge(1), state),
+  to_canonical = jax.jit(functools.partial(_map_shared, shares_weights, merge(per_device), merge(1)),
                          out_shardings=member_sharding(devices))
-  from_canonical = jax.jit(lambda state: map_shared(split(1), split(per_device), state), out_shardings=pmapped)
+  from_canonical = jax.jit(functools.partial(_map_shared, shares_weights, split(1), split(per_device)),
+                           out_shardings=_pmapped(devices))
   return to_canonical, from_canonical

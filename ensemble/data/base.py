@@ -204,7 +204,7 @@ def make_dataset(train: Split, test: Split, source: str, names: dict[str, tuple[
   else:
     where = f'{source} has {num_classes} classes'
   for split_name, split in (('train', train), ('test', test)):
-    if split is None or not len(split['label']):
+    if split is None:
       continue
     largest = int(split['label'].max())
     if largest >= num_classes:
