@@ -1,4 +1,4 @@
-"""The default deep ensemble: one CNN per device, trained with pmap on MNIST.
+"""The default deep ensemble: one CNN per device (8 on a single device), trained with pmap on MNIST.
 
 The fields, their values and what each means live in ensemble/defaults.py, so
 that `ensemble.fit` starts from the same recipe when the package is installed

@@ -1,6 +1,7 @@
 """What the command-line programs share."""
 
 import logging
+import os
 import re
 import sys
 import traceback
@@ -14,6 +15,10 @@ from ensemble.errors import UsageError, exit_with_error
 
 # Moved to ensemble.files, which the report and the trainer share; the name stays for callers of this module.
 write_atomically = files.write_atomically
+# The folder above the package: in a source checkout (`pip install -e .`), the one that holds configs/.
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The exit status of a program that Ctrl-C stopped, as shells report it (128 + SIGINT).
+INTERRUPTED = 130
 
 
 def start(main: Callable[[Sequence[str]], None]):
@@ -28,6 +33,7 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
   absl's own reports an unknown flag or a bad value with exit status 1; a
   misspelled --config field reached the user as ml_collections' traceback.
   """
+  argv = _config_in_checkout(argv)
   try:
     remaining = flags.FLAGS(argv)
     message = _unloadable_config_file(argv)
@@ -37,10 +43,39 @@ def parse_flags(argv: Sequence[str]) -> list[str]:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     message = f'{first}; see --helpfull for the flags'
   except (AttributeError, KeyError, TypeError) as e:
-    if not any('/ml_collections/' in frame.filename for frame in traceback.extract_tb(e.__traceback__)):
+    if not _from_ml_collections(e):
       raise
     message = _config_field_error(e, argv)
+  except OSError as e:  # a --config.FIELD override of a --config file that could not be loaded
+    if not _from_ml_collections(e):
+      raise
+    message = _load_error(e, argv)
   exit_with_error(message)
+
+
+def _from_ml_collections(error: BaseException) -> bool:
+  return any('/ml_collections/' in frame.filename for frame in traceback.extract_tb(error.__traceback__))
+
+
+def _config_in_checkout(argv: Sequence[str]) -> list[str]:
+  """`argv` with a relative --config file that the current folder lacks and the checkout has made absolute, so that
+  README's `--config=configs/default.py` runs from any folder; the checkout joins sys.path (at its end) for the
+  configs that import each other (`from configs import classic`)."""
+  argv = list(argv)
+  for i, arg in enumerate(argv):
+    if arg.startswith('--config='):
+      index, value, prefix = i, arg[len('--config='):], '--config='
+    elif arg == '--config' and i + 1 < len(argv):
+      index, value, prefix = i + 1, argv[i + 1], ''
+    else:
+      continue
+    path, colon, rest = value.partition(':')  # config_flags passes what follows a colon to get_config
+    in_checkout = os.path.join(CHECKOUT, path)
+    if path and not os.path.isabs(path) and not os.path.exists(path) and os.path.isfile(in_checkout):
+      argv[index] = prefix + in_checkout + colon + rest
+      if CHECKOUT not in sys.path:
+        sys.path.append(CHECKOUT)
+  return argv
 
 
 def _config_file(argv: Sequence[str]) -> str:
@@ -58,10 +93,20 @@ def _unloadable_config_file(argv: Sequence[str]) -> str | None:
   try:
     hasattr(flags.FLAGS.config, 'keys')  # the unloaded config raises OSError on any attribute
   except OSError as e:
-    lines = [line.strip() for line in str(e.__cause__ or e).splitlines() if line.strip()]
-    return (f'--config={_config_file(argv)}: cannot be loaded ({lines[-1] if lines else type(e).__name__}); name a '
-            'Python file with a get_config(), e.g. --config=configs/default.py')
+    return _load_error(e, argv)
   return None
+
+
+def _load_error(error: OSError, argv: Sequence[str]) -> str:
+  """config_flags' error for a --config file it could not load, in a line: its cause's last line, and where a
+  relative path was looked for."""
+  lines = [line.strip() for line in str(error.__cause__ or error).splitlines() if line.strip()]
+  path = _config_file(argv).partition(':')[0]
+  folders = [os.getcwd(), *([CHECKOUT] if os.path.isdir(os.path.join(CHECKOUT, 'configs')) else [])]
+  looked = (f' (a relative path is looked for in {", then in ".join(dict.fromkeys(folders))})'
+            if not os.path.isabs(path) else '')
+  return (f'--config={_config_file(argv)}: cannot be loaded ({lines[-1] if lines else type(error).__name__}); name a '
+          f'Python file with a get_config(), e.g. --config=configs/default.py{looked}')
 
 
 def _config_field_error(error: BaseException, argv: Sequence[str]) -> str:
@@ -83,7 +128,8 @@ def _config_field_error(error: BaseException, argv: Sequence[str]) -> str:
 
 def run(argv: Sequence[str], program: str, body: Callable[[], None], exit_: Callable[[int], None] = sys.exit):
   """The frame of every program's `main`: no stray arguments, quiet libraries, the logging flags applied,
-  then `body()`; a UsageError it raises ends the program with one `error:` line and exit status 2.
+  then `body()`; a UsageError it raises ends the program with one `error:` line and exit status 2, Ctrl-C with one
+  `interrupted` line (the KeyboardInterrupt's message) and exit status 130.
 
   `exit_` is how to exit (train.py's skips jax.distributed's shutdown barrier).
   """
@@ -96,6 +142,11 @@ def run(argv: Sequence[str], program: str, body: Callable[[], None], exit_: Call
     body()
   except UsageError as e:
     exit_with_error(str(e), exit_)
+  except KeyboardInterrupt as e:  # Ctrl-C: what stopped where, in a line, not a traceback
+    # On a terminal, over the progress bar that the interrupt left drawn.
+    clear = '\r\x1b[K' if console.interactive(sys.stderr) else ''
+    print(f'{clear}interrupted: {e}' if str(e) else f'{clear}interrupted', file=sys.stderr)
+    exit_(INTERRUPTED)
 
 
 class QuietLibraries:

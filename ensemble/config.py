@@ -7,8 +7,9 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import ml_collections
+from absl import logging
 
-from ensemble import backends, distributed, methods, models, optim, steps, tasks
+from ensemble import backends, defaults, distributed, methods, models, optim, steps, tasks
 from ensemble.data import augment
 from ensemble.errors import UsageError
 
@@ -24,6 +25,9 @@ RESUME_SETTINGS = DATA_SETTINGS + ('method', 'task')
 # another length would end a cycle mid-schedule and write the next snapshots over the last slot.
 SNAPSHOT_SETTINGS = ('num_epochs', 'snapshot_cycles')
 MAX_SEED = 2**32 - 1  # jax.random.key folds larger seeds onto the same keys
+# The members of `ensemble_size=0` on a single device (a laptop's CPU, one GPU): several on the device, as 0 means one
+# per device only where there are several devices; an ensemble of one would be no ensemble.
+ONE_DEVICE_MEMBERS = 8
 DTYPES = ('float32', 'bfloat16')
 
 
@@ -83,7 +87,8 @@ def _check_single_model(config: ml_collections.ConfigDict):
 
 def _check_placement(backend: str, k: int, num_devices: int):
   """K members go on D devices when K is a multiple of D (K/D a device) or, on jit, a divisor (D/K devices each)."""
-  _require(k > 0, f'ensemble_size={k} must be positive (0: one member per device)')
+  _require(k > 0, f'ensemble_size={k} must be positive (0: one member per device, {ONE_DEVICE_MEMBERS} on a single '
+           'device)')
   if k % num_devices == 0:
     return
   _require(backend == 'jit' or k > num_devices,
@@ -134,7 +139,7 @@ def resolve(config: ml_collections.ConfigDict, available: Sequence[jax.Device],
   if single_model:
     _check_single_model(config)
   elif config.ensemble_size == 0:
-    config.ensemble_size = num_devices
+    config.ensemble_size = default_ensemble_size(num_devices)
   k = config.ensemble_size
   if not single_model:
     _check_placement(config.backend, k, num_devices)
@@ -163,6 +168,27 @@ def resolve(config: ml_collections.ConfigDict, available: Sequence[jax.Device],
   _require(0 <= config.seed <= MAX_SEED, f'seed={config.seed} must be in [0, {MAX_SEED}]: set --config.seed')
   distributed.check_layout(config, devices)
   return config, devices
+
+
+def default_ensemble_size(num_devices: int) -> int:
+  """What `ensemble_size=0` means on `num_devices` devices: one member each, or several on a single one."""
+  return num_devices if num_devices > 1 else ONE_DEVICE_MEMBERS
+
+
+def fit_to_data(config: ml_collections.ConfigDict, inputs: str, source: str, model: Any = None):
+  """Fills in, in place, what the data decides before anything is built: on feature vectors the default config's
+  CNN gives way to the plain MLP (`models.FEATURES_MODEL`), so that configs/default.py trains a table as it trains
+  images; only images are augmented, and config.json records what ran. Another image model on other inputs is
+  refused by `models.create`; `model`, a user's model object, is left as it is.
+  """
+  if inputs == 'images':
+    return
+  config.augment = 'none'
+  if model is None and inputs == 'features' and config.model == defaults.get_config().model:
+    logging.info('%s holds feature vectors, which model %r cannot take: training the built-in MLP '
+                 '(--config.model=%s) without augmentation; set --config.model to choose another.', source,
+                 config.model, models.FEATURES_MODEL)
+    config.model = models.FEATURES_MODEL
 
 
 def member(config: ml_collections.ConfigDict, data_info: dict[str, Any], steps_per_epoch: int = 1,

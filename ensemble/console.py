@@ -109,6 +109,11 @@ def _is_main_process() -> bool:
   return jax.process_index() == 0
 
 
+def count(number: int, noun: str, plural: str = '') -> str:
+  """'1 member', '8 members' ('1 class', '2 classes' with `plural`): a log line that reads as written."""
+  return f'{number} {noun if number == 1 else plural or noun + "s"}'
+
+
 def _duration(seconds: float) -> str:
   if seconds < 60:
     return f'{seconds:#.4g} s'

@@ -1,4 +1,4 @@
-"""The default deep ensemble: one CNN per device, trained with pmap on MNIST.
+"""The default deep ensemble: one CNN per device (8 on a single device), trained with pmap on MNIST.
 
 Every field the trainer reads is here, with what it means. `ensemble.fit`
 starts from these values, and so does `python -m ensemble.train` with
@@ -13,18 +13,21 @@ import ml_collections
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
-  # 'cnn', 'resnet' (CIFAR ResNet, depth 6n+2, BatchNorm), the mesh models 'mlp' and 'classifier', or a model of
-  # your own by import path, 'package.module:Name': a flax.linen Module class, or an NNX Module class or function of
-  # nnx.Rngs, built with model_kwargs (a dict; num_classes comes from the data when the model takes it and
-  # model_kwargs leaves it out), e.g. --config.model=mypackage.nets:WideCNN --config.model_kwargs="{'width': 64}".
+  # 'cnn', 'resnet' (CIFAR ResNet, depth 6n+2, BatchNorm), 'mlp' (two hidden layers of 128 ReLUs; with the fields
+  # of configs/mlp.py, the mesh MLP), the mesh model 'classifier', or a model of your own by import path,
+  # 'package.module:Name': a flax.linen Module class, or an NNX Module class or function of nnx.Rngs, built with
+  # model_kwargs (a dict; num_classes comes from the data when the model takes it and model_kwargs leaves it out),
+  # e.g. --config.model=mypackage.nets:WideCNN --config.model_kwargs="{'width': 64}". On feature vectors (a .csv),
+  # 'cnn' becomes 'mlp'; cnn and resnet take images only.
   config.model = 'cnn'
   config.model_kwargs = ml_collections.ConfigDict()
   config.resnet_depth = 20
   config.resnet_width = 1
   # 'pmap' (the classic recipe) or 'jit' (NamedSharding over an 'ensemble' mesh axis).
   config.backend = 'pmap'
-  # Members; 0 means one per device. K must be a multiple of the device count D, or with backend jit a divisor of
-  # it: then each member trains data-parallel on D/K devices of its own (docs/backends-and-devices.md).
+  # Members; 0 means one per device, or 8 on a single device (an ensemble of one would be no ensemble). K must be a
+  # multiple of the device count D, or with backend jit a divisor of it: then each member trains data-parallel on
+  # D/K devices of its own (docs/backends-and-devices.md).
   config.ensemble_size = 0
   # With fewer members than devices (backend jit): 'replicated', each of a member's devices holds its whole state;
   # 'fsdp', each holds 1/(D/K) of every large parameter and its optimizer state, gathered for each step; or 'model',
@@ -74,7 +77,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Centre and scale float features per feature with the training split's mean and standard deviation.
   config.standardize_features = False
   # On-device augmentation, each member with its own random views: 'none', 'shift' (up to 2 pixels, for
-  # digits) or 'crop_flip' (random crop of the 4-pixel-padded image and horizontal flip, for CIFAR).
+  # digits) or 'crop_flip' (random crop of the 4-pixel-padded image and horizontal flip, for CIFAR). Images only:
+  # other inputs train (and config.json records) 'none'.
   config.augment = 'shift'
   # 0: the plain path, a host batch per step. N > 0: the fast path, the training set kept
   # on the devices and N steps run per dispatch (same results). Meant for accelerators; on CPU

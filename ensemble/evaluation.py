@@ -224,10 +224,11 @@ def score_noise(predict: Predictor, test: data.Split) -> list[dict[str, Any]]:
 def heldout_split(train: data.Split, config: ml_collections.ConfigDict) -> tuple[data.Split, bool]:
   """The training examples to fit the temperature on, and whether the members were trained on them."""
   fraction = config.get('heldout_fraction', 0.0)
-  _, heldout = data.hold_out(train, fraction or FALLBACK_HELDOUT_FRACTION)
-  if not len(heldout['label']):
+  # Checked before `data.hold_out`, whose message asks for a setting to train with: the run has trained.
+  if not data.heldout_count(len(train['label']), fraction or FALLBACK_HELDOUT_FRACTION):
     raise UsageError(f'heldout_fraction={fraction} of {len(train["label"])} training examples holds out none '
                      'to fit the temperature on; train with a larger --config.heldout_fraction')
+  _, heldout = data.hold_out(train, fraction or FALLBACK_HELDOUT_FRACTION)
   return heldout, not fraction
 
 
@@ -408,8 +409,8 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
   refuse_single_model(config, workdir)
   devices = evaluation_devices(config.ensemble_size)
   member, state, epoch = restore(workdir, config, step, devices)
-  logging.info('Restored epoch %d of %s: %d members on %d devices.', epoch, workdir,
-               config.ensemble_size, len(devices))
+  logging.info('Restored epoch %d of %s: %s on %s.', epoch, workdir, console.count(config.ensemble_size, 'member'),
+               console.count(len(devices), 'device'))
   if member.task.name == 'regression':
     if ood_names and list(ood_names) != list(DEFAULT_OOD):  # the built-in image sets are on by default
       raise UsageError(f'--ood detects unfamiliar images, and {workdir} is a regression ensemble: leave --ood out')

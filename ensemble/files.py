@@ -27,6 +27,19 @@ def check_output(flag: str, path: str):
     raise UsageError(f'{flag}={path}: cannot write in {folder}; choose a folder you may write to')
 
 
+def partial_folder(path: str) -> str:
+  """A new empty folder beside `path`, to fill and rename to `path` when complete. `os.mkdir` gives it the mode
+  the umask says (tempfile.mkdtemp's 0700 would outlive the rename)."""
+  folder, name = os.path.split(os.path.abspath(path))
+  while True:
+    partial = os.path.join(folder, f'.{name}.{secrets.token_hex(4)}.partial')
+    try:
+      os.mkdir(partial)
+      return partial
+    except FileExistsError:
+      continue
+
+
 def write_atomically(path: str, content: str | bytes):
   """Writes `content` to `path` whole or not at all: an error, an interrupt or a crash leaves the old file or
   the new one, never a part.

@@ -150,12 +150,8 @@ def _split_off_heldout(config: ml_collections.ConfigDict, dataset: data.Dataset,
   """The training split without its held-out slice, once the split sizes are checked against the config;
   `config.eval_batch_size` at most the test set's size (rounded up to split over the devices), so that its one
   batch is not padded to many times its size."""
-  train_split, heldout = data.hold_out(dataset.train, config.heldout_fraction)
+  train_split, _ = data.hold_out(dataset.train, config.heldout_fraction)  # refuses a slice of none or all
   num_train = len(train_split['label'])
-  if config.heldout_fraction and not len(heldout['label']):
-    raise UsageError(f'heldout_fraction={config.heldout_fraction} of the {num_train} training examples holds out '
-                     f'none; set --config.heldout_fraction to at least {1 / num_train:.2g}, or to 0 to hold out '
-                     'nothing')
   if config.batch_size > num_train:
     raise UsageError(f'batch_size={config.batch_size} exceeds the {num_train} training examples; '
                      'lower --config.batch_size')
@@ -186,24 +182,40 @@ def _standardise(dataset: data.Dataset, train: data.Split, config: ml_collection
     targets = train['label'].astype(np.float64)
     mean, std = targets.mean(0), targets.std(0)
     std = np.where(std > 0, std, 1.0)
+    _in_float32(np.concatenate([mean, std]), "the targets' mean and standard deviation")
     target_stats = (mean, std)
-    scale = lambda split: {**split, 'label': ((split['label'].astype(np.float64) - mean) / std).astype(np.float32)}
-    train, test = scale(train), (scale(test) if test is not None else None)
+    scale = lambda split, name: {**split, 'label': _in_float32((split['label'].astype(np.float64) - mean) / std,
+                                                               f'the {name} targets, standardised')}
+    train, test = scale(train, 'training'), (scale(test, 'test') if test is not None else None)
   mean, std = data.input_stats(train['image'], dataset.inputs, config.get('standardize_features', False))
   outputs = 2 * dataset.num_classes if target_stats else dataset.num_classes
   data_info = config_lib.data_info(dataset.image_shape, outputs, mean, std, inputs=dataset.inputs,
                                    target_stats=target_stats)
   program_info = {k: v for k, v in data_info.items() if not k.startswith('target_')}
-  if dataset.inputs == 'features' and len(mean) > 1:
+  if dataset.inputs == 'features':
     transform = feature_transform(data_info)
-    train = {**train, 'image': transform(train['image'])}
-    test = {**test, 'image': transform(test['image'])} if test is not None else None
-    program_info.update(mean=[0.0], std=[1.0])
+    if transform is not None:  # standardised here: the programs take the features as they come
+      program_info.update(mean=[0.0], std=[1.0])
+    features = lambda split, name: {**split, 'image': _in_float32(transform(split['image']) if transform else
+                                                                  split['image'], f'the {name} features')}
+    train, test = features(train, 'training'), (features(test, 'test') if test is not None else None)
   return train, test, data_info, program_info
 
 
+def _in_float32(values: np.ndarray, what: str) -> np.ndarray:
+  """`values` as the float32 the programs compute in; a value beyond its range (3.4e38) is a one-line error, where
+  training would only report divergence."""
+  with np.errstate(over='ignore'):
+    cast = values.astype(np.float32)
+  if not np.isfinite(cast).all():
+    fix = 'set standardize_features=True, or rescale them' if 'features' in what else 'rescale them'
+    raise UsageError(f'{what} reach {np.abs(values).max():.3g}, beyond float32 (3.4e38) that the members compute in; '
+                     f'{fix}')
+  return cast
+
+
 def feature_transform(data_info: dict[str, Any], xp=np):
-  """The host's standardisation of features by `data_info`'s per-feature statistics (float64, then float32), or
+  """The host's standardisation of features by `data_info`'s per-feature statistics (in float64), or
   None where the programs take the inputs as they are. With xp=jnp, the same traced (in float32), for
   `Ensemble.apply`."""
   if data_info.get('inputs') != 'features' or len(data_info['mean']) <= 1:
@@ -212,8 +224,8 @@ def feature_transform(data_info: dict[str, Any], xp=np):
   mean, std = xp.asarray(data_info['mean'], dtype), xp.asarray(data_info['std'], dtype)
 
   def transform(features):
-    flat = features.reshape(len(features), -1).astype(dtype)
-    return ((flat - mean) / std).astype(np.float32).reshape(features.shape)
+    flat = features.reshape(len(features), len(data_info["mean"])).astype(dtype)
+    return ((flat - mean) / std).reshape(features.shape)
   return transform
 
 
@@ -233,6 +245,7 @@ def prepare(config: ml_collections.ConfigDict, dataset: data.Dataset, model: Any
   if dataset.task != config.get('task', 'classification'):
     raise UsageError(f'{dataset.source} holds {dataset.task} data but task={config.get("task", "classification")!r}: '
                      f'set --config.task={dataset.task}')
+  config_lib.fit_to_data(config, dataset.inputs, dataset.source, model)
   train = _split_off_heldout(config, dataset, devices)
   train, test, data_info, program_info = _standardise(dataset, train, config)
   steps_per_epoch = data.steps_per_epoch(len(train['label']), config.batch_size)

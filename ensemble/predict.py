@@ -10,7 +10,8 @@ predicted class and its probability, the predictive entropy, the mutual
 information between the prediction and the members (the part of the
 uncertainty the members disagree on), and `flag`: whether the image is more
 uncertain than the threshold that keeps the error rate of the unflagged
-held-out images at --flag_risk. From Python:
+held-out images at --flag_risk, or the members disagree on it more than on all
+but --flag_ood_rate of the held-out images (`api.flagged`). From Python:
 
   model = ensemble.load('/tmp/mnist')
   result = model.predict(images)   # uint8, or float in [0, 1]; (N, H, W, C) of any N
@@ -35,7 +36,7 @@ from absl import flags, logging  # pylint: disable=g-import-not-at-top,g-multipl
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 from ensemble import api, cli, data, files, host_memory  # pylint: disable=g-import-not-at-top
-from ensemble.api import DEFAULT_FLAG_RISK, FLAG_SCORE  # pylint: disable=g-import-not-at-top
+from ensemble.api import DEFAULT_FLAG_OOD_RATE, DEFAULT_FLAG_RISK  # pylint: disable=g-import-not-at-top
 from ensemble.data import inputs  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
@@ -48,15 +49,16 @@ FLAGS = flags.FLAGS
 
 
 def rows(names: Sequence[str], result: dict[str, np.ndarray],
-         threshold: float | None) -> Iterator[dict[str, Any]]:
-  """The output's rows; without a `threshold` there is no flag column. Figures keep 6 significant digits."""
+         flagged: np.ndarray | None) -> Iterator[dict[str, Any]]:
+  """The output's rows; without `flagged` (`api.flagged`) there is no flag column. Figures keep 6 significant
+  digits."""
   figure = lambda x: float(f'{x:.6g}')
   probability = np.take_along_axis(result['probs'], result['class'][:, None], axis=-1)[:, 0]
   for i, name in enumerate(names):
     row = {'name': name, 'class': int(result['class'][i]), 'probability': figure(probability[i]),
            'entropy': figure(result['entropy'][i]), 'mutual_information': figure(result['mutual_information'][i])}
-    if threshold is not None:
-      row['flag'] = int(result[FLAG_SCORE][i] > threshold)
+    if flagged is not None:
+      row['flag'] = int(flagged[i])
     yield row
 
 
@@ -117,7 +119,8 @@ def write(rows_: Iterator[dict[str, Any]], output: str | None, columns: Sequence
 
 def predict_files(workdir: str, input_path: str, output: str | None = None, *, step: int | None = None,
                   array: str | None = None, flag: bool = True, flag_risk: float = DEFAULT_FLAG_RISK,
-                  data_dir: str | None = None, batch_size: int | None = None,
+                  flag_ood_rate: float = DEFAULT_FLAG_OOD_RATE, data_dir: str | None = None,
+                  batch_size: int | None = None,
                   skip_unreadable: bool = False) -> dict[str, Any]:
   """The CLI's work: every check first, then the prediction, then the file. Returns a summary.
 
@@ -126,6 +129,8 @@ def predict_files(workdir: str, input_path: str, output: str | None = None, *, s
   _output_format(output)
   if not 0 <= flag_risk < 1:
     raise UsageError(f'--flag_risk={flag_risk} must be an error rate in [0, 1)')
+  if not 0 <= flag_ood_rate < 1:
+    raise UsageError(f'--flag_ood_rate={flag_ood_rate} must be a share of the held-out images in [0, 1)')
   if batch_size is not None and batch_size < 1:
     raise UsageError(f'--batch_size={batch_size}: give a positive number of images per device program, or leave '
                      "it out for the run's eval_batch_size")
@@ -143,29 +148,31 @@ def predict_files(workdir: str, input_path: str, output: str | None = None, *, s
     write(rows_, output, columns)
     logging.info('Wrote %d rows to %s.', len(names), output or 'stdout')
     return {'images': len(names), 'flagged': None, 'threshold': None}
-  threshold = None
+  fitted = None
   if flag:
     try:
-      fitted = model.flag_threshold(flag_risk, data_dir)
+      fitted = model.flag_threshold(flag_risk, data_dir, flag_ood_rate)
     except data.DataError as e:
       raise UsageError(f'the flag column is fitted on the held-out slice of the training data, which cannot be '
                        f'read ({e}); give --data_dir where that data is now, or --noflag to predict without the '
                        'column') from None
-    threshold = fitted['threshold']
-    logging.info('Flag threshold: entropy > %.4g, which on the %d held-out images keeps %.1f%% of them with an '
-                 'error rate of %.4f (target %.4f).', threshold, fitted['examples'], 100 * fitted['coverage'],
-                 fitted['risk'], flag_risk)
+    logging.info('Flag: entropy > %.4g, which on the %d held-out images keeps %.1f%% of them with an error rate '
+                 'of %.4f (target %.4f), or mutual information > %.4g, which %.1f%% of them exceed.',
+                 fitted['threshold'], fitted['examples'], 100 * fitted['coverage'], fitted['risk'], flag_risk,
+                 fitted['ood_threshold'], 100 * flag_ood_rate)
   logging.info('Predicting %d images.', len(images))
   result = model.predict(images, progress=True)
   columns = COLUMNS if flag else COLUMNS[:-1]
-  write(rows(names, result, threshold), output, columns)
-  flagged = int(np.sum(result[FLAG_SCORE] > threshold)) if flag else None
+  referred = api.flagged(result, fitted) if flag else None
+  write(rows(names, result, referred), output, columns)
+  flagged = int(np.sum(referred)) if flag else None
   logging.info('Wrote %d rows to %s%s.', len(names), output or 'stdout',
                f'; {flagged} flagged' if flag else '')
   if skipped:
     logging.warning('Skipped %d files of %s that cannot be read (%s): %s', len(skipped), input_path,
                     inputs.SKIP_FLAG, '; '.join(skipped))
-  return {'images': len(names), 'flagged': flagged, 'threshold': threshold, 'skipped': skipped}
+  return {'images': len(names), 'flagged': flagged, 'threshold': fitted and fitted['threshold'],
+          'ood_threshold': fitted and fitted['ood_threshold'], 'skipped': skipped}
 
 
 def main(argv):
@@ -174,7 +181,7 @@ def main(argv):
       raise UsageError('--workdir is required: a folder trained by python -m ensemble.train')
     host_memory.keep_freed_memory_on_cpu()
     predict_files(FLAGS.workdir, FLAGS.input, FLAGS.output, step=FLAGS.step, array=FLAGS.array, flag=FLAGS.flag,
-                  flag_risk=FLAGS.flag_risk, data_dir=FLAGS.data_dir,
+                  flag_risk=FLAGS.flag_risk, flag_ood_rate=FLAGS.flag_ood_rate, data_dir=FLAGS.data_dir,
                   batch_size=None if FLAGS.batch_size == 0 else FLAGS.batch_size,
                   skip_unreadable=FLAGS.skip_unreadable)
   cli.run(argv, 'ensemble.predict', body)
@@ -199,6 +206,9 @@ def define_flags():
   flags.DEFINE_bool('flag', True, 'Add the flag column (needs the training data, for its held-out slice).')
   flags.DEFINE_float('flag_risk', DEFAULT_FLAG_RISK, 'The error rate that unflagged held-out images may have: '
                      'images more uncertain than the threshold that achieves it are flagged.')
+  flags.DEFINE_float('flag_ood_rate', DEFAULT_FLAG_OOD_RATE, 'The share of held-out images whose mutual '
+                     'information (the members\' disagreement) the flag allows: inputs the members disagree on more '
+                     'are flagged as unlike the training data.')
   flags.DEFINE_integer('batch_size', 0, 'Images per device program; 0: the run\'s eval_batch_size.')
   flags.DEFINE_bool('skip_unreadable', False, 'In a folder, skip the files that cannot be read as images (listed '
                     'at the end) instead of stopping at the first.')

@@ -29,11 +29,17 @@ Metrics = dict[str, jnp.ndarray]
 class TrainState(train_state.TrainState):
   """One member's state: flax's TrainState plus what makes the member its own network.
 
-  `batch_stats` holds BatchNorm's running averages ({} for models without
-  BatchNorm). `key` is the member's random key as raw key data (a plain uint32
-  array that checkpoints store like any other): each step's augmentation and
-  dropout keys are folded from it and the step, so they depend on the seed, the
-  member index and the step only, and an exact resume draws the same ones.
+  `batch_stats` holds the model's variables besides its parameters: for most
+  models BatchNorm's running averages, linen's 'batch_stats' collection as it
+  is ({} without BatchNorm); for a model with other collections (a constant,
+  a count that it updates in training), every one of them by name,
+  {'batch_stats': ..., 'constants': ...}. The optimizer leaves them alone; a
+  train step keeps what the model changed (`Member.apply`), and checkpoints,
+  snapshots and warm starts keep them with the parameters. `key` is the
+  member's random key as raw key data (a plain uint32 array that checkpoints
+  store like any other): each step's augmentation and dropout keys are folded
+  from it and the step, so they depend on the seed, the member index and the
+  step only, and an exact resume draws the same ones.
   `snapshots` holds what a method keeps besides the parameters (a snapshot
   ensemble's snapshots; {} for the others).
   """
@@ -99,32 +105,51 @@ class Member:
     init_key, own_key = jax.random.split(key)
     variables = self.init_variables(init_key)
     state = TrainState.create(apply_fn=self.model.apply, params=variables['params'], tx=self.tx,
-                              batch_stats=variables.get('batch_stats', {}), key=jax.random.key_data(own_key))
+                              batch_stats=_held(variables), key=jax.random.key_data(own_key))
     # A typed step, as a trained or restored state has (flax's 0 is weakly typed): one program serves all three.
     state = state.replace(step=jnp.zeros((), jnp.int32))
     return self.method.init(self, state, key)
 
+  @functools.cached_property
+  def _collection_names(self) -> tuple[str, ...]:
+    """The model's collections besides 'params', from its initialisation traced once: what decides how
+    `TrainState.batch_stats` holds them."""
+    return tuple(name for name in jax.eval_shape(self.init_variables, jax.random.key(0)) if name != 'params')
+
+  def _collections(self, batch_stats: Any) -> dict[str, Any]:
+    """`TrainState.batch_stats` -> the model's collections besides 'params', by name."""
+    if not batch_stats:
+      return {}
+    return dict(batch_stats) if set(self._collection_names) - {'batch_stats'} else {'batch_stats': batch_stats}
+
   def apply(self, state: TrainState, params, images: jnp.ndarray, *, train: bool,
             key: jax.Array | None = None) -> tuple[jnp.ndarray, Any]:
-    """(logits, batch statistics): updated from this batch in training, the running averages otherwise.
+    """(logits, the model's other variables as `TrainState.batch_stats` holds them).
+
+    In training every collection is mutable, and comes back as the model
+    left it: BatchNorm's statistics updated from this batch, a counter
+    counted, a constant as it was. Otherwise nothing changes (the running
+    averages serve).
 
     With `dtype` bfloat16 the forward pass sees the parameters, inputs and
-    batch statistics cast to bfloat16, so that its activations and matmuls run
+    other variables cast to bfloat16, so that its activations and matmuls run
     in it, while the state stays float32: the gradients flow back through the
-    casts as float32, and the logits (for the loss) and the updated statistics
-    come back as float32. float32 casts nothing.
+    casts as float32, and the logits (for the loss) and the updated variables
+    come back as float32. float32 casts nothing; integers (counters) stay.
     """
     compute = functools.partial(_cast_floats, dtype=jnp.dtype(self.dtype))
-    variables = {'params': compute(params)}
+    collections = self._collections(state.batch_stats)
+    sent = compute(collections)
+    variables = {'params': compute(params), **sent}
     images, rngs = compute(images), ({} if key is None else {'dropout': key})
-    if not state.batch_stats:
+    if not collections:
       return _float32(state.apply_fn(variables, images, train=train, rngs=rngs)), state.batch_stats
-    variables['batch_stats'] = compute(state.batch_stats)
     if not train:
       return _float32(state.apply_fn(variables, images, train=False)), state.batch_stats
-    logits, updates = state.apply_fn(variables, images, train=True, rngs=rngs, mutable=['batch_stats'])
-    return _float32(logits), jax.tree.map(lambda new, old: new.astype(old.dtype), updates['batch_stats'],
-                                          state.batch_stats)
+    logits, updates = state.apply_fn(variables, images, train=True, rngs=rngs, mutable=list(collections))
+    # What the model left as it was sent keeps its float32 value: a constant is not rounded to bfloat16.
+    kept = lambda new, sent, old: jnp.where(new == sent, old, new.astype(old.dtype))
+    return _float32(logits), _held(jax.tree.map(kept, dict(updates), sent, collections))
 
   def train_step(self, state: TrainState, images: jnp.ndarray, labels: jnp.ndarray) -> tuple[TrainState, Metrics]:
     """One optimizer step of one member on its batch, augmented with the member's own key for this step.
@@ -174,6 +199,13 @@ class Member:
   def abstract_ensemble_state(self, ensemble_size: int) -> Any:
     """Shapes and dtypes of the stacked (K, ...) ensemble state, computed without allocating it."""
     return jax.eval_shape(jax.vmap(self.init), jax.eval_shape(lambda: member_keys(0, ensemble_size)))
+
+
+def _held(variables: dict[str, Any]) -> Any:
+  """A model's variables besides 'params' as `TrainState.batch_stats` holds them: the 'batch_stats' collection
+  alone where it is the only one (as checkpoints have always held it), else every collection by name."""
+  collections = {name: tree for name, tree in variables.items() if name != 'params'}
+  return collections if set(collections) - {'batch_stats'} else collections.get('batch_stats', {})
 
 
 def _cast_floats(tree: Any, dtype: jnp.dtype) -> Any:

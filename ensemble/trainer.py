@@ -3,7 +3,8 @@
 What `python -m ensemble.train` and `ensemble.fit(workdir=...)` run: the
 workdir's config.json, its lock, the resume from the newest intact checkpoint,
 and a hook that writes each epoch's checkpoint (in the background) and its
-metrics.jsonl and TensorBoard line.
+metrics.jsonl and TensorBoard line. Ctrl-C ends a run once its last checkpoint
+is complete (`Interrupted`), and the same command resumes it.
 """
 
 import functools
@@ -16,9 +17,21 @@ import jax
 import ml_collections
 from absl import logging
 
-from ensemble import backends, checkpoint, config as config_lib, data, loop, writers
+from ensemble import backends, checkpoint, config as config_lib, console, data, loop, writers
 from ensemble import files
 from ensemble.errors import UsageError
+
+
+class Interrupted(KeyboardInterrupt):
+  """Ctrl-C in a workdir's training, raised once its last checkpoint is complete: where the run stopped, in words.
+
+  A KeyboardInterrupt still, so that a notebook's `ensemble.fit(workdir=...)`
+  stops as it would; `python -m ensemble.train` says it in one line.
+  """
+
+  def __init__(self, message: str, saved_epoch: int):
+    super().__init__(message)
+    self.saved_epoch = saved_epoch
 
 
 def _releases_the_workdir(train):
@@ -34,21 +47,34 @@ def _releases_the_workdir(train):
   return wrapped
 
 
-def _check_resume(config: ml_collections.ConfigDict, workdir: str, ckpt: checkpoint.Checkpointer):
+def _check_resume(config: ml_collections.ConfigDict, workdir: str, ckpt: checkpoint.Checkpointer) -> dict | None:
   """A workdir with checkpoints resumes only with the data settings that its config.json records; without a
-  config.json that can be read, not at all (the resume would write the current config as if it were the original)."""
+  config.json that can be read, not at all (the resume would write the current config as if it were the original).
+  Returns what config.json records, or None for a fresh run."""
   epochs = ckpt.epochs()
   if not epochs:
-    return
+    return None
   path = os.path.join(workdir, 'config.json')
   saved = config_lib.read_run_config(
       path, f'it records how the checkpoints of epochs {epochs} in {ckpt.directory} were trained, and a resume must '
       'keep their settings: put it back from a backup (or from the workdir this one was copied from), or train in a '
       'new --workdir')
   config_lib.check_resume(config, saved, path)
-  changed = {key: value for key, value in config.to_dict().items() if key in saved and saved[key] != value}
+  return saved
+
+
+def _config_json(config: ml_collections.ConfigDict) -> str:
+  return json.dumps(config.to_dict(), indent=2, sort_keys=True)
+
+
+def _log_changes(config: ml_collections.ConfigDict, saved: dict[str, Any], workdir: str):
+  """Names the settings a resume changes: `config` as the run will train, filled in as the run that wrote
+  config.json filled in its own, and in JSON's types as written there (a tuple is a list), against that record."""
+  recorded = json.loads(_config_json(config))
+  changed = {key: value for key, value in recorded.items() if key in saved and saved[key] != value}
   if changed:
-    logging.info('Resuming with %s; %s keeps the settings the workdir was started with.', changed, path)
+    logging.info('Resuming with %s; %s keeps the settings the workdir was started with.', changed,
+                 os.path.join(workdir, 'config.json'))
 
 
 def _write_config(config: ml_collections.ConfigDict, workdir: str, resuming: bool):
@@ -56,7 +82,7 @@ def _write_config(config: ml_collections.ConfigDict, workdir: str, resuming: boo
   path = os.path.join(workdir, 'config.json')
   if jax.process_index() != 0 or (resuming and os.path.exists(path)):
     return
-  files.write_atomically(path, json.dumps(config.to_dict(), indent=2, sort_keys=True))
+  files.write_atomically(path, _config_json(config))
 
 
 def _missing_summaries(ckpt: checkpoint.Checkpointer, workdir: str, start_epoch: int) -> list[tuple[int, dict]]:
@@ -77,9 +103,10 @@ class _SavesInBackground(loop.Hook):
   """Each epoch's checkpoint written while the next epoch trains, and the epoch's metrics.jsonl line once the
   checkpoint is complete: a crash before the line costs no metric, as the resume writes it from the checkpoint."""
 
-  def __init__(self, ckpt: checkpoint.Checkpointer, writer: writers.Writers, meta: dict[str, Any]):
+  def __init__(self, ckpt: checkpoint.Checkpointer, writer: writers.Writers, meta: dict[str, Any], saved_epoch: int):
     self._ckpt, self._writer, self._saving, self._meta = ckpt, writer, None, meta
     self._report_progress = writers.ProgressReport(writer.progress)
+    self.saved_epoch = saved_epoch  # the newest epoch whose checkpoint is complete on disk
 
   def after_steps(self, step: int):
     self._report_progress(step)
@@ -88,16 +115,17 @@ class _SavesInBackground(loop.Hook):
     self.finish()
     started = time.perf_counter()
     self._ckpt.save(epoch, state, self._meta, summary=(step, summary), wait=False)
-    self._saving = step, summary, time.perf_counter() - started
+    self._saving = epoch, step, summary, time.perf_counter() - started
 
   def finish(self):
     """Waits for the checkpoint being written, then writes its line, whose `save_seconds` is the time training
     waited for that checkpoint: copying the state to the host, and any wait for the files."""
     if self._saving is None:
       return
-    (step, summary, seconds), self._saving = self._saving, None
+    (epoch, step, summary, seconds), self._saving = self._saving, None
     started = time.perf_counter()
     self._ckpt.wait()
+    self.saved_epoch = epoch
     self._writer.epoch.write_scalars(step, {**summary, 'save_seconds': seconds + time.perf_counter() - started})
     self._writer.epoch.flush()
 
@@ -125,7 +153,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
   # saves meet at barriers, kept in the training thread.
   ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.checkpoints_to_keep,
                                  asynchronous=jax.process_count() == 1)
-  _check_resume(config, workdir, ckpt)
+  saved_config = _check_resume(config, workdir, ckpt)
   if dataset is None:
     dataset = data.load(config.dataset, config.data_dir, config.train_split, config.test_split,
                         task=config.get('task', 'classification'), target=config.get('target', ''))
@@ -142,6 +170,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
     logging.info('Resumed from %s at epoch %d.', ckpt.directory, start_epoch)
   else:
     state = run.init()
+  if saved_config is not None:
+    _log_changes(config, saved_config, workdir)
 
   _write_config(config, workdir, resuming=bool(start_epoch))
   missing = _missing_summaries(ckpt, workdir, start_epoch)
@@ -149,9 +179,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
   for summary_step, scalars in missing:
     writer.epoch.write_scalars(summary_step, scalars)
   writer.epoch.flush()
-  logging.info('Training %d members on %d devices with the %s backend, %d steps per epoch; data: %s, %s.',
-               config.ensemble_size, len(devices), config.backend, run.steps_per_epoch, dataset.source,
-               dataset.describe())
+  if start_epoch >= config.num_epochs:
+    logging.info('%s is already trained to epoch %d %s %d: nothing to train; raise --config.num_epochs to train '
+                 'further.', workdir, start_epoch, 'of' if start_epoch == config.num_epochs else 'beyond num_epochs =',
+                 config.num_epochs)
+  else:
+    logging.info('Training %s on %s with the %s backend, %s per epoch; data: %s, %s.',
+                 console.count(config.ensemble_size, 'member'), console.count(len(devices), 'device'), config.backend,
+                 console.count(run.steps_per_epoch, 'step'), dataset.source, dataset.describe())
   if config.ensemble_size < len(devices):
     member_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(backend.abstract_state()))
     layout = config.get('member_sharding', 'replicated')
@@ -159,10 +194,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
                  '(replicated: %.2f MB).', 'model' if layout == 'model' else 'data',
                  len(devices) // config.ensemble_size, layout,
                  backends.bytes_per_device(state) / 1e6, member_bytes / config.ensemble_size / 1e6)
-  saves = _SavesInBackground(ckpt, writer, ckpt_meta)
+  saves = _SavesInBackground(ckpt, writer, ckpt_meta, start_epoch)
   try:
     state, summary = loop.train(run, state, start_epoch=start_epoch, hooks=[saves], progress=progress)
   except loop.Diverged as e:
     resume = f'resume from epoch {e.epoch - 1}' if e.epoch > 1 else 'start again'
     raise UsageError(f'{e} and re-run to {resume} (the checkpoints saved so far are kept)') from None
+  except KeyboardInterrupt:  # the hooks have closed: the last checkpoint is complete
+    saved = saves.saved_epoch
+    where = f'in epoch {saved + 1} of {config.num_epochs}' if saved < config.num_epochs else 'after its last epoch'
+    kept = f'the checkpoint of epoch {saved} is in {ckpt.directory}' if saved else 'no epoch was saved yet'
+    raise Interrupted(f'stopped {where}; {kept}', saved) from None
   return state, summary

@@ -70,6 +70,13 @@ def test_fit_predict_evaluate_a_linen_model_with_batchnorm_and_dropout(linen_run
   assert [line['epoch'] for line in writers.read_jsonl(os.path.join(ens.workdir, 'metrics.jsonl'))] == [1, 2]
 
 
+def test_float_images_are_rounded_at_prediction_as_in_training(linen_run, arrays):
+  """Training rounds [0, 1] floats to 8 bits (`data.base.as_images`); predict must see the same pixels."""
+  ens, x_test = linen_run, arrays[2][:16]
+  nudged = (x_test / 255.0 + 0.0015).clip(0, 1).astype(np.float32)  # rounds back to the same uint8
+  np.testing.assert_array_equal(ens.predict(nudged)['probs'], ens.predict(x_test)['probs'])
+
+
 def test_dropout_draws_a_key_per_step_and_is_off_at_test_time(linen_run, arrays):
   ens = linen_run
   member, state = ens.member, jax.tree.map(lambda x: x[0], ens.state)
@@ -185,6 +192,9 @@ def test_a_sequence_model_on_token_ids():
   assert ens.evaluate(tokens[500:], labels[500:])['ensemble']['accuracy'] > 0.8
   with pytest.raises(ensemble.UsageError, match='token ids of dtype float'):
     ens.predict(tokens[:2].astype(np.float32))
+  for bad in (2 ** 32 + 3, -1):  # as fit refuses them: not wrapped round to another id
+    with pytest.raises(ensemble.UsageError, match=r'^inputs: token ids must lie in 0\.\.2\*\*31-1'):
+      ens.predict(np.full((2, 10), bad, np.int64))
 
 
 def _with_nan(images):

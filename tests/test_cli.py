@@ -1,22 +1,53 @@
 """`python -m ensemble.train` as a user runs it."""
 
 import json
+import logging
 import os
+import re
+import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from ensemble import writers
+from ensemble import checkpoint, writers
+
+from conftest import run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CONFIG = os.path.join(REPO, 'configs', 'default.py')
 
 
-def _train(*args, config='configs/default.py', **env):
+def _train(*args, config='configs/default.py', cwd=REPO, **env):
   env = {**os.environ, 'XLA_FLAGS': '', **env}  # the CLI's own --cpu_devices must do the job
   return subprocess.run([sys.executable, '-m', 'ensemble.train', '--config', config, *args],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                        cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def train_here(monkeypatch):
+  """`python -m ensemble.train` in this process; returns its exit status.
+
+  Its flags are defined as the program defines them (but not required, which
+  would refuse the other programs' command lines in this process); the command
+  line goes in sys.argv too, where config_flags reads the --config.FIELD
+  overrides (and defines a flag for each, which a second command line in this
+  process would define again: they go first); jax.distributed is left out, as
+  JAX runs in this process already.
+  """
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ensemble import train  # pylint: disable=g-import-not-at-top
+  train.define_flags(required=False)
+  monkeypatch.setattr(train.distributed, 'initialize', lambda *args, **kwargs: None)
+
+  def run(*args):
+    for name in [name for name in flags.FLAGS if name.startswith('config.')]:
+      delattr(flags.FLAGS, name)
+    args = (*args, '--verbosity=0')  # INFO, as the program logs it
+    monkeypatch.setattr(sys, 'argv', ['ensemble.train', *args])
+    return run_main(train.main, 'ensemble.train', *args)
+  return run
 
 
 def test_cli_trains_and_resumes(mnist_dir, tmp_path):
@@ -56,6 +87,10 @@ def test_cli_trains_and_resumes(mnist_dir, tmp_path):
                                       "10: 'four'; see --helpfull for the flags"),
     (['configs/nonexistent.py'], "error: --config=configs/nonexistent.py: cannot be loaded ([Errno 2] No such file or "
                                  "directory: 'configs/nonexistent.py'); name a Python file with a get_config()"),
+    # Issue 56: an override of a config that could not be loaded reached the user as a traceback, with exit status 1.
+    (['configs/nonexistent.py', '--config.num_epochs=1'],
+     "error: --config=configs/nonexistent.py: cannot be loaded ([Errno 2] No such file or directory: "
+     "'configs/nonexistent.py'); name a Python file with a get_config()"),
 ])
 def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, args, message):
   config = args.pop(0) if args[0].startswith('configs/') else 'configs/default.py'
@@ -69,6 +104,108 @@ def _assert_refused(result, tmp_path, message):
   assert len(errors) == 1 and errors[0].startswith(message), result.stderr[-2000:]
   assert 'Traceback' not in result.stderr
   assert not (tmp_path / 'run').exists()
+
+
+def test_readme_configs_are_found_from_any_folder(tmp_path):
+  """Issue 56: `--config=configs/...` outside the repository's root could not be loaded; configs/mlp.py also imports
+  its base config (`from configs import classic`). A missing one says where it was looked for."""
+  elsewhere = tmp_path / 'elsewhere'
+  elsewhere.mkdir()
+  result = _train('--workdir', str(tmp_path / 'run'), '--cpu_devices=2', '--config.backend=tpu',
+                  config='configs/mlp.py', cwd=str(elsewhere))
+  _assert_refused(result, tmp_path, "error: unknown backend 'tpu'")  # loaded: refused by its check
+  result = _train('--workdir', str(tmp_path / 'run'), '--config.num_epochs=1', config='configs/nonexistent.py',
+                  cwd=str(elsewhere))
+  _assert_refused(result, tmp_path, 'error: --config=configs/nonexistent.py: cannot be loaded')
+  assert f'a relative path is looked for in {elsewhere}, then in {REPO})' in result.stderr
+
+
+def _csv(path, rows: int = 80) -> str:
+  """A regression table: three feature columns and a target column, linear in them."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(rows, 3))
+  y = x @ np.array([1.0, -2.0, 0.5])
+  lines = ['a,b,c,target'] + [','.join(f'{v:.4f}' for v in (*features, target)) for features, target in zip(x, y)]
+  path.write_text('\n'.join(lines) + '\n')
+  return str(path)
+
+
+def test_csv_regression_with_the_default_config_trains_an_mlp(train_here, tmp_path, capsys):
+  """Issue 56: the default config's CNN met feature vectors and ended in a traceback. It gives way to the built-in
+  MLP, without augmentation; an image model named on the command line is a one-line error."""
+  table = _csv(tmp_path / 'table.csv')
+  args = [f'--config={DEFAULT_CONFIG}', '--config.task=regression', f'--config.data_dir={table}',
+          '--config.target=target', '--config.num_epochs=1', '--config.batch_size=16', '--config.ensemble_size=2',
+          '--config.num_devices=2']
+  assert train_here(f'--workdir={tmp_path / "resnet"}', *args, '--config.model=resnet') == 2
+  errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith('error:')]
+  assert len(errors) == 1 and "model 'resnet' takes images" in errors[0] and '--config.model=mlp' in errors[0]
+  assert not (tmp_path / 'resnet').exists()
+  workdir = tmp_path / 'run'
+  assert train_here(f'--workdir={workdir}', *args) == 0
+  recorded = json.loads((workdir / 'config.json').read_text())
+  assert recorded['model'] == 'mlp' and recorded['augment'] == 'none'
+  line, = writers.read_jsonl(str(workdir / 'metrics.jsonl'))
+  assert np.isfinite(line['test_rmse']) and len(line['member_test_rmse']) == 2
+
+
+def test_on_one_device_the_default_ensemble_is_several_members_on_it(train_here, tmp_path, caplog):
+  """Issue 56: README's command without --cpu_devices trained one model on a CPU's one device ("Training 1 members
+  on 1 devices"); ensemble_size=0 means one member per device only where there are several (both backends:
+  tests/test_trainer.py). A table's MLP members: 8 CNNs traced one after another on a CPU device compile for
+  10-20 s even on 8x8 images."""
+  workdir = tmp_path / 'run'
+  with caplog.at_level(logging.INFO):
+    assert train_here(f'--workdir={workdir}', f'--config={DEFAULT_CONFIG}', '--config.task=regression',
+                      f'--config.data_dir={_csv(tmp_path / "table.csv")}', '--config.target=target',
+                      '--config.num_devices=1', '--config.num_epochs=1', '--config.batch_size=16') == 0
+  assert any('Training 8 members on 1 device with the pmap backend' in record.getMessage()
+             for record in caplog.records)
+  line, = writers.read_jsonl(str(workdir / 'metrics.jsonl'))
+  assert len(line['member_test_rmse']) == 8
+
+
+def _interruptible(command: list[str]) -> list[str]:
+  """`python -m MODULE ARGS` that Ctrl-C interrupts as from a terminal: a shell starts a background job (a CI step)
+  with SIGINT ignored, and Python then leaves it ignored. The module sees the same sys.argv."""
+  python, dash_m, module, *args = command
+  assert dash_m == '-m'
+  code = ('import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); '
+          'sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)')
+  return [python, '-c', code, module, *args]
+
+
+def test_ctrl_c_stops_in_one_line_and_the_same_command_resumes(mnist_dir, tmp_path, train_here, caplog):
+  """Issue 56: Ctrl-C printed a KeyboardInterrupt traceback. Now one line says where the run stopped and the command
+  that resumes it, the exit status is 130 as shells expect, the checkpoints are whole and the workdir unlocked."""
+  workdir = tmp_path / 'run'
+  args = [f'--workdir={workdir}', f'--config.data_dir={mnist_dir}', '--config.batch_size=32',
+          '--config.ensemble_size=2', '--config.compilation_cache=']
+  command = [sys.executable, '-m', 'ensemble.train', '--config=configs/default.py', *args, '--config.num_epochs=100',
+             '--cpu_devices=2']
+  with subprocess.Popen(_interruptible(command), cwd=REPO, env={**os.environ, 'XLA_FLAGS': ''}, stderr=subprocess.PIPE,
+                        text=True) as process:
+    for line in process.stderr:  # once an epoch has been saved, while the next ones train
+      if 'epoch 1/100' in line:
+        process.send_signal(signal.SIGINT)
+        break
+    after = process.stderr.read()
+  assert process.returncode == 130, after[-3000:]
+  lines = after.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('interrupted: stopped in epoch '), after[-3000:]
+  saved = int(re.search(r'to resume from epoch (\d+), run the same command: python -m ensemble.train '
+                        r'--config=configs/default.py --workdir=', lines[0]).group(1))
+  names = os.listdir(workdir / 'checkpoints')
+  assert str(saved) in names and not [name for name in names if 'tmp' in name]
+  lock = checkpoint.WorkdirLock(str(workdir))
+  assert lock.acquire() is None  # free
+  lock.release()
+  # The same run, resumed: here in this process, on the same 2 devices, up to the saved epoch.
+  with caplog.at_level(logging.INFO):
+    assert train_here(f'--config={DEFAULT_CONFIG}', *args, f'--config.num_epochs={saved}',
+                      '--config.num_devices=2') == 0
+  assert any(f'Resumed from {workdir / "checkpoints"} at epoch {saved}' in record.getMessage()
+             for record in caplog.records)
 
 
 def _cifar_like(path, num_train=64, num_test=32, num_classes=4):

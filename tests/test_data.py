@@ -1,7 +1,9 @@
 import functools
 import gzip
 import hashlib
+import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -10,7 +12,7 @@ import pytest
 
 from conftest import SHARED_MNIST, write_idx, write_mnist
 from ensemble import data
-from ensemble.data import base, bundled
+from ensemble.data import base, bundled, idx
 from ensemble.errors import UsageError
 
 
@@ -137,7 +139,10 @@ def test_float_images_are_rounded_in_chunks(tmp_path, monkeypatch):
     ({'y_test': None}, r'no array y_test \(it holds x_train, y_train, x_test\)'),
     ({'y_train': np.arange(9) % 4}, r'x_train / .*y_train: 10 images but 9 labels'),
     ({'y_train': np.arange(10) - 1}, 'y_train: negative label -1'),
-    ({'y_test': np.arange(8) % 5}, r'y_test: label 4 is outside 0\.\.3'),  # C from the training labels
+    # C from the training labels: a test label above the largest has no output.
+    ({'y_test': np.arange(8) % 5}, r'y_test: label 4 is outside 0\.\.3 \(C = the largest training label \+ 1\); '
+                                   'labels must be class indices 0..C-1, and the largest class must appear in '
+                                   'training$'),
     ({'y_train': np.arange(10) % 4 + 0.0}, 'y_train: labels of dtype float64, expected integers'),
     ({'y_train': np.eye(4)[np.arange(10) % 4]}, r'y_train: labels of shape \(10, 4\)'),
     ({'x_train': np.full((10, 6, 5), 255.0)}, r'x_train: float images must lie in \[0, 1\] but span \[255, 255\]'),
@@ -411,3 +416,97 @@ def test_real_mnist_from_shared():
   assert np.bincount(dataset.test['label']).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
   mean, std = data.channel_stats(dataset.train['image'])
   assert abs(mean[0] - 0.1307) < 1e-4 and abs(std[0] - 0.3081) < 1e-4  # the figures every MNIST recipe uses
+
+
+# Issue 56: CSV headers, classes absent from training, empty splits and held-out slices.
+
+_CSV_ROWS = '1,2,3\n4,5,6\n7,8,9\n10,11,12\n'
+
+
+def _load_csv(path, header: str, encoding: str = 'utf-8') -> data.Dataset:
+  path.write_text(header + '\n' + _CSV_ROWS, encoding=encoding)
+  return data.load(data_dir=str(path), task='regression', target='y')
+
+
+def test_csv_with_a_repeated_column_name_is_refused(tmp_path):
+  """`a,y,y` would train with a copy of the target among the features."""
+  with pytest.raises(data.DataError, match=r"dup\.csv: column 'y' appears 2 times in the header; give every column its "
+                                           'own name$'):
+    _load_csv(tmp_path / 'dup.csv', 'a,y,y')
+
+
+def test_csv_saved_with_a_byte_order_mark_reads_its_first_column(tmp_path):
+  """Spreadsheets save UTF-8 with a BOM before the first column's name."""
+  dataset = _load_csv(tmp_path / 'bom.csv', 'y,a,b', encoding='utf-8-sig')
+  rows = np.concatenate([np.concatenate([split['label'], split['image']], 1)
+                         for split in (dataset.train, dataset.test)])
+  assert sorted(rows.tolist()) == [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]  # y the target, a and b features
+
+
+def _warnings(caplog) -> list[str]:
+  return [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize('y_train, warning', [
+    (np.arange(10) % 3 + 1, 'class 0 never appears in the training labels: the members will never predict it; '
+                            'relabel to 0..C-1 if that is not meant'),
+    (np.arange(10) % 2 * 3, '2 classes 1, 2 never appear in the training labels: the members will never predict '
+                            'them; relabel to 0..C-1 if that is not meant'),
+])
+def test_classes_absent_from_training_are_kept_and_named(tmp_path, caplog, y_train, warning):
+  """The class ids are the user's (C = the largest training label + 1), and a class never trained on is said."""
+  path = _npz(tmp_path / 'd.npz', y_train=y_train, y_test=np.arange(8) % 4)
+  with caplog.at_level(logging.WARNING):
+    dataset = data.load(data_dir=path)
+  assert dataset.num_classes == 4 and np.array_equal(dataset.train['label'], y_train)
+  assert _warnings(caplog) == [warning]
+
+
+def test_every_class_in_training_warns_of_nothing(tmp_path, caplog):
+  with caplog.at_level(logging.WARNING):
+    data.load(data_dir=_npz(tmp_path / 'd.npz'))
+  assert _warnings(caplog) == []
+
+
+def _empty_split_files(tmp_path, source: str, empty: str) -> dict:
+  """data.load's arguments for a `source` file whose `empty` split has no rows."""
+  rng = np.random.default_rng(0)
+  if source == 'idx':
+    images, labels = rng.integers(0, 256, (10, 6, 5), dtype=np.uint8), np.arange(10) % 4
+    for split, (images_file, labels_file) in idx.FILES.items():
+      rows = 0 if split == empty else 10
+      write_idx(str(tmp_path / images_file), images[:rows])
+      write_idx(str(tmp_path / labels_file), labels[:rows])
+    return {'data_dir': str(tmp_path)}
+  if source == 'npz':
+    return {'data_dir': _npz(tmp_path / 'd.npz', **{f'x_{empty}': np.zeros((0, 6, 5), np.uint8),
+                                                    f'y_{empty}': np.zeros(0, np.int64)})}
+  x, y = rng.normal(size=(10, 3)).astype(np.float32), rng.normal(size=10).astype(np.float32)
+  splits = {f'x_{split}': x[:0] if split == empty else x for split in ('train', 'test')}
+  splits.update({f'y_{split}': y[:0] if split == empty else y for split in ('train', 'test')})
+  np.savez(tmp_path / 'r.npz', **splits)
+  return {'data_dir': str(tmp_path / 'r.npz'), 'task': 'regression'}
+
+
+@pytest.mark.parametrize('source', ['idx', 'npz', 'regression npz'])
+@pytest.mark.parametrize('empty', ['train', 'test'])
+def test_an_empty_split_is_refused_by_every_loader(tmp_path, source, empty):
+  """Zero rows would fail later in numpy (`zero-size array to reduction operation maximum`) or score NaN."""
+  _expect_error('no examples, the split is empty; give it at least one example$',
+                **_empty_split_files(tmp_path, source, empty))
+
+
+@pytest.mark.parametrize('fraction, rows, message', [
+    (0.001, 300, 'heldout_fraction=0.001 of the 300 training examples holds out none; set '
+                 '--config.heldout_fraction to at least 0.0033, or to 0 to hold out nothing'),
+    (0.9, 3, 'heldout_fraction=0.9 of the 3 training examples holds out all of them, leaving none to train on; '
+             'lower it: --config.heldout_fraction=0.66 or less, or 0 to hold out nothing'),
+    (0.9, 1, 'heldout_fraction=0.9 of the 1 training examples holds out all of them, leaving none to train on; '
+             'lower it: --config.heldout_fraction=0, to hold out nothing'),
+])
+def test_a_heldout_slice_of_no_rows_or_all_is_refused(fraction, rows, message):
+  split = {'image': np.zeros((rows, 2), np.float32), 'label': np.zeros(rows, np.int32)}
+  with pytest.raises(data.DataError, match=f'^{re.escape(message)}$'):
+    data.hold_out(split, fraction)
+  rest, heldout = data.hold_out(split, 0.5 if rows > 1 else 0.0)  # a fraction that rounds to some rows, or none
+  assert len(rest['label']) + len(heldout['label']) == rows and len(rest['label'])

@@ -358,3 +358,116 @@ def test_freed_memory_is_kept_only_when_asked(data, monkeypatch):
   assert not calls
   ensemble.fit(_model(), train, keep_freed_memory=True, **{**REGRESSION, 'epochs': 1})
   assert len(calls) == 1
+
+
+# --- empty splits, held-out slices and classes absent from training (issue 56) -------------------------------------
+
+ONE_EPOCH = {**SETTINGS, 'ensemble_size': 2, 'epochs': 1}
+
+
+def _labelled(split, task: str):
+  """`split` as regression has it, or with its target binned into the classes 0, 1, 2."""
+  x, y = split
+  return (x, y) if task == 'regression' else (x, np.digitize(y, [-0.5, 0.5]))
+
+
+@pytest.mark.parametrize('task', ['classification', 'regression'])
+@pytest.mark.parametrize('empty', ['train', 'test'])
+def test_fit_refuses_an_empty_split_in_one_line(data, task, empty):
+  """Zero rows used to fail in numpy (`zero-size array to reduction operation maximum`, `cannot reshape array of
+  size 0`)."""
+  splits = {name: _labelled(split, task) for name, split in zip(('train', 'test'), data)}
+  splits[empty] = tuple(array[:0] for array in splits[empty])
+  with pytest.raises(ensemble.UsageError, match=f'^{empty} inputs: no examples, the split is empty; give it at '
+                                                'least one example$'):
+    ensemble.fit(_model(), splits['train'], test=splits['test'], task=task, **ONE_EPOCH)
+
+
+def test_fit_refuses_a_heldout_fraction_that_leaves_nothing_to_train_on(data):
+  (x, y), test = data
+  with pytest.raises(ensemble.UsageError, match='heldout_fraction=0.9 of the 3 training examples holds out all of '
+                                                'them, leaving none to train on; lower it: heldout_fraction=0.66 or '
+                                                'less, or 0 to hold out nothing$'):
+    ensemble.fit(_model(), (x[:3], y[:3]), test=test, task='regression', heldout_fraction=0.9,
+                 **{**ONE_EPOCH, 'batch_size': 1})
+
+
+def test_fit_without_a_test_set_refuses_a_heldout_fraction_of_no_rows(data):
+  """The held-out slice is then the test set: a fraction of no rows names the fraction, not an empty test split."""
+  (x, y), _ = data
+  with pytest.raises(ensemble.UsageError, match='^heldout_fraction=0.001 of the 100 training examples holds out '
+                                                'none; '):
+    ensemble.fit(_model(), (x, y), task='regression', heldout_fraction=0.001, **ONE_EPOCH)
+
+
+def test_fit_on_labels_1_2_3_trains_4_classes_and_names_the_absent_one(data, caplog):
+  """The class ids are the user's: C is the largest training label + 1, and the class never trained on is named."""
+  (x, y), _ = data
+  with caplog.at_level('WARNING'):
+    ens = ensemble.fit(_model(num_classes=4), (x, np.digitize(y, [-0.5, 0.5]) + 1), **ONE_EPOCH)
+  assert ens.num_classes == 4 and np.isfinite(ens.summary['train_loss'])
+  warnings = [record.getMessage() for record in caplog.records if record.levelname == 'WARNING']
+  assert 'class 0 never appears in the training labels: the members will never predict it; relabel to 0..C-1 if ' \
+         'that is not meant' in warnings, warnings
+
+
+def test_float64_targets_far_from_zero_keep_their_precision(data):
+  """1.7e9 + y in float64 is standardised before any cast to float32 (which would leave ~1 distinct value in 512):
+  the members are those trained on y, and the scores are in the targets' own units."""
+  (x, y), (x_test, y_test) = data
+  offset = 1.7e9
+  near = ensemble.fit(_model(), (x, y.astype(np.float64)), **{**REGRESSION, 'epochs': 1})
+  far = ensemble.fit(_model(), (x, offset + y.astype(np.float64)), **{**REGRESSION, 'epochs': 1})
+  _assert_same_members(near, far, rtol=1e-4, atol=1e-6)
+  scores = far.evaluate(x_test, offset + y_test.astype(np.float64))['ensemble']
+  assert scores['rmse'] == pytest.approx(near.evaluate(x_test, y_test)['ensemble']['rmse'], rel=1e-3)
+  np.testing.assert_allclose(far.predict(x_test)['mean'] - offset, near.predict(x_test)['mean'], atol=1e-3)
+
+
+def test_targets_beyond_float32_are_refused_in_one_line(data):
+  (x, y), _ = data
+  message = (r"^the targets' mean and standard deviation reach [0-9.]+e\+39, beyond float32 \(3.4e38\) that the "
+             r'members compute in; rescale them$')
+  with pytest.raises(ensemble.UsageError, match=message):
+    ensemble.fit(_model(), (x, 1e39 * (1 + y.astype(np.float64))), **ONE_EPOCH, task='regression')
+
+
+def test_the_nll_is_the_members_log_probabilities_unclipped(classifier, data):
+  """A confidently wrong ensemble keeps its whole cost: no probability is clipped at float64's tiny (log 1e-308)."""
+  (x, y), _ = data
+  loud = jax.tree.map(lambda p: 3000.0 * p, classifier.state.params)  # logits thousands apart
+  wrong = ensemble.api.Ensemble(None, classifier.config, classifier.member, classifier.state.replace(params=loud),
+                                classifier.devices, classifier.epoch, task=classifier.task,
+                                data_info=classifier._data_info)  # pylint: disable=protected-access
+  log_probs = wrong.member_outputs(x)
+  labels = np.argmin(log_probs.mean(0), -1)  # each input's least likely class
+  nll = -np.mean(jax.nn.logsumexp(log_probs, 0)[np.arange(len(x)), labels] - np.log(wrong.size))
+  assert nll > 1000  # beyond what a clip at float64's tiny (708.4) could report
+  assert wrong.evaluate(x, labels)['ensemble']['nll'] == pytest.approx(nll, rel=1e-6)
+
+
+def test_zero_inputs_predict_empty_answers_and_evaluate_refuses_them(regression, classifier, data):
+  (x, y), _ = data
+  result = regression.predict(x[:0])
+  assert {key: value.shape for key, value in result.items()} == {key: (0,) for key in result}
+  assert classifier.predict(x[:0])['probs'].shape == (0, 3)
+  for ens, labels in ((regression, y[:0]), (classifier, np.zeros(0, np.int64))):
+    with pytest.raises(ensemble.UsageError, match='^evaluate got 0 inputs; give at least one'):
+      ens.evaluate(x[:0], labels)
+
+
+def test_an_empty_workdir_is_refused_and_a_saved_one_takes_the_umasks_mode(regression, tmp_path, monkeypatch):
+  (x, y) = _features(40, 2)
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ensemble.UsageError, match="^workdir='' names no folder"):
+    ensemble.fit(_model(), (x, y), workdir='', **ONE_EPOCH, task='regression')
+  assert not os.listdir(tmp_path)
+  mask = os.umask(0o022)
+  try:
+    saved = tmp_path / 'saved'
+    copy.copy(regression).save(str(saved))
+  finally:
+    os.umask(mask)
+  assert oct(os.stat(saved).st_mode & 0o777) == oct(0o755)
+  assert repr(regression) == ("Ensemble(4 members of user_models:Regressor, regression of 1 target from 3 features, "
+                              "epoch 2, in memory)")

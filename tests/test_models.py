@@ -1,5 +1,7 @@
-"""The models: shapes, the class count from the data, BatchNorm state, and refusals."""
+"""The models: shapes, the class count from the data, BatchNorm state and a model's other variables, the fused
+layer under JAX's transformations, and refusals."""
 
+import functools
 import importlib.util
 import os
 
@@ -10,10 +12,13 @@ import numpy as np
 import optax
 import pytest
 
+import ensemble
+import user_models
 from configs import default
 from conftest import make_member
-from ensemble import models
+from ensemble import models, steps
 from ensemble.errors import UsageError
+from ensemble.models import fused, user
 
 
 def _config(**overrides):
@@ -94,6 +99,100 @@ def test_the_cnn_s_bfloat16_gradients_keep_their_dtype_and_follow_float32_s():
     assert grad.dtype == jnp.bfloat16
     error = jnp.linalg.norm(grad.astype(jnp.float32) - reference) / jnp.linalg.norm(reference)
     assert error < 0.1, f'{float(error):.3f} of the float32 gradient\'s norm'
+
+
+def _close(actual, expected):
+  """Equal to float32 rounding, relative to the largest value."""
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * max(float(jnp.abs(e).max()), 1.0))
+
+
+# An image's channel count (the layer's patches) and more (the convolution itself); odd sizes.
+@pytest.mark.parametrize('channels', [1, 6])
+def test_every_transformation_of_the_fused_layer_agrees_with_the_plain_layers(channels):
+  """Its custom backward pass takes no transformation away: forward mode, reverse mode, and the two nested."""
+  keys = jax.random.split(jax.random.key(0), 6)
+  shapes = ((2, 5, 7, channels), (3, 3, channels, 3), (3,))
+  args = tuple(jax.random.normal(key, shape) for key, shape in zip(keys[:3], shapes))
+  tangents = tuple(jax.random.normal(key, shape) for key, shape in zip(keys[3:], shapes))
+  layers = {'fused': fused.conv_relu_pool, 'plain': fused._plain}  # pylint: disable=protected-access
+  squared = {name: lambda *args, layer=layer: jnp.sum(layer(*args) ** 2) for name, layer in layers.items()}
+  transformed = lambda name: (jax.jvp(layers[name], args, tangents),
+                               jax.jacfwd(layers[name], argnums=(0, 1, 2))(*args),
+                               jax.grad(squared[name], argnums=(0, 1, 2))(*args),
+                               jax.hessian(squared[name], argnums=(1, 2))(*args))
+  _close(jax.jit(transformed, static_argnums=0)('fused'), jax.jit(transformed, static_argnums=0)('plain'))
+
+
+def test_forward_mode_autodiff_goes_through_the_cnn():
+  images = jax.random.normal(jax.random.key(1), (1, 8, 8, 1))
+  cnn, plain = models.create(_config(), 10, (8, 8, 1)), _flax_example_cnn()
+  params = cnn.init(jax.random.key(0), images)['params']
+  direction = jax.random.normal(jax.random.key(2), images.shape)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def transformed(model):
+    output = lambda x: model.apply({'params': params}, x)
+    step = 1e-2  # large enough for float32, small enough for the ReLUs' kinks
+    difference = (output(images + step * direction) - output(images - step * direction)) / (2 * step)
+    return jax.jvp(output, (images,), (direction,)), jax.jacfwd(output)(images), difference
+
+  (value, tangent), jacobian, difference = transformed(cnn)
+  (plain_value, plain_tangent), plain_jacobian, _ = transformed(plain)
+  _close((value, tangent, jacobian), (plain_value, plain_tangent, plain_jacobian))
+  np.testing.assert_allclose(tangent, difference, rtol=0.05, atol=0.05 * float(jnp.abs(tangent).max()))
+
+
+def _scaled_data():
+  """Features and two classes: what ScaledNNX and Scaled fit."""
+  x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+  return x, (x[:, 0] > 0).astype(np.int64)
+
+
+def _leaf(tree, name: str) -> np.ndarray:
+  """The leaf of `tree` whose path ends in `name`."""
+  [leaf] = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if jax.tree_util.keystr(path).endswith(f"['{name}']")]
+  return np.asarray(leaf)
+
+
+@pytest.mark.parametrize('model, backend, checkpointed', [
+    (functools.partial(user_models.ScaledNNX, din=4, num_classes=2, scale=10.0), 'jit', False),
+    (user_models.Scaled(scale=10.0, num_classes=2), 'pmap', True),
+], ids=['nnx-jit', 'linen-pmap-checkpointed'])
+def test_a_model_s_variables_besides_its_parameters_travel_with_its_members(model, backend, checkpointed, tmp_path):
+  """A constant keeps its value, in training and prediction; a count of train calls grows by one a step. The linen
+  model's are collections of their own, restored here from its workdir's checkpoint; the NNX model's nnx.Variables."""
+  x, y = _scaled_data()
+  ens = ensemble.fit(model, (x, y), ensemble_size=2, epochs=1, batch_size=16, backend=backend, progress=False,
+                     workdir=str(tmp_path / 'run') if checkpointed else None)
+  others = ens.state.batch_stats
+  np.testing.assert_array_equal(_leaf(others, 'scale'), np.full((2, 4), 10.0))
+  np.testing.assert_array_equal(_leaf(others, 'calls'), np.asarray(ens.state.step))
+  assert (_leaf(others, 'calls') == 4).all()  # 64 rows in batches of 16
+  # Each member's output is its linear layer of the inputs times 10: not of zeros, the same for every input.
+  kernel, bias = _leaf(ens.params, 'kernel'), _leaf(ens.params, 'bias')
+  expected = jax.nn.log_softmax(np.einsum('nf,kfc->knc', x * 10.0, kernel) + bias[:, None])
+  np.testing.assert_allclose(ens.apply(ens.params, x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_nnx_model_that_creates_variables_when_called_is_refused_before_anything_is_written(tmp_path):
+  with pytest.raises(UsageError, match=r'^the NNX model creates variables when it is called \(calls\): create them '
+                                       'in __init__') as error:
+    ensemble.fit(functools.partial(user_models.LazyNNX, din=4, num_classes=2), _scaled_data(), ensemble_size=2,
+                 epochs=1, batch_size=16, progress=False, workdir=str(tmp_path / 'run'))
+  assert '\n' not in str(error.value)
+  assert not os.path.exists(tmp_path / 'run')
+
+
+def test_a_constant_keeps_its_float32_value_when_the_forward_pass_runs_in_bfloat16():
+  member = steps.Member(user.wrap(user_models.Scaled(scale=1.1, num_classes=2)), optax.sgd(0.1), (4,),
+                        inputs='features', dtype='bfloat16')
+  x, y = _scaled_data()
+  state, _ = jax.jit(member.train_step)(member.init(jax.random.key(0)), x[:8], y[:8])
+  assert float(jnp.bfloat16(1.1)) != np.float32(1.1)
+  np.testing.assert_array_equal(state.batch_stats['constants']['scale'], np.full(4, 1.1, np.float32))
+  assert state.batch_stats['counter']['calls'] == 1
 
 
 @pytest.mark.parametrize('depth, blocks', [(8, 1), (20, 3)])

@@ -120,9 +120,12 @@ def test_the_temperature_fitted_by_evaluate_is_applied_to_its_checkpoint_and_dat
     (np.zeros((2, 32, 32, 3), np.uint8), 'images of shape (2, 32, 32, 3), but {workdir} was trained on 28x28x1 '
                                          'images; give a batch of shape (N, 28, 28, 1)'),
     (np.zeros((28, 28, 1), np.uint8), 'images of shape (28, 28, 1)'),
-    (np.zeros((2, 28, 28, 1), np.int64), 'images of dtype int64; give uint8 pixels (0..255) or floats in [0, 1]'),
-    (np.full((2, 28, 28, 1), 255.0), 'float images must lie in [0, 1] but span [255, 255]; divide 0..255 values'),
-    (np.full((2, 28, 28, 1), np.nan), 'float images must lie in [0, 1] but span [nan, nan]'),
+    # The checks (and messages) of training's arrays (`data.base.as_images`): what fit refuses, predict refuses.
+    (np.zeros((2, 28, 28, 1), np.int64), 'inputs: images of dtype int64; store them as uint8 (0..255) or as float '
+                                         'in [0, 1]'),
+    (np.full((2, 28, 28, 1), 255.0), 'inputs: float images must lie in [0, 1] but span [255, 255]; scale them to '
+                                     '[0, 1] (x / 255 for 0..255 values)'),
+    (np.full((2, 28, 28, 1), np.nan), 'inputs: float images contain NaN; store uint8 (0..255) or float in [0, 1]'),
     ([np.zeros((28, 28)), np.zeros((27, 28))], 'inputs cannot be made an array ('),
 ])
 def test_bad_images_are_one_line_errors(trained, images, message):
@@ -150,6 +153,27 @@ def test_the_flag_threshold_meets_its_target_on_the_held_out_slice(trained):
 
 
 # The command line.
+
+def test_the_default_flag_catches_noise_and_rotated_digits(trained):
+  """An accurate ensemble meets the 1% risk unflagged (the entropy test flags nothing); the members' disagreement
+  beyond the held-out images' flags inputs unlike the training data."""
+  model, test = trained['model'], trained['test']
+  fitted = model.flag_threshold()
+  heldout_rate = fitted['ood_rate']
+  noise = np.random.default_rng(0).integers(0, 256, (100, 28, 28, 1)).astype(np.uint8)
+  rotated = np.rot90(test['image'], 1, axes=(1, 2))  # the digits' lit rows become columns
+  disagreement_only = {**fitted, 'threshold': np.inf}  # what an accurate ensemble's entropy test leaves
+  for thresholds in (fitted, disagreement_only):
+    rates = {name: float(np.mean(api.flagged(model.predict(images), thresholds)))
+             for name, images in (('test', test['image']), ('noise', noise), ('rotated', rotated))}
+    assert rates['noise'] > 0.5 and rates['rotated'] > 0.5, rates
+    assert rates['test'] < 0.2, rates
+  heldout, _ = evaluation.heldout_split(data.load(data_dir=model.config.data_dir).train, model.config)
+  assert np.mean(model.predict(heldout['image'])['mutual_information'] > fitted['ood_threshold']) <= heldout_rate
+  assert heldout_rate == api.DEFAULT_FLAG_OOD_RATE
+  with pytest.raises(UsageError, match='ood_rate=1.0 must be a share'):
+    model.flag_threshold(ood_rate=1.0)
+
 
 def _main(*args):
   """Runs the CLI in this process (restores and compiles, but starts no interpreter)."""
@@ -211,8 +235,10 @@ def test_cli_predicts_every_kind_of_input(trained, tmp_path, kind, output):
     np.testing.assert_allclose([float(row['entropy']) for row in rows], expected['entropy'], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose([float(row['probability']) for row in rows], expected['probs'].max(-1), rtol=1e-5)
   if flag:
-    threshold = trained['model'].flag_threshold(predict.DEFAULT_FLAG_RISK)['threshold']
-    assert [int(row['flag']) for row in rows] == (expected['entropy'] > threshold).astype(int).tolist()
+    fitted = trained['model'].flag_threshold(predict.DEFAULT_FLAG_RISK)
+    expected_flags = (expected['entropy'] > fitted['threshold']) | (expected['mutual_information'] >
+                                                                    fitted['ood_threshold'])
+    assert [int(row['flag']) for row in rows] == expected_flags.astype(int).tolist()
   assert not [name for name in os.listdir(tmp_path) if name.startswith('.')]  # no partial file left
   (tmp_path / 'reference').write_text('')
   assert os.stat(tmp_path / output).st_mode == os.stat(tmp_path / 'reference').st_mode  # as open() makes it
@@ -266,8 +292,9 @@ def _bad_inputs(tmp_path):
                         f'error: {t}/truncated-idx3-ubyte.gz: truncated file'),
       'wrong shape': (['--input', f'{t}/colour.npy'],
                       f'error: {t}/colour.npy: images of shape (3, 32, 32, 3), but'),
-      'wrong dtype': (['--input', f'{t}/ints.npy'], f'error: {t}/ints.npy: images of dtype int64'),
-      'out of range': (['--input', f'{t}/bright.npy'], f'error: {t}/bright.npy: float images must lie in [0, 1]'),
+      'wrong dtype': (['--input', f'{t}/ints.npy'], f'error: {t}/ints.npy: inputs: images of dtype int64'),
+      'out of range': (['--input', f'{t}/bright.npy'],
+                       f'error: {t}/bright.npy: inputs: float images must lie in [0, 1]'),
       'several arrays': (['--input', f'{t}/two.npz'], f'error: {t}/two.npz: several arrays (it holds a, b); name'),
       'no such array': (['--input', f'{t}/two.npz', '--array=c'], f'error: {t}/two.npz: no array c (it holds a, b)'),
       'empty folder': (['--input', f'{t}/empty'], f'error: {t}/empty: no PNG or JPEG files in this folder'),
@@ -417,8 +444,8 @@ def test_the_program_runs_on_one_device_and_flags(trained, tmp_path):
                            str(tmp_path / 'x.npy'), '--output', str(tmp_path / 'rows.jsonl'), '--batch_size=32'],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert 'Restored epoch 1' in result.stderr and '8 members on 1 devices' in result.stderr
-  assert 'Flag threshold: entropy >' in result.stderr and 'Wrote 100 rows to' in result.stderr
+  assert 'Restored epoch 1' in result.stderr and '8 members on 1 device;' in result.stderr
+  assert 'Flag: entropy >' in result.stderr and 'Wrote 100 rows to' in result.stderr
   rows = _read(tmp_path / 'rows.jsonl')
   expected = trained['model'].predict(trained['test']['image'])
   assert [row['class'] for row in rows] == expected['class'].tolist()

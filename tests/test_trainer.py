@@ -2,6 +2,7 @@
 
 import functools
 import json
+import logging
 import os
 
 import jax
@@ -12,7 +13,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from ensemble import backends, checkpoint, config as config_lib, data, loop, trainer, writers
 from ensemble.errors import UsageError
 
-from conftest import timeless
+from conftest import MNIST_INFO, timeless
 
 
 def _params(state):
@@ -110,6 +111,41 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(make_config, tm
     assert line_a.keys() == line_b.keys()
     assert all(line[key] > 0 for line in (line_a, line_b) for key in ('train_seconds', 'test_seconds', 'save_seconds'))
   assert timeless(a) == timeless(b)
+
+
+def _logged(caplog, text: str) -> list[str]:
+  return [record.getMessage() for record in caplog.records if text in record.getMessage()]
+
+
+def test_a_resume_names_only_what_changed_and_a_finished_run_says_nothing_was_left(make_config, tmp_path, caplog):
+  """Issue 56: config.json's lists against the config's tuples, and a test batch lowered to the test set's size,
+  were reported as changed on every resume; a run resumed at its last epoch ended in "Done" as if it had trained."""
+  workdir = str(tmp_path / 'run')
+  settings = dict(ensemble_size=2, num_devices=2, eval_batch_size=1000)
+  trainer.train_and_evaluate(make_config(**settings), workdir)
+  with caplog.at_level(logging.INFO, logger='absl'):  # whatever verbosity an earlier test left absl at
+    trainer.train_and_evaluate(make_config(**settings), workdir)
+    assert not _logged(caplog, 'Resuming with') and not _logged(caplog, 'Training 2 members')
+    assert _logged(caplog, 'already trained to epoch 1 of 1: nothing to train; raise --config.num_epochs')
+    caplog.clear()
+    trainer.train_and_evaluate(make_config(num_epochs=2, **settings), workdir)
+  assert [message.split(';')[0] for message in _logged(caplog, 'Resuming with')] == [
+      "Resuming with {'num_epochs': 2}"]
+  assert not _logged(caplog, 'nothing to train') and _logged(caplog, 'Training 2 members on 2 devices')
+  assert [line['epoch'] for line in writers.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))] == [1, 2]
+
+
+@pytest.mark.parametrize('backend', ['pmap', 'jit'])
+@pytest.mark.parametrize('num_devices, members', [(1, config_lib.ONE_DEVICE_MEMBERS), (2, 2), (8, 8)])
+def test_the_default_ensemble_size_is_a_member_per_device_or_several_on_one(make_config, backend, num_devices,
+                                                                             members):
+  """Issue 56: ensemble_size=0 meant one member per device, which on one device is no ensemble."""
+  config, devices = config_lib.resolve(make_config(ensemble_size=0, backend=backend, num_devices=num_devices),
+                                       jax.devices())
+  assert config.ensemble_size == members > 1 and len(devices) == num_devices
+  backend = backends.create(backend, member=config_lib.member(config, MNIST_INFO), devices=devices,
+                            ensemble_size=config.ensemble_size, member_data=config.member_data, config=config)
+  assert jax.tree.leaves(backend.abstract_state())[0].shape[0] == members  # placed: the canonical (K, ...) state
 
 
 def _restore_and_evaluate(config, workdir, backend_name, num_devices):

@@ -1,6 +1,7 @@
 """Models of a user's own, importable by path (`user_models:TinyNet`) in the tests' processes."""
 
 import flax.linen as nn
+import jax.numpy as jnp
 from flax import nnx
 
 from ensemble.models import rank1
@@ -48,6 +49,50 @@ class NNXNet(nnx.Module):
   def __call__(self, x):
     x = x.reshape((x.shape[0], -1))
     return self.head(self.dropout(nnx.relu(self.norm(self.hidden(x)))))
+
+
+class ScaledNNX(nnx.Module):
+  """One linear layer on its inputs times a constant of its own (an nnx.Variable: state, not a parameter), counting
+  its train calls in another: each member must carry both, the constant as it was built, the count as it grows."""
+
+  def __init__(self, din: int, num_classes: int = 10, scale: float = 10.0, *, rngs: nnx.Rngs):
+    self.scale = nnx.Variable(jnp.full((din,), scale))
+    self.calls = nnx.Variable(jnp.zeros((), jnp.int32))
+    self.linear = nnx.Linear(din, num_classes, rngs=rngs)
+
+  def __call__(self, x, train: bool = False):
+    if train:
+      self.calls[...] += 1
+    return self.linear(x.reshape((x.shape[0], -1)) * self.scale[...])
+
+
+class LazyNNX(ScaledNNX):
+  """ScaledNNX, but its count is a variable that its first call creates: no member could carry it."""
+
+  def __init__(self, din: int, num_classes: int = 10, *, rngs: nnx.Rngs):
+    super().__init__(din, num_classes, rngs=rngs)
+    del self.calls
+
+  def __call__(self, x, train: bool = False):
+    if not hasattr(self, 'calls'):
+      self.calls = nnx.Variable(jnp.zeros((), jnp.int32))
+    return super().__call__(x, train)
+
+
+class Scaled(nn.Module):
+  """ScaledNNX in linen: the constant in a collection of its own ('constants'), the count in a mutable one
+  ('counter'), neither of them 'params' or 'batch_stats'."""
+  scale: float = 10.0
+  num_classes: int = 10
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    x = x.reshape((x.shape[0], -1))
+    scale = self.variable('constants', 'scale', jnp.full, x.shape[1:], self.scale)
+    calls = self.variable('counter', 'calls', jnp.zeros, (), jnp.int32)
+    if train:
+      calls.value += 1
+    return nn.Dense(self.num_classes)(x * scale.value)
 
 
 NOT_A_MODEL = 3.0

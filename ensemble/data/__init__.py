@@ -12,11 +12,12 @@ import numpy as np
 
 from ensemble.data import arrays, bundled, csv, idx, npz, tfds
 from ensemble.data.base import DataError, Dataset, Split
-from ensemble.data.batches import (bootstrap, eval_batches, epoch_order, hold_out, steps_per_epoch,
+from ensemble.data.batches import (bootstrap, eval_batches, epoch_order, heldout_count, hold_out, steps_per_epoch,
                                    train_batch_indices, train_batches)
 
 __all__ = ['DataError', 'Dataset', 'Split', 'SOURCES', 'bootstrap', 'channel_stats', 'load', 'eval_batches',
-           'epoch_order', 'hold_out', 'input_stats', 'steps_per_epoch', 'train_batch_indices', 'train_batches']
+           'epoch_order', 'heldout_count', 'hold_out', 'input_stats', 'steps_per_epoch', 'train_batch_indices',
+           'train_batches']
 
 _STATS_CHUNK_BYTES = 1 << 24
 # The dataset name a run records when `ensemble.fit` was given arrays: no source can load it again by name.

@@ -34,8 +34,9 @@ def pair(split: Any, name: str) -> tuple[np.ndarray, np.ndarray]:
     raise base.DataError(message) from None
 
 
-def _as_inputs(inputs: np.ndarray, kind: str, name: str) -> np.ndarray:
-  """float32 features or int32 token ids (N, ...); images go through `base.make_split`."""
+def as_inputs(inputs: np.ndarray, kind: str, name: str) -> np.ndarray:
+  """Features (float32, or float64 where float32 would round them: `base.host_float`) or int32 token ids (N, ...);
+  images go through `base.make_split`."""
   if inputs.ndim < 2:
     raise base.DataError(f'{name}: inputs of shape {inputs.shape}; give one row per example, (N, ...) with at least '
                          'one value each (a single feature as x[:, None])')
@@ -49,7 +50,7 @@ def _as_inputs(inputs: np.ndarray, kind: str, name: str) -> np.ndarray:
   if not (np.issubdtype(inputs.dtype, np.floating) or np.issubdtype(inputs.dtype, np.integer)):
     raise base.DataError(f'{name}: inputs of dtype {inputs.dtype}; give numbers (float features, uint8 images or '
                          'integer token ids)')
-  features = inputs.astype(np.float32)
+  features = base.host_float(inputs)
   if not np.isfinite(features).all():
     raise base.DataError(f'{name}: inputs hold NaN or infinite values (first at example '
                          f'{int(np.argmin(np.isfinite(features).reshape(len(features), -1).all(1)))}); '
@@ -63,12 +64,13 @@ def _split(split: Any, kind: str, name: str, task: str = 'classification', sourc
     name = f'{source}: {name}'
   if len(inputs) != len(labels):
     raise base.DataError(f'{name}: {len(inputs)} inputs but {len(labels)} labels; give one label per example')
+  base.check_examples(len(inputs), f'{name} inputs')
   if task == 'regression':
     targets = base.as_targets(labels, f'{name} targets')
     if kind == 'images':
       return {**base.make_split(inputs, np.zeros(len(inputs), np.int32), f'{name} images', f'{name} targets'),
               'label': targets}
-    return {'image': _as_inputs(inputs, kind, name), 'label': targets}
+    return {'image': as_inputs(inputs, kind, name), 'label': targets}
   if not np.issubdtype(labels.dtype, np.integer):
     raise base.DataError(f'{name}: labels of dtype {labels.dtype}; give integer class indices 0..C-1 '
                          '(y.astype(np.int32), or y.argmax(-1) for one-hot labels)')
@@ -76,7 +78,7 @@ def _split(split: Any, kind: str, name: str, task: str = 'classification', sourc
     if np.issubdtype(inputs.dtype, np.floating) and not np.isfinite(inputs).all():
       raise base.DataError(f'{name}: images hold NaN or infinite values; give uint8 pixels or floats in [0, 1]')
     return base.make_split(inputs, labels, f'{name} images', f'{name} labels')
-  return {'image': _as_inputs(inputs, kind, name), 'label': base.as_labels(labels, f'{name} labels')}
+  return {'image': as_inputs(inputs, kind, name), 'label': base.as_labels(labels, f'{name} labels')}
 
 
 def from_arrays(train: Any, test: Any | None, inputs: str = 'auto', task: str = 'classification',

@@ -10,6 +10,7 @@ import zipfile
 from typing import BinaryIO
 
 import numpy as np
+from absl import logging
 
 from ensemble.errors import UsageError
 
@@ -17,12 +18,17 @@ from ensemble.errors import UsageError
 # arrays given to `ensemble.fit` may also be float32 features or int32 token ids of any shape (N, ...).
 Split = dict[str, np.ndarray]
 
+# The most absent classes a warning lists by number.
+_LISTED_CLASSES = 10
 # Float images are converted this many bytes of input at a time, so a large split never needs a second float copy.
 _CHUNK_BYTES = 1 << 24
 
 
 class DataError(UsageError):
   """A data file or dataset that is missing or malformed."""
+
+
+HOST_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))  # what features and targets may be on the host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,22 +44,24 @@ class Dataset:
   source: str  # what it came from, for logs and reports
   num_classes: int  # for regression: the number of targets D
   inputs: str = 'images'  # what the inputs are: steps.INPUTS
-  task: str = 'classification'  # 'regression': labels are float32 targets (N, D)
+  task: str = 'classification'  # 'regression': labels are float targets (N, D)
 
   def __post_init__(self):
     # A loader that breaks the layout would otherwise fail far away, inside a jitted step.
-    layouts = {'images': (np.uint8, 'uint8 (N, H, W, C)'), 'features': (np.float32, 'float32 (N, ...)'),
-               'tokens': (np.int32, 'int32 (N, ...)')}
-    dtype, layout = layouts[self.inputs]
+    # Features and targets may stay float64 until the loop standardises them (ensemble/loop.py): cast first, a
+    # target of 1.7e9 +- 30 would keep one distinct value in 512.
+    layouts = {'images': ((np.uint8,), 'uint8 (N, H, W, C)'), 'features': (HOST_FLOATS, 'float32/64 (N, ...)'),
+               'tokens': ((np.int32,), 'int32 (N, ...)')}
+    dtypes, layout = layouts[self.inputs]
     for name, split in (('train', self.train), ('test', self.test)):
       if split is None:
         continue
       images, labels = split['image'], split['label']
-      if images.dtype != dtype or images.ndim < 2 or (self.inputs == 'images' and images.ndim != 4):
+      if images.dtype not in dtypes or images.ndim < 2 or (self.inputs == 'images' and images.ndim != 4):
         raise ValueError(f'Dataset.{name}: {self.inputs} must be {layout}, got {images.dtype} {images.shape}')
       if self.task == 'regression':
-        if labels.dtype != np.float32 or labels.ndim != 2 or labels.shape[0] != len(images):
-          raise ValueError(f'Dataset.{name}: targets must be float32 ({len(images)}, D), got {labels.dtype} '
+        if labels.dtype not in HOST_FLOATS or labels.ndim != 2 or labels.shape[0] != len(images):
+          raise ValueError(f'Dataset.{name}: targets must be float32/64 ({len(images)}, D), got {labels.dtype} '
                            f'{labels.shape}')
       elif labels.dtype != np.int32 or labels.shape != images.shape[:1]:
         raise ValueError(f'Dataset.{name}: labels must be int32 ({len(images)},), got {labels.dtype} {labels.shape}')
@@ -116,6 +124,8 @@ def _check_image_layout(images: np.ndarray, name: str):
 
 def _float_to_uint8(images: np.ndarray, name: str) -> np.ndarray:
   """Rounds x*255 chunk by chunk: floats are accepted in [0, 1] only, where this is lossless for 8-bit sources."""
+  if not images.size:
+    return images.astype(np.uint8)
   low, high = float(images.min()), float(images.max())  # NaN propagates into both
   if np.isnan(low) or np.isnan(high):
     raise DataError(f'{name}: float images contain NaN; store uint8 (0..255) or float in [0, 1]')
@@ -129,8 +139,9 @@ def _float_to_uint8(images: np.ndarray, name: str) -> np.ndarray:
   return out
 
 
-def _as_images(images: np.ndarray, name: str) -> np.ndarray:
-  """uint8 (N, H, W, C): (N, H, W) gains C=1 (a view), uint8 is kept as is, [0, 1] floats are rounded."""
+def as_images(images: np.ndarray, name: str) -> np.ndarray:
+  """uint8 (N, H, W, C): (N, H, W) gains C=1 (a view), uint8 is kept as is, [0, 1] floats are rounded (for
+  training and prediction alike: the members see the same pixels)."""
   images = images[..., None] if images.ndim == 3 else images
   if images.dtype == np.uint8:
     return images
@@ -156,8 +167,15 @@ def as_labels(labels: np.ndarray, name: str) -> np.ndarray:
   return labels.astype(np.int32, copy=False)
 
 
+def host_float(values: np.ndarray) -> np.ndarray:
+  """`values` as float32, or float64 where float32 would round them (float64, 32- and 64-bit integers): the host
+  keeps their precision until the loop has standardised them."""
+  exact = values.dtype.itemsize <= 2 or values.dtype == np.float32
+  return values.astype(np.float32 if exact else np.float64, copy=False)
+
+
 def as_targets(targets: np.ndarray, name: str) -> np.ndarray:
-  """float32 (N, D) regression targets from (N,) or (N, D) finite floats."""
+  """(N, D) regression targets from (N,) or (N, D) finite floats, float64 kept (`host_float`)."""
   if not np.issubdtype(targets.dtype, np.floating):
     raise DataError(f'{name}: targets of dtype {targets.dtype}; regression needs float targets (y.astype(np.float32)), '
                     "or task='classification' for class indices")
@@ -168,7 +186,14 @@ def as_targets(targets: np.ndarray, name: str) -> np.ndarray:
   if not finite.all():
     raise DataError(f'{name}: targets hold NaN or infinite values (first at example {int(np.argmin(finite))}); '
                     'drop those examples first')
-  return targets.astype(np.float32)
+  return host_float(targets)
+
+
+def check_examples(count: int, name: str):
+  """Refuses an empty split where a source's arrays become one (`make_split`, `arrays.from_arrays`): past here,
+  zero rows fail far from their cause, in numpy's reductions (which have no identity) or as NaN scores."""
+  if not count:
+    raise DataError(f'{name}: no examples, the split is empty; give it at least one example')
 
 
 def make_split(images: np.ndarray, labels: np.ndarray, images_name: str, labels_name: str) -> Split:
@@ -181,10 +206,9 @@ def make_split(images: np.ndarray, labels: np.ndarray, images_name: str, labels_
   if len(images) != len(labels):
     raise DataError(f'{images_name} / {labels_name}: {len(images)} images but {len(labels)} labels; '
                     'images and labels must come from the same split, in the same order')
-  if not len(images):
-    raise DataError(f'{images_name}: no examples; each split needs at least one image')
+  check_examples(len(images), images_name)
   labels = as_labels(labels, labels_name)
-  return {'image': _as_images(images, images_name), 'label': labels}
+  return {'image': as_images(images, images_name), 'label': labels}
 
 
 def make_dataset(train: Split, test: Split, source: str, names: dict[str, tuple[str, str]],
@@ -199,15 +223,32 @@ def make_dataset(train: Split, test: Split, source: str, names: dict[str, tuple[
     raise DataError(f'{names["train"][0]} holds {"x".join(map(str, train_shape))} {inputs} but {names["test"][0]} '
                     f'holds {"x".join(map(str, test_shape))}; train and test {inputs} must have the same shape')
   if num_classes is None:
+    # The user's class ids are kept: C is the largest training label + 1, so a class may be absent from training
+    # (warned below), but none may lie above the largest one trained on, which no output would stand for.
     num_classes = int(train['label'].max()) + 1
-    where = 'the training labels define classes'
+    where, rule, absent_fix = ('C = the largest training label + 1', ', and the largest class must appear in training',
+                               'relabel to 0..C-1')
   else:
-    where = f'{source} has {num_classes} classes'
+    where, rule, absent_fix = f'{source} has {num_classes} classes', '', 'train on a split that holds every class'
   for split_name, split in (('train', train), ('test', test)):
     if split is None:
       continue
     largest = int(split['label'].max())
     if largest >= num_classes:
       raise DataError(f'{names[split_name][1]}: label {largest} is outside 0..{num_classes - 1} ({where}); '
-                      'labels must be class indices 0..C-1, and every class must appear in training')
+                      f'labels must be class indices 0..C-1{rule}')
+  _warn_absent_classes(train['label'], num_classes, absent_fix)
   return Dataset(train=train, test=test, source=source, num_classes=num_classes, inputs=inputs)
+
+
+def _warn_absent_classes(labels: np.ndarray, num_classes: int, fix: str):
+  """Training goes on without some classes (labels {1, 2, 3} train 4 outputs), but says so: the members learn to
+  give an absent class no probability, which is rarely what was meant."""
+  absent = np.flatnonzero(np.bincount(labels, minlength=num_classes) == 0)
+  if not len(absent):
+    return
+  listed = ', '.join(map(str, absent[:_LISTED_CLASSES])) + (', ...' if len(absent) > _LISTED_CLASSES else '')
+  one = len(absent) == 1
+  logging.warning('%s %s never %s in the training labels: the members will never predict %s; %s if that is not '
+                  'meant', 'class' if one else f'{len(absent)} classes', listed, 'appears' if one else 'appear',
+                  'it' if one else 'them', fix)

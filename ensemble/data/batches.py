@@ -5,16 +5,37 @@ backend or the device count, so member i sees the same batches however the
 ensemble is placed. Nothing here looks at the images' dtype or shape.
 """
 
+import math
 from typing import Iterator
 
 import numpy as np
 
-from ensemble.data.base import Split
+from ensemble.data.base import DataError, Split
+
+
+def heldout_count(num_examples: int, fraction: float) -> int:
+  """How many of `num_examples` the held-out slice of `fraction` holds (`hold_out`)."""
+  return int(round(fraction * num_examples))
 
 
 def hold_out(split: Split, fraction: float) -> tuple[Split, Split]:
-  """(the rest, the last `fraction` of the examples): a fixed slice, the same for training and evaluation."""
-  start = len(split['label']) - int(round(fraction * len(split['label'])))
+  """(the rest, the last `fraction` of the examples): a fixed slice, the same for training and evaluation.
+
+  A `heldout_fraction` that rounds to no rows, or to all of them, is refused
+  here, where every caller slices: an empty slice would otherwise fail far
+  away (numpy's reductions over no rows, NaN scores) or train on nothing.
+  """
+  num_examples = len(split['label'])
+  count = heldout_count(num_examples, fraction)
+  if fraction and num_examples and not count:
+    raise DataError(f'heldout_fraction={fraction} of the {num_examples} training examples holds out none; set '
+                    f'--config.heldout_fraction to at least {1 / num_examples:.2g}, or to 0 to hold out nothing')
+  if num_examples and count == num_examples:
+    most = math.floor(100 * (num_examples - 1) / num_examples) / 100  # holds out at most all but one
+    raise DataError(f'heldout_fraction={fraction} of the {num_examples} training examples holds out all of them, '
+                    'leaving none to train on; lower it: --config.heldout_fraction='
+                    + (f'{most:g} or less, or 0 to hold out nothing' if most else '0, to hold out nothing'))
+  start = num_examples - count
   return {k: v[:start] for k, v in split.items()}, {k: v[start:] for k, v in split.items()}
 
 

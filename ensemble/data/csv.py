@@ -19,14 +19,21 @@ TEST_FRACTION = 0.2
 def _read(path: str) -> tuple[list[str], list[list[str]]]:
   import csv  # pylint: disable=g-import-not-at-top
   try:
-    with open(path, newline='', encoding='utf-8') as f:
+    # utf-8-sig: spreadsheets start a UTF-8 file with a byte-order mark, which would otherwise join the first name.
+    with open(path, newline='', encoding='utf-8-sig') as f:
       rows = [row for row in csv.reader(f) if row]
   except (OSError, UnicodeDecodeError, csv.Error) as e:
     raise base.DataError(f'{path}: cannot be read as CSV ({base.first_line(e)}); give a .csv file with a header '
                          'row') from None
   if len(rows) < 3:
     raise base.DataError(f'{path}: {max(len(rows) - 1, 0)} data rows; give a header row and at least 2 rows')
-  return [name.strip() for name in rows[0]], rows[1:]
+  header = [name.strip() for name in rows[0]]
+  # A name twice would make one of its columns a feature while the other is the target: the target among the inputs.
+  repeated = next((name for name in header if header.count(name) > 1), None)
+  if repeated is not None:
+    raise base.DataError(f'{path}: column {repeated!r} appears {header.count(repeated)} times in the header; give '
+                         'every column its own name')
+  return header, rows[1:]
 
 
 def load(path: str, target: str) -> base.Dataset:
@@ -58,7 +65,7 @@ def load(path: str, target: str) -> base.Dataset:
   feature_columns = [c for c in range(len(header)) if c not in target_columns]
   if not feature_columns:
     raise base.DataError(f'{path}: no feature columns besides the targets {targets}; give at least one')
-  x, y = values[:, feature_columns].astype(np.float32), values[:, target_columns]
+  x, y = values[:, feature_columns], values[:, target_columns]  # float64 until standardised (ensemble/loop.py)
   order = np.random.default_rng(0).permutation(len(rows))
   cut = max(1, int(round(TEST_FRACTION * len(rows))))
   test, train = order[:cut], order[cut:]

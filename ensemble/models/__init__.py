@@ -18,7 +18,7 @@ from ensemble.models import classifier, cnn, mlp, resnet, user
 class Entry:
   build: Callable[..., nn.Module]  # (config, num_classes) -> module
   check: Callable[..., None] = lambda config: None  # refuses bad options before any data is read
-  min_image_size: int = 1  # smallest height and width the model can take
+  min_image_size: int = 0  # smallest height and width of the images it takes; 0: any inputs, flattened
   why: str = ''
 
 
@@ -36,17 +36,29 @@ def _check_resnet(config):
     raise UsageError(f'resnet_width={config.resnet_width} must be a positive width multiplier (1, 2, 4, ...)')
 
 
+def _mlp(config, num_classes: int) -> nn.Module:
+  """The mesh MLP where the config has its fields (configs/mlp.py: num_layers, depth, ...), whose blocks split over
+  'model'; else the plain one, which is what a config without them (the default, on feature vectors) means."""
+  if 'num_layers' not in config:
+    return mlp.Plain(num_classes=num_classes, rank1=_rank1(config))
+  return mlp.MLP(config.num_layers, config.depth, use_scan=config.use_scan, logical=config.logical,
+                 num_classes=num_classes)
+
+
 MODELS = {
     'cnn': Entry(lambda config, num_classes: cnn.CNN(num_classes=num_classes, rank1=_rank1(config)), min_image_size=4,
                  why='its two 2x2 poolings need at least 4x4 pixels'),
     'resnet': Entry(lambda config, num_classes: resnet.ResNet(
         config.resnet_depth, config.resnet_width, num_classes, rank1=_rank1(config)),
-                    check=_check_resnet),
-    'mlp': Entry(lambda config, num_classes: mlp.MLP(config.num_layers, config.depth, use_scan=config.use_scan,
-                                                     logical=config.logical, num_classes=num_classes)),
+                    check=_check_resnet, min_image_size=1),
+    'mlp': Entry(_mlp),
     'classifier': Entry(lambda config, num_classes: classifier.Classifier(
         config.num_layers, config.depth, dropout_rate=config.dropout_rate, num_classes=num_classes)),
 }
+
+
+# What the default config's CNN gives way to on feature vectors (`config.fit_to_data`).
+FEATURES_MODEL = 'mlp'
 
 
 def _imported(config):
@@ -88,8 +100,14 @@ def create(config, num_classes: int, image_shape: tuple[int, ...], model=None):
     return _wrap_imported(config, num_classes)
   check(config)
   entry = MODELS[config.model]
-  height, width = image_shape[:2]
-  if min(height, width) < entry.min_image_size:
-    raise UsageError(f'model {config.model!r} does not fit {height}x{width} images: {entry.why}; '
-                     'choose another --config.model, e.g. resnet')
+  if entry.min_image_size:
+    if len(image_shape) != 3:
+      raise UsageError(f'model {config.model!r} takes images (height, width, channels), not inputs of shape '
+                       f'{tuple(image_shape)}: set --config.model={FEATURES_MODEL}, or name a model of your own as '
+                       'package.module:Name')
+    height, width = image_shape[:2]
+    if min(height, width) < entry.min_image_size:
+      raise UsageError(f'model {config.model!r} does not fit {height}x{width} images: {entry.why}; '
+                       'choose another --config.model, e.g. resnet')
   return entry.build(config, num_classes)
+

@@ -1,4 +1,5 @@
-"""An MLP split over a ('data', 'model') mesh by sharding annotations (Flax's scale-up guide).
+"""The MLPs: one split over a ('data', 'model') mesh by sharding annotations (Flax's scale-up guide), and a plain
+one, the ensemble member for feature vectors (`Plain`).
 
 Every weight says how each of its dimensions is split, and the activations
 between layers are constrained the same way; `jax.jit` turns the annotations
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ensemble.models import rank1 as rank1_layers
 from ensemble.parallel import DATA_AXIS, MODEL_AXIS
 
 Names = Sequence[str | None]
@@ -94,3 +96,25 @@ class MLP(nn.Module):
       for i in range(self.num_layers):
         x, _ = DotReluDot(self.depth, self.logical, name=f'block_{i}')(x)
     return self._dense(self.num_classes, ('embed', 'classes'), 'head')(x)
+
+
+class Plain(nn.Module):
+  """Flattened inputs -> hidden ReLU layers of `widths` units -> `num_classes`: the built-in member for feature
+  vectors (a table's rows), which the default config's CNN cannot take.
+
+  No annotations: each member is one small model, whatever the backend; no
+  dropout or batch statistics, so a run on tabular data needs no other
+  setting. With `rank1`, BatchEnsemble's layers (models/rank1.py).
+  """
+  num_classes: int = 10
+  widths: Sequence[int] = (128, 128)
+  rank1: bool = False
+
+  @nn.compact
+  def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+    del train
+    dense = rank1_layers.Dense if self.rank1 else nn.Dense
+    x = x.reshape((x.shape[0], -1))
+    for width in self.widths:
+      x = nn.relu(dense(width)(x))
+    return dense(self.num_classes)(x)

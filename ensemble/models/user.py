@@ -1,8 +1,9 @@
 """A user's own model, linen or NNX, behind the `init` / `apply` interface that `steps.Member` calls.
 
 `steps.Member` speaks linen's language: `init(key, x, train=False)` returns the
-variables ({'params': ..., 'batch_stats': ...}), and `apply(variables, x,
-train=..., rngs=..., mutable=[...])` the logits (and the updated collections).
+variables ({'params': ..., 'batch_stats': ..., any other collection}), and
+`apply(variables, x, train=..., rngs=..., mutable=[...])` the logits (and the
+updated collections).
 The built-in models are linen Modules that take `train`; a user's model need
 not, and may be a Flax NNX model. The wrappers here give both that interface,
 so every backend, method, checkpoint and program treats a user's members as its
@@ -54,32 +55,40 @@ class NNX:
   """An NNX model, given as `build(rngs)`: every member builds its own from its own key.
 
   NNX keeps a model's state in the model; here it is split out as linen's
-  collections, nnx.Param as 'params' and nnx.BatchStat as 'batch_stats', and
-  merged back for each call. The model's random streams (Dropout's) are not
+  collections and merged back for each call: nnx.Param as 'params', the one
+  collection that trains; nnx.BatchStat as 'batch_stats'; every other
+  Variable (nnx.Variable, nnx.Cache, a type of the user's: constants,
+  counters) as 'state'. The members carry the last two as they carry a linen
+  model's collections besides 'params': what a train call changes is kept,
+  the rest keeps its value. The model's random streams (Dropout's) are not
   state that the members carry: every call re-seeds them from the key the step
-  passes, a key per member and step, as for linen members. `train` switches
-  the model with `.train()` / `.eval()` (Dropout's `deterministic`,
-  BatchNorm's `use_running_average`), and is passed on if its `__call__` takes it.
+  passes, a key per member and step, as for linen members; what a call sows
+  (nnx.Intermediate) is dropped. `train` switches the model with `.train()` /
+  `.eval()` (Dropout's `deterministic`, BatchNorm's `use_running_average`),
+  and is passed on if its `__call__` takes it.
   """
   build: Callable[..., Any]
 
   @functools.cached_property
   def _template(self):
-    """(graphdef, params, batch_stats, other state) of the model, abstract: built once, without computing."""
+    """`_split` of the model, abstract: built once, without computing."""
     from flax import nnx  # pylint: disable=g-import-not-at-top
-    return nnx.split(nnx.eval_shape(lambda: _build(self.build, nnx.Rngs(0))), nnx.Param, nnx.BatchStat, ...)
-
-  def _split(self, module):
-    from flax import nnx  # pylint: disable=g-import-not-at-top
-    _, params, batch_stats, _ = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
-    return {'params': nnx.to_pure_dict(params), 'batch_stats': nnx.to_pure_dict(batch_stats)}
+    return _split(nnx.eval_shape(lambda: _build(self.build, nnx.Rngs(0))))
 
   def init(self, key: jax.Array, x, train: bool = False):
     from flax import nnx  # pylint: disable=g-import-not-at-top
     params_key, call_key = jax.random.split(key)
     module = _build(self.build, nnx.Rngs(params_key))
     self._call(module, x, train, call_key)  # as linen's init runs the model: a shape error shows here
-    return {name: tree for name, tree in self._split(module).items() if tree}
+    variables = _variables(_split(module)[1])
+    # Each call merges the variables into a model as built: one that a call creates would start afresh each time.
+    built = {path for path, _ in jax.tree_util.tree_flatten_with_path(_variables(self._template[1]))[0]}
+    created = ['.'.join(str(entry.key) for entry in path[1:])
+               for path, _ in jax.tree_util.tree_flatten_with_path(variables)[0] if path not in built]
+    if created:
+      raise UsageError(f'the NNX model creates variables when it is called ({", ".join(created)}): create them in '
+                       '__init__, so that every member carries them from step to step')
+    return {name: tree for name, tree in variables.items() if tree}
 
   def _call(self, module, x, train: bool, key: jax.Array | None):
     from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -90,18 +99,33 @@ class NNX:
 
   def apply(self, variables, x, *, train: bool = False, rngs=None, mutable=False):
     from flax import nnx  # pylint: disable=g-import-not-at-top
-    graphdef, params, batch_stats, rest = self._template
+    graphdef, collections, uncarried = self._template
     key = (rngs or {}).get('dropout')
-    params, batch_stats, rest = (jax.tree.map(lambda leaf: _placeholder(leaf, key), tree)
-                                 for tree in (params, batch_stats, rest))  # fresh containers, filled below
-    nnx.replace_by_pure_dict(params, variables['params'])
-    if batch_stats:
-      nnx.replace_by_pure_dict(batch_stats, variables['batch_stats'])
-    module = nnx.merge(graphdef, params, batch_stats, rest)
+    fresh = lambda state: jax.tree.map(lambda leaf: _placeholder(leaf, key), state)  # new containers, filled below
+    collections, uncarried = {name: fresh(state) for name, state in collections.items()}, fresh(uncarried)
+    for name, state in collections.items():
+      if jax.tree.leaves(state):
+        nnx.replace_by_pure_dict(state, variables[name])
+    module = nnx.merge(graphdef, *collections.values(), uncarried)
     logits = self._call(module, x, train, key)
     if not mutable:
       return logits
-    return logits, {'batch_stats': self._split(module)['batch_stats']}
+    return logits, {name: tree for name, tree in _variables(_split(module)[1]).items()
+                    if mutable is True or name in mutable}
+
+
+def _split(module):
+  """(graphdef, {collection: its nnx.State}, the state that is not carried: random streams, what a call sowed)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  graphdef, params, batch_stats, uncarried, state = nnx.split(
+      module, nnx.Param, nnx.BatchStat, (nnx.RngState, nnx.Intermediate), ...)
+  return graphdef, {'params': params, 'batch_stats': batch_stats, 'state': state}, uncarried
+
+
+def _variables(collections: dict[str, Any]) -> dict[str, Any]:
+  """{collection: its nnx.State} -> {collection: its values as nested dicts}, linen's variables."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  return {name: nnx.to_pure_dict(state) for name, state in collections.items()}
 
 
 def _parameters(fn: Callable[..., Any]) -> Sequence[str]:
@@ -120,7 +144,8 @@ def _build(build: Callable[..., Any], rngs):
 
 
 def _placeholder(leaf: jax.ShapeDtypeStruct, key: jax.Array | None):
-  """A concrete value for an abstract leaf of the model's other state: its random keys, counters."""
+  """A concrete value for an abstract leaf of the model's state, until the variables replace it: the random
+  streams' keys (re-seeded) and counts are the only ones that keep it."""
   if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
     return key if key is not None else jax.random.key(0)
   return jax.numpy.zeros(leaf.shape, leaf.dtype)

@@ -56,7 +56,7 @@ def split_outputs(outputs, targets: int, xp=jnp):
   Per component, D means then D raw scales; the variance is softplus(raw) + VARIANCE_FLOOR.
   """
   shape = outputs.shape
-  parts = xp.reshape(outputs, (*shape[:-1], -1, 2, targets))
+  parts = xp.reshape(outputs, (*shape[:-1], shape[-1] // (2 * targets), 2, targets))  # M known for N = 0 too
   parts = xp.moveaxis(parts, -3, -4)  # (..., M, N, 2, D)
   softplus = jax.nn.softplus if xp is jnp else lambda x: np.logaddexp(0.0, x)
   return parts[..., 0, :], softplus(parts[..., 1, :]) + VARIANCE_FLOOR
@@ -155,8 +155,9 @@ class Regression:
     original units: float64 on the host, or traced by `ensemble.export` with xp=jnp."""
     outputs = np.asarray(member_outputs, np.float64) if xp is np else member_outputs
     means, variances = split_outputs(outputs, self.targets, xp=xp)  # (K, M, N, D)
-    means = means.reshape(-1, *means.shape[2:])
-    variances = variances.reshape(-1, *variances.shape[2:])
+    components = means.shape[0] * means.shape[1]  # K M, known for zero inputs too
+    means = means.reshape(components, *means.shape[2:])
+    variances = variances.reshape(components, *variances.shape[2:])
     mean, std = xp.asarray(self.target_mean), xp.asarray(self.target_std)
     return means * std + mean, variances * std ** 2
 
