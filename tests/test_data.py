@@ -224,6 +224,37 @@ def test_bundled_mnist_loads_without_tensorflow():
   assert result.returncode == 0, result.stderr[-2000:]
 
 
+def test_the_core_install_trains_without_tensorflow(tmp_path):
+  """`pip install -e .` has no TensorFlow: with it hidden, the bundled MNIST, IDX, .npz and .csv data load, `fit`
+  trains, and `python -m ensemble.train` trains and writes its TensorBoard events (tensorboard's protobufs)."""
+  mnist = write_mnist(str(tmp_path / 'mnist'), num_train=64, num_test=16)
+  np.savez(tmp_path / 'x.npz', x_train=np.zeros((4, 8, 8), np.uint8), y_train=np.arange(4), x_test=np.zeros((2, 8, 8),
+           np.uint8), y_test=np.arange(2))
+  (tmp_path / 't.csv').write_text('a,b,y\n' + ''.join(f'{i},{i % 3},{2 * i}\n' for i in range(20)))
+  hide = "import sys; sys.modules['tensorflow'] = None; "  # import tensorflow raises ImportError, as uninstalled
+  library = f"""
+import numpy as np
+import ensemble
+from ensemble import data
+assert 'bundled' in data.load('mnist').source
+data.load(data_dir={str(tmp_path / 'x.npz')!r}); data.load(task='regression', data_dir={str(tmp_path / 't.csv')!r},
+                                                      target='y')
+x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
+ens = ensemble.fit('mlp', (x, x[:, 0]), task='regression', ensemble_size=2, epochs=1, batch_size=16, progress=False)
+assert ens.predict(x[:4])['mean'].shape == (4,) and sys.modules['tensorflow'] is None
+"""
+  program = ("import runpy; sys.argv = sys.argv[1:]; "
+             "runpy.run_module('ensemble.train', run_name='__main__', alter_sys=True)")
+  train = ['ensemble.train', f'--workdir={tmp_path / "run"}', '--config=configs/default.py',
+           f'--config.data_dir={mnist}', '--config.num_epochs=1', '--config.batch_size=16', '--config.ensemble_size=2']
+  for command in ([hide + library], [hide + program, *train]):
+    result = subprocess.run([sys.executable, '-c', *command], capture_output=True, text=True, timeout=600,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            env={**os.environ, 'XLA_FLAGS': ''})
+    assert result.returncode == 0, result.stderr[-3000:]
+  assert any(name.startswith('events.out.tfevents') for name in os.listdir(tmp_path / 'run'))
+
+
 def test_bundled_mnist_missing_a_file_names_the_fix(tmp_path, monkeypatch):
   write_mnist(str(tmp_path), num_train=8, num_test=8)
   os.remove(tmp_path / 't10k-labels-idx1-ubyte.gz')
@@ -243,6 +274,16 @@ def test_tfds_under_mock_data(name, image_shape):
   assert dataset.train['image'].dtype == np.uint8 and dataset.image_shape == image_shape
   assert dataset.train['label'].dtype == np.int32 and dataset.test['label'].shape == (24,)
   assert dataset.num_classes == 10 and dataset.source == f'tfds {name}'
+
+
+def test_tfds_reads_through_data_source_without_tensorflow(monkeypatch):
+  """Without TensorFlow a tfds dataset is read by `tfds.data_source` (random access to ArrayRecord files)."""
+  tfds = pytest.importorskip('tensorflow_datasets')
+  monkeypatch.setattr(data.tfds, 'has_tensorflow', lambda: False)
+  with tfds.testing.mock_data(num_examples=24):
+    dataset = data.load('cifar10')
+  assert dataset.train['image'].shape == (24, 32, 32, 3) and dataset.train['image'].dtype == np.uint8
+  assert dataset.test['label'].shape == (24,) and dataset.num_classes == 10 and dataset.source == 'tfds cifar10'
 
 
 @functools.cache
@@ -279,6 +320,25 @@ def tiny_tfds(tiny_tfds_dir, monkeypatch):
   tfds = pytest.importorskip('tensorflow_datasets')
   monkeypatch.setattr(tfds.core.constants, 'DATA_DIR', tiny_tfds_dir)
   return 'ensemble_tiny_images'
+
+
+def test_tfds_prepared_as_array_record_reads_the_same_without_tensorflow(tiny_tfds, tmp_path, monkeypatch):
+  """The same dataset prepared as ArrayRecord reads, without TensorFlow, what tf.data reads from its TFRecords; a
+  dataset that needs TensorFlow (to prepare it, or TFRecord files) is one line naming the extra."""
+  tfds = pytest.importorskip('tensorflow_datasets')
+  with_tensorflow = data.load(tiny_tfds, train_split='train[:50%]')
+  monkeypatch.setattr(data.tfds, 'has_tensorflow', lambda: False)
+  _expect_error(r"^tfds ensemble_tiny_images: reading its tfrecord files needs TensorFlow, which this install has "
+                r"not: pip install -e '\.\[tfds\]'", tiny_tfds)
+  array_record = str(tmp_path / 'array_record')
+  _tiny_builder_class()(data_dir=array_record, file_format='array_record').download_and_prepare()
+  monkeypatch.setattr(tfds.core.constants, 'DATA_DIR', array_record)
+  without = data.load(tiny_tfds, train_split='train[:50%]')
+  for split in ('train', 'test'):
+    for key in ('image', 'label'):
+      assert np.array_equal(getattr(without, split)[key], getattr(with_tensorflow, split)[key])
+  monkeypatch.setattr(tfds.core.constants, 'DATA_DIR', str(tmp_path / 'empty'))
+  _expect_error('^tfds ensemble_tiny_images: downloading and preparing it .* needs TensorFlow', tiny_tfds)
 
 
 def test_tfds_prepared_dataset_with_sliced_splits(tiny_tfds):

@@ -1,7 +1,9 @@
 """Any tensorflow-datasets image-classification dataset: fixed-size uint8 'image' and a ClassLabel 'label'.
 
-tensorflow_datasets (and TensorFlow with it) is imported inside the functions:
-importing `ensemble.data` stays cheap, and IDX or .npz runs never load it.
+tensorflow_datasets is imported inside the functions: importing `ensemble.data`
+stays cheap, and IDX or .npz runs never load it. A dataset prepared as ArrayRecord
+is read through `tfds.data_source` without TensorFlow, which the core install
+does not have; TFRecord files and preparing a dataset need it (the `[tfds]` extra).
 """
 
 import difflib
@@ -108,8 +110,27 @@ def _prepare(builder, name: str):
     raise base.DataError(f'tfds {name}: download and preparation failed ({base.first_line(e)}); {fix}') from e
 
 
+def has_tensorflow() -> bool:
+  """Whether TensorFlow imports: the core install has none (`pip install -e '.[tfds]'` adds it), and tfds reads
+  TFRecord files and prepares datasets with it."""
+  try:
+    import tensorflow  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+def _needs_tensorflow(name: str, what: str) -> base.DataError:
+  return base.DataError(f'tfds {name}: {what} needs TensorFlow, which this install has not: pip install -e '
+                        "'.[tfds]' (or tensorflow-cpu), or prepare it as ArrayRecord elsewhere (`tfds build "
+                        f'{name} --file_format=array_record`), which reads without it; {_DATA_DIR_FIX}')
+
+
 def _read(tfds, builder, name: str, split: str) -> tuple[np.ndarray, np.ndarray]:
-  """A whole split as images and labels, copied batch by batch into arrays allocated once."""
+  """A whole split as images and labels: from ArrayRecord files by `tfds.data_source`'s random access, which
+  needs no TensorFlow, else from TFRecord files by tf.data."""
+  if builder.info.file_format == tfds.core.FileFormat.ARRAY_RECORD or not has_tensorflow():
+    return _read_source(builder, name, split)
   dataset = builder.as_dataset(split=split, shuffle_files=False)
   count = int(dataset.cardinality())  # tfds knows it; negative means unknown
   batches = tfds.as_numpy(dataset.map(lambda example: (example['image'], example['label'])).batch(_READ_BATCH))
@@ -128,6 +149,29 @@ def _read(tfds, builder, name: str, split: str) -> tuple[np.ndarray, np.ndarray]
     labels[filled:filled + len(batch_labels)] = batch_labels
     filled += len(batch_images)
   return images[:filled], labels[:filled]
+
+
+def _read_source(builder, name: str, split: str) -> tuple[np.ndarray, np.ndarray]:
+  """A whole split read through `builder.as_data_source` (ArrayRecord, decoded by tfds without TensorFlow), example
+  by example into arrays allocated once."""
+  try:
+    source = builder.as_data_source(split=split)
+  except Exception:  # pylint: disable=broad-except  # not prepared, or TFRecord files: no random access
+    if has_tensorflow():
+      raise
+    if not builder.is_prepared():
+      raise _needs_tensorflow(name, f'downloading and preparing it (not prepared in {builder.data_dir_root})') from None
+    raise _needs_tensorflow(name, f'reading its {builder.info.file_format.value} files') from None
+  count = len(source)
+  if not count:
+    raise base.DataError(f'tfds {name} {split}: no examples; pick a split (or slice) that has some')
+  first = source[0]
+  images = np.empty((count, *np.shape(first['image'])), np.asarray(first['image']).dtype)
+  labels = np.empty((count,), np.asarray(first['label']).dtype)
+  for i in range(count):
+    example = source[i]
+    images[i], labels[i] = example['image'], example['label']
+  return images, labels
 
 
 def load(name: str, train_split: str = 'train', test_split: str = 'test') -> base.Dataset:
