@@ -192,14 +192,15 @@ def define_flags():
 
   allow_override lets a test process define them beside `ensemble.evaluate`'s.
   """
-  if 'input' in FLAGS:
+  if 'flag_risk' in FLAGS:
     return
   flags.DEFINE_string('workdir', None, 'A folder trained by `python -m ensemble.train`.', allow_override=True)
   flags.DEFINE_integer('step', None, 'The checkpoint (epoch) to predict with; default: the latest.',
                        allow_override=True)
   flags.DEFINE_string('data_dir', None, 'Where the training data is, for the held-out slice that the flag threshold '
                       'is fitted on; default: the data the workdir was trained with.', allow_override=True)
-  flags.DEFINE_string('input', None, 'An .npy/.npz array, an IDX images file, a PNG/JPEG image or a folder of them.')
+  flags.DEFINE_string('input', None, 'An .npy/.npz array, an IDX images file, a PNG/JPEG image or a folder of them.',
+                      allow_override=True)
   flags.DEFINE_string('array', None, 'The array of an --input .npz that holds the images; default: its only array.')
   flags.DEFINE_string('output', None, 'A .csv or .jsonl file (JSON lines); default: CSV on stdout.',
                       allow_override=True)

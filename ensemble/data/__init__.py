@@ -1,4 +1,5 @@
-"""Data as numpy arrays on the host: the bundled MNIST, tensorflow-datasets, IDX, .npz, or a .csv for regression.
+"""Data as numpy arrays on the host: the bundled MNIST, tensorflow-datasets, a folder of ArrayRecord files
+(`python -m ensemble.data.convert`), IDX, .npz, or a .csv for regression.
 
 `load` picks the source from the dataset name and `data_dir`; `batches` turns a
 split into the batches every backend reads.
@@ -10,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from ensemble.data import arrays, bundled, csv, idx, npz, tfds
+from ensemble.data import array_record, arrays, bundled, csv, idx, npz, tfds
 from ensemble.data.base import DataError, Dataset, Split
 from ensemble.data.batches import (bootstrap, eval_batches, epoch_order, heldout_count, hold_out, steps_per_epoch,
                                    train_batch_indices, train_batches)
@@ -33,11 +34,14 @@ class Source:
 
 
 # Tried in order: the first whose `accepts` holds loads the data. The bundled copy comes before tfds, so that
-# the default dataset needs neither a network nor TensorFlow.
+# the default dataset needs neither a network nor TensorFlow; a converted folder (it holds dataset.json) before
+# the IDX reader, which takes any folder.
 SOURCES = {
     'bundled': Source(bundled.accepts, lambda dataset, *_: bundled.load(dataset)),
     'tfds': Source(lambda _, data_dir, *__: not data_dir,
                    lambda dataset, _, train, test: tfds.load(dataset, train, test)),
+    'array_record': Source(lambda _, data_dir, *__: array_record.is_folder(data_dir),
+                           lambda _, data_dir, *__: array_record.load(data_dir)),
     'idx': Source(lambda _, data_dir, *__: os.path.isdir(data_dir), lambda _, data_dir, *__: idx.load(data_dir)),
     'npz': Source(lambda _, data_dir, *__: data_dir.endswith('.npz'), lambda _, data_dir, *__: npz.load(data_dir)),
 }
@@ -47,8 +51,8 @@ def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
          test_split: str = 'test', *, task: str = 'classification', target: str = '') -> Dataset:
   """Loads a dataset: the bundled or tensorflow-datasets' `dataset` when `data_dir` is empty, else what it names.
 
-  Regression (`task`) reads an .npz file with float targets, or a .csv file whose `target` columns are the
-  targets.
+  Regression (`task`) reads an .npz file with float targets, a .csv file whose `target` columns are the
+  targets, or a converted folder of regression data.
   """
   data_dir = os.path.expanduser(data_dir or '')
   if task == 'regression':
@@ -74,12 +78,15 @@ def _load_regression(dataset: str, data_dir: str, target: str) -> Dataset:
     raise DataError('the run was trained on arrays in memory (ensemble.fit), which no file holds: give --data_dir '
                     'an .npz or .csv file of the same data, or score it from Python with '
                     'ensemble.load(workdir).evaluate(x, y)')
+  if array_record.is_folder(data_dir):
+    return array_record.load(data_dir, 'regression')
   if data_dir.endswith('.csv'):
     return csv.load(data_dir, target)
   if data_dir.endswith('.npz'):
     return npz.load(data_dir, 'regression')
   raise DataError(f'{data_dir or "an empty data_dir"}: regression reads an .npz file (x_train, float y_train, '
-                  'x_test, y_test) or a .csv file with --config.target; set --config.data_dir to one')
+                  'x_test, y_test), a .csv file with --config.target or a folder from ensemble.data.convert; set '
+                  '--config.data_dir to one')
 
 
 def input_stats(inputs: np.ndarray, kind: str,

@@ -50,7 +50,7 @@ def read(path: str, image_shape: tuple[int, ...], array: str | None = None, skip
     raise UsageError(f'{path}: no such file or folder; --input must name {_KINDS}')
   lower = path.lower()
   if lower.endswith(IMAGE_SUFFIXES):
-    return Inputs([os.path.basename(path)], _images([path], image_shape)[0], [])
+    return Inputs([os.path.basename(path)], read_images([path], image_shape)[0], [])
   if lower.endswith('.npy'):
     images = _load_npy(path)
   elif lower.endswith('.npz'):
@@ -129,7 +129,7 @@ def _folder(path: str, image_shape: tuple[int, ...], skip_unreadable: bool) -> I
   if len(entries) > len(names):
     logging.info('%s: skipping %d entries that are not PNG or JPEG files, or are hidden.', path,
                  len(entries) - len(names))
-  images, unreadable = _images([os.path.join(path, name) for name in names], image_shape, skip_unreadable)
+  images, unreadable = read_images([os.path.join(path, name) for name in names], image_shape, skip_unreadable)
   if unreadable and len(unreadable) == len(names):
     raise UsageError(f'{path}: none of its {len(names)} PNG or JPEG files can be read as an image '
                      f'({unreadable[names[0]]}); replace them')
@@ -137,12 +137,12 @@ def _folder(path: str, image_shape: tuple[int, ...], skip_unreadable: bool) -> I
   return Inputs(kept, images, [f'{name} ({why})' for name, why in unreadable.items()])
 
 
-def _unreadable(error: BaseException) -> str:
+def unreadable_reason(error: BaseException) -> str:
   return f'cannot be read as an image: {_first_line(error)}'
 
 
-def _images(paths: list[str], image_shape: tuple[int, ...],
-            skip_unreadable: bool = False) -> tuple[np.ndarray, dict[str, str]]:
+def read_images(paths: list[str], image_shape: tuple[int, ...],
+                skip_unreadable: bool = False) -> tuple[np.ndarray, dict[str, str]]:
   """uint8 (N, *image_shape) of the files that can be read, each as `_image` makes it; and the base name of each
   file that cannot, with why (only with `skip_unreadable`: else the first such file is a UsageError)."""
   from PIL import Image  # pylint: disable=g-import-not-at-top  # only image inputs need Pillow
@@ -160,8 +160,8 @@ def _images(paths: list[str], image_shape: tuple[int, ...],
         raise
       if not skip_unreadable:
         skip = f', or pass {SKIP_FLAG} to predict the others' if len(paths) > 1 else ''
-        raise UsageError(f'{path}: {_unreadable(e)}; replace or remove it{skip}') from None
-      unreadable[os.path.basename(path)] = _unreadable(e)
+        raise UsageError(f'{path}: {unreadable_reason(e)}; replace or remove it{skip}') from None
+      unreadable[os.path.basename(path)] = unreadable_reason(e)
   if notes['converted']:
     logging.info('Converted %s images to %s: the ensemble takes %d channel(s).',
                  '/'.join(sorted(notes['converted'])), MODES[channels], channels)
