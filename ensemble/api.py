@@ -534,11 +534,9 @@ def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None,
   config = _config(config, {**(FIT_DEFAULTS if config is None else {}), **given})
   tasks.check(config)  # the task decides how the arrays are read
   dataset = _dataset(train, test, config)
-  if dataset.inputs != 'images' and config.augment != 'none':
-    if 'augment' in fields:
-      raise UsageError(f'augment={config.augment!r} transforms images, and these inputs are {dataset.inputs}: '
-                       "leave augment out, or set it to 'none'")
-    config.augment = 'none'
+  if dataset.inputs != 'images' and config.augment != 'none' and 'augment' in fields:  # else config.fit_to_data
+    raise UsageError(f'augment={config.augment!r} transforms images, and these inputs are {dataset.inputs}: '
+                     "leave augment out, or set it to 'none'")
   model_object = None
   if isinstance(model, str):
     config.model = model

@@ -147,6 +147,8 @@ class Member:
     if not train:
       return _float32(state.apply_fn(variables, images, train=False)), state.batch_stats
     logits, updates = state.apply_fn(variables, images, train=True, rngs=rngs, mutable=list(collections))
+    if self.dtype == 'float32':  # nothing was cast: the updates are the state
+      return _float32(logits), _held(dict(updates))
     # What the model left as it was sent keeps its float32 value: a constant is not rounded to bfloat16.
     kept = lambda new, sent, old: jnp.where(new == sent, old, new.astype(old.dtype))
     return _float32(logits), _held(jax.tree.map(kept, dict(updates), sent, collections))

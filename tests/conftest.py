@@ -13,6 +13,7 @@ host_memory.keep_freed_memory()  # as `ensemble.train` does on CPU: steps stop p
 import gzip  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import json
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -67,6 +68,14 @@ def write_mnist(directory: str, num_train: int = 256, num_test: int = 100, gz: b
 @pytest.fixture
 def mnist_dir(tmp_path) -> str:
   return write_mnist(str(tmp_path / 'mnist'))
+
+
+def python_module(module: str, *args: str, first: str = '') -> list[str]:
+  """`python -m module args` as a command line whose process runs the statements `first` before the module (hiding
+  a package, restoring Ctrl-C), the module seeing the same sys.argv."""
+  code = (f'{first}; import runpy, sys; sys.argv = sys.argv[1:]; '
+          'runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)')
+  return [sys.executable, '-c', code, module, *args]
 
 
 def run_main(main, program: str, *args: str) -> int:

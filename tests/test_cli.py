@@ -13,7 +13,7 @@ import pytest
 
 from ensemble import checkpoint, writers
 
-from conftest import run_main
+from conftest import python_module, run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, 'configs', 'default.py')
@@ -165,25 +165,18 @@ def test_on_one_device_the_default_ensemble_is_several_members_on_it(train_here,
   assert len(line['member_test_rmse']) == 8
 
 
-def _interruptible(command: list[str]) -> list[str]:
-  """`python -m MODULE ARGS` that Ctrl-C interrupts as from a terminal: a shell starts a background job (a CI step)
-  with SIGINT ignored, and Python then leaves it ignored. The module sees the same sys.argv."""
-  python, dash_m, module, *args = command
-  assert dash_m == '-m'
-  code = ('import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); '
-          'sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)')
-  return [python, '-c', code, module, *args]
-
-
 def test_ctrl_c_stops_in_one_line_and_the_same_command_resumes(mnist_dir, tmp_path, train_here, caplog):
   """Issue 56: Ctrl-C printed a KeyboardInterrupt traceback. Now one line says where the run stopped and the command
   that resumes it, the exit status is 130 as shells expect, the checkpoints are whole and the workdir unlocked."""
   workdir = tmp_path / 'run'
   args = [f'--workdir={workdir}', f'--config.data_dir={mnist_dir}', '--config.batch_size=32',
           '--config.ensemble_size=2', '--config.compilation_cache=']
-  command = [sys.executable, '-m', 'ensemble.train', '--config=configs/default.py', *args, '--config.num_epochs=100',
-             '--cpu_devices=2']
-  with subprocess.Popen(_interruptible(command), cwd=REPO, env={**os.environ, 'XLA_FLAGS': ''}, stderr=subprocess.PIPE,
+  # Ctrl-C interrupts it as from a terminal: a shell starts a background job (a CI step) with SIGINT ignored, and
+  # Python then leaves it ignored.
+  restore = 'import signal; signal.signal(signal.SIGINT, signal.default_int_handler)'
+  command = python_module('ensemble.train', '--config=configs/default.py', *args, '--config.num_epochs=100',
+                          '--cpu_devices=2', first=restore)
+  with subprocess.Popen(command, cwd=REPO, env={**os.environ, 'XLA_FLAGS': ''}, stderr=subprocess.PIPE,
                         text=True) as process:
     for line in process.stderr:  # once an epoch has been saved, while the next ones train
       if 'epoch 1/100' in line:

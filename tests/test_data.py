@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import SHARED_MNIST, write_idx, write_mnist
+from conftest import SHARED_MNIST, python_module, write_idx, write_mnist
 from ensemble import data
 from ensemble.data import base, bundled, idx
 from ensemble.errors import UsageError
@@ -231,7 +231,7 @@ def test_the_core_install_trains_without_tensorflow(tmp_path):
   np.savez(tmp_path / 'x.npz', x_train=np.zeros((4, 8, 8), np.uint8), y_train=np.arange(4), x_test=np.zeros((2, 8, 8),
            np.uint8), y_test=np.arange(2))
   (tmp_path / 't.csv').write_text('a,b,y\n' + ''.join(f'{i},{i % 3},{2 * i}\n' for i in range(20)))
-  hide = "import sys; sys.modules['tensorflow'] = None; "  # import tensorflow raises ImportError, as uninstalled
+  hide = "import sys; sys.modules['tensorflow'] = None"  # import tensorflow raises ImportError, as uninstalled
   library = f"""
 import numpy as np
 import ensemble
@@ -243,12 +243,11 @@ x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
 ens = ensemble.fit('mlp', (x, x[:, 0]), task='regression', ensemble_size=2, epochs=1, batch_size=16, progress=False)
 assert ens.predict(x[:4])['mean'].shape == (4,) and sys.modules['tensorflow'] is None
 """
-  program = ("import runpy; sys.argv = sys.argv[1:]; "
-             "runpy.run_module('ensemble.train', run_name='__main__', alter_sys=True)")
-  train = ['ensemble.train', f'--workdir={tmp_path / "run"}', '--config=configs/default.py',
-           f'--config.data_dir={mnist}', '--config.num_epochs=1', '--config.batch_size=16', '--config.ensemble_size=2']
-  for command in ([hide + library], [hide + program, *train]):
-    result = subprocess.run([sys.executable, '-c', *command], capture_output=True, text=True, timeout=600,
+  train = python_module('ensemble.train', f'--workdir={tmp_path / "run"}', '--config=configs/default.py',
+                        f'--config.data_dir={mnist}', '--config.num_epochs=1', '--config.batch_size=16',
+                        '--config.ensemble_size=2', first=hide)
+  for command in ([sys.executable, '-c', f'{hide}; {library}'], train):
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                             env={**os.environ, 'XLA_FLAGS': ''})
     assert result.returncode == 0, result.stderr[-3000:]

@@ -90,14 +90,20 @@ def first_line(error: BaseException) -> str:
   return f'{type(error).__name__}: {lines[0]}' if lines else type(error).__name__
 
 
+def npy_header(f: BinaryIO) -> tuple[tuple[int, ...], np.dtype]:
+  """(shape, dtype) from an .npy stream's header (read from its start; left after it), without reading the array."""
+  version = np.lib.format.read_magic(f)
+  read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+  shape, _, dtype = read_header(f)
+  return shape, dtype
+
+
 def check_npy_size(f: BinaryIO, size: int, name: str):
   """Refuses an .npy stream (read from its start) whose header asks for more bytes than the `size` bytes of the
   stream hold, before numpy allocates them: a damaged or hostile 128-byte header can ask for any amount of
   memory. Leaves `f` after the header. A header that cannot be parsed raises numpy's ValueError.
   """
-  version = np.lib.format.read_magic(f)
-  read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-  shape, _, dtype = read_header(f)
+  shape, dtype = npy_header(f)
   needed, held = math.prod(shape) * dtype.itemsize, size - f.tell()
   if not dtype.hasobject and needed > held:  # object arrays are pickles, which the loaders refuse anyway
     raise DataError(f'{name}: cut short or damaged: its header describes a {dtype} array of shape {tuple(shape)} '

@@ -70,9 +70,7 @@ def _float_targets(path: str) -> bool:
   which refuses it in a line."""
   try:
     with zipfile.ZipFile(path) as archive, archive.open('y_train.npy') as f:
-      version = np.lib.format.read_magic(f)
-      header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-      return np.issubdtype(header(f)[2], np.floating)
+      return np.issubdtype(base.npy_header(f)[1], np.floating)
   except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
     return False
 

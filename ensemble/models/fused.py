@@ -5,8 +5,8 @@ dozen passes over the convolution's full-size output (12.8 MB per member for
 the CNN's first layer at batch 128): the bias and ReLU, the pooling's
 reduce-window and its transpose, the ReLU's mask, the bias gradient's
 reduction and the transposes that the kernel gradient wants.
-`conv_relu_pool` computes the same function with a JVP of its own, written
-from linear pieces chosen for what JAX transposes them into (a custom VJP,
+`conv_relu_pool` computes the same function with a JVP of its own, whose
+linear pieces are chosen for what JAX transposes them into (a custom VJP,
 as the layer was first written, ran no faster and refused forward mode:
 `jax.jvp`, `jacfwd`, `hessian`):
 
