@@ -18,6 +18,7 @@ message names `fit`'s keywords (`learning_rate=`), not the programs' flags.
 import functools
 import hashlib
 import json
+import math
 import numbers
 import os
 import re
@@ -417,7 +418,8 @@ class Ensemble:
                        'ensemble is in memory; give the held-out inputs to predict() and threshold their '
                        f"'{FLAG_SCORE}' with ensemble.uncertainty.selective, or save() it first")
     dataset = data.load(self.config.get('dataset', 'mnist'), self.config.data_dir if data_dir is None else data_dir,
-                        self.config.get('train_split', 'train'), self.config.get('test_split', 'test'))
+                        self.config.get('train_split', 'train'), self.config.get('test_split', 'test'),
+                        streaming=self.config.get('streaming', 'never'))
     if tuple(dataset.image_shape) != self.image_shape:
       raise UsageError(f'{dataset.source} holds {"x".join(map(str, dataset.image_shape))} images but '
                        f'{self.workdir} was trained on {"x".join(map(str, self.image_shape))}; give --data_dir the '
@@ -594,23 +596,55 @@ def _warm_start(run: loop.Run, init: Ensemble, keep_optimizer: bool) -> Any:
 
 
 def _fingerprint(dataset: data.Dataset) -> str:
-  """The arrays' shapes and dtypes and a hash of their bytes: what a workdir records to refuse other arrays."""
+  """The arrays' shapes and dtypes and a hash of their bytes: what a workdir records to refuse other arrays. A
+  source read as training asks is not read whole for it: its shapes and length."""
   digest, shapes = hashlib.sha256(), []
   for name, split in (('train', dataset.train), ('test', dataset.test)):
     if split is None:
       continue
     for key in ('image', 'label'):
-      array = np.ascontiguousarray(split[key])
-      digest.update(memoryview(array).cast('B'))
-      shapes.append(f'{name} {"x".join(map(str, array.shape))} {array.dtype}')
+      column = split[key]
+      shapes.append(f'{name} {"x".join(map(str, column.shape))} {column.dtype}')
+      if not data.stream.is_streamed(split):
+        digest.update(memoryview(np.ascontiguousarray(column)).cast('B'))
   return f'{", ".join(shapes)}; sha256 {digest.hexdigest()[:16]}'
 
 
+def _is_source(split: Any) -> bool:
+  """Whether `split` is a random-access source of examples (a `grain.MapDataset`, a `tfds.data_source`, a list of
+  pairs), not a pair of arrays."""
+  return (hasattr(split, '__len__') and hasattr(split, '__getitem__') and not isinstance(split, np.ndarray)
+          and not (isinstance(split, (tuple, list)) and len(split) == 2 and not isinstance(split[0], tuple)))
+
+
 def _dataset(train: Any, test: Any, config: ml_collections.ConfigDict) -> data.Dataset:
-  """The arrays as a Dataset; without `test`, the held-out slice of `train` tests (the loop holds it out too), or
-  nothing when no slice is held out."""
+  """The arrays (or sources, streamed) as a Dataset; without `test`, the held-out slice of `train` tests (the loop
+  holds it out too), or nothing when no slice is held out."""
+  if _is_source(train):
+    return _streamed(train, test, config)
   if test is None and config.heldout_fraction:
     inputs, labels = arrays.pair(train, 'train')
     _, heldout = data.hold_out({'image': inputs, 'label': labels}, config.heldout_fraction)
     test = (heldout['image'], heldout['label'])
   return arrays.from_arrays(train, test, config.inputs, config.task)
+
+
+def _streamed(train: Any, test: Any, config: ml_collections.ConfigDict) -> data.Dataset:
+  """Random-access sources as streamed splits (`data.stream`): read a batch at a time, in grain's threads."""
+  if test is not None and not _is_source(test):
+    raise UsageError(f'train= is a source of examples ({type(train).__name__}) and test= is not: give test= as a '
+                     'source too, or both as (inputs, labels) arrays')
+  splits = {name: None if split is None else
+            data.stream.Records(data.stream.RandomAccessSource(split, f'{name}= source', config.task))
+            for name, split in (('train', train), ('test', test))}
+  if splits['test'] is None and config.heldout_fraction:
+    _, splits['test'] = data.hold_out(splits['train'], config.heldout_fraction)
+  inputs = config.inputs
+  if inputs == 'auto':
+    inputs = arrays.kind_of(np.empty((1, *splits['train'].source.image.shape), splits['train'].source.image.dtype))
+  first = splits['train'].source
+  # Classes from a sample of the labels; the loop checks every label it reads against the model's outputs.
+  outputs = (math.prod(first.label.shape) if config.task == 'regression'
+             else int(data.stream.sample(splits['train'])['label'].max()) + 1)
+  return data.Dataset(splits['train'], splits['test'], f'{type(train).__name__} source, streamed', outputs,
+                      inputs=inputs, task=config.task)

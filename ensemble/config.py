@@ -10,7 +10,7 @@ import ml_collections
 from absl import logging
 
 from ensemble import backends, defaults, distributed, methods, models, optim, steps, tasks
-from ensemble.data import augment
+from ensemble.data import augment, stream
 from ensemble.errors import UsageError
 
 MEMBER_DATA = ('shared', 'shuffled', 'bootstrap')
@@ -19,8 +19,9 @@ MEMBER_DATA = ('shared', 'shuffled', 'bootstrap')
 # fields here.
 DATA_SETTINGS = ('dataset', 'train_split', 'test_split', 'data_dir', 'heldout_fraction', 'seed', 'batch_size',
                  'member_data', 'inputs', 'standardize_features', 'target')
-# What else a resume must keep: another method's or another task's members have another state.
-RESUME_SETTINGS = DATA_SETTINGS + ('method', 'task')
+# What else a resume must keep: another method's or another task's members have another state, and checkpoints
+# are numbered by epoch, or by step where they are saved every checkpoint_every_steps steps.
+RESUME_SETTINGS = DATA_SETTINGS + ('method', 'task', 'checkpoint_every_steps')
 # What a snapshot ensemble must keep besides: its cycles span num_epochs / snapshot_cycles epochs, and a resume with
 # another length would end a cycle mid-schedule and write the next snapshots over the last slot.
 SNAPSHOT_SETTINGS = ('num_epochs', 'snapshot_cycles')
@@ -80,6 +81,9 @@ def _check_single_model(config: ml_collections.ConfigDict):
   _require(config.augment == 'none',
            f'backend {backend!r} trains one model on plain batches: set --config.augment=none, or use backend '
            'pmap or jit for augmented training')
+  _require(not config.get('adversarial_epsilon', 0.0),
+           f'backend {backend!r} trains one model on plain batches: set --config.adversarial_epsilon=0, or use '
+           'backend pmap or jit for adversarial training')
   _require(jax.process_count() == 1,
            f'backend {backend!r} runs in a single process; use backend pmap or jit across processes')
   config.ensemble_size = 1
@@ -114,6 +118,14 @@ def resolve(config: ml_collections.ConfigDict, available: Sequence[jax.Device],
   # Positivity first: the method's checks divide by these.
   for name in ('num_epochs', 'batch_size', 'eval_batch_size', 'checkpoints_to_keep'):
     _require(config[name] > 0, f'{name}={config[name]} must be positive')
+  for name in ('num_train_steps', 'checkpoint_every_steps'):
+    value = config.get(name, 0)
+    _require(isinstance(value, int) and value >= 0, f'{name}={value!r} must be a whole number of steps, or 0 for none')
+  _require(not (config.get('num_train_steps', 0) and config.get('method') == 'snapshot'),
+           'method snapshot counts its cycles in epochs: set --config.num_epochs (a multiple of snapshot_cycles) '
+           'and leave --config.num_train_steps at 0')
+  _require(config.get('streaming', 'never') in stream.MODES,
+           f'unknown streaming {config.get("streaming")!r}: set --config.streaming to one of {list(stream.MODES)}')
   if model is None:
     models.check(config)
   _require(config.get('dtype', 'float32') in DTYPES,
@@ -179,8 +191,10 @@ def fit_to_data(config: ml_collections.ConfigDict, inputs: str, source: str, mod
   """Fills in, in place, what the data decides before anything is built: on feature vectors the default config's
   CNN gives way to the plain MLP (`models.FEATURES_MODEL`), so that configs/default.py trains a table as it trains
   images; only images are augmented, and config.json records what ran. Another image model on other inputs is
-  refused by `models.create`; `model`, a user's model object, is left as it is.
+  refused by `models.create`; `model`, a user's model object, is left as it is. Adversarial training on inputs
+  without a range (token ids, unstandardised features) is refused here.
   """
+  methods.adversarial.check_inputs(config, inputs)
   if inputs == 'images':
     return
   config.augment = 'none'
@@ -207,7 +221,8 @@ def member(config: ml_collections.ConfigDict, data_info: dict[str, Any], steps_p
                       mean=tuple(data_info['mean']), std=tuple(data_info['std']),
                       augment=config.augment if inputs == 'images' else 'none',
                       method=methods.create(config, steps_per_epoch), inputs=inputs,
-                      dtype=config.get('dtype', 'float32'), task=tasks.create(config, data_info))
+                      dtype=config.get('dtype', 'float32'), task=tasks.create(config, data_info),
+                      adversarial_epsilon=config.get('adversarial_epsilon', 0.0))
 
 
 def data_info(image_shape: Sequence[int], num_classes: int, mean: Sequence[float], std: Sequence[float],
@@ -230,7 +245,8 @@ def check_model(member: steps.Member, num_classes: int, method: str) -> int:
 
   A model that fails on the input shape, gives other than one logit per class
   (at least `num_classes`, the largest label + 1), or lacks the rank-1 layers
-  that BatchEnsemble needs is refused in one line.
+  that BatchEnsemble needs or the dropout layers that MC dropout needs, is
+  refused in one line.
   """
   example = jax.ShapeDtypeStruct(member.example_input().shape,
                                  jnp.int32 if member.inputs == 'tokens' else jnp.float32)
@@ -260,6 +276,14 @@ def check_model(member: steps.Member, num_classes: int, method: str) -> int:
     raise UsageError('method batchensemble needs a model built with rank-1 layers, and this one has none: build it '
                      'with ensemble.models.rank1.Dense and .Conv (as models/cnn.py does), or choose another '
                      '--config.method')
+  if method == 'mc_dropout':
+    with methods.mc_dropout.dropout_kept_on() as dropped:
+      jax.eval_shape(lambda v, x: member.model.apply(v, x, train=False, rngs={'dropout': jax.random.key(0)}),
+                     variables, example)
+    _require(dropped, 'method mc_dropout samples the model with its dropout on, and this model has no dropout '
+             'layer (nn.Dropout or nnx.Dropout) with a rate above 0: add one, e.g. nn.Dropout(0.1, '
+             'deterministic=not train) before its last layer, or use a built-in model (cnn, resnet, mlp), which take '
+             '--config.dropout_rate')
   return int(logits.shape[1])
 
 

@@ -42,9 +42,18 @@ def get_config() -> ml_collections.ConfigDict:
   # The ensembling method (ensemble/methods/): 'independent' (a deep ensemble), 'bagging' (each member its own
   # bootstrap resample), 'hyper' (each member its own learning rate and weight decay, drawn log-uniformly from
   # hyper_learning_rate and hyper_weight_decay), 'snapshot' (C = snapshot_cycles restarts of the schedule, every
-  # member keeping its parameters at the end of each; K x C snapshots averaged) or 'batchensemble' (members share
-  # their weights and differ in rank-1 factors; cnn or resnet).
+  # member keeping its parameters at the end of each; K x C snapshots averaged), 'batchensemble' (members share
+  # their weights and differ in rank-1 factors; cnn or resnet) or 'mc_dropout' (one network trained with dropout,
+  # each member a pass of it with dropout on; training costs what K members cost). docs/methods.md.
   config.method = 'independent'
+  # Method mc_dropout's dropout rate in the built-in models (cnn, resnet, mlp; the other methods train them without
+  # dropout); a model of your own keeps its own dropout layers and rates. The dp/fsdp classifier's too.
+  config.dropout_rate = 0.1
+  # Adversarial training with any method, > 0: each step also trains on x + eps * range * sign(grad_x loss) (FGSM),
+  # eps this fraction of each input dimension's range: of the pixel range for images (0.01: 2.55 of 255), of 4
+  # standard deviations for standardised features (standardize_features=True). About 2x a step's cost. The paper
+  # (Lakshminarayanan et al. 2017) used 0.01.
+  config.adversarial_epsilon = 0.0
   # What the members predict (ensemble/tasks/): 'classification' (logits, one per class; integer labels) or
   # 'regression' (float targets (N,) or (N, D); the model's last layer gives 2 D numbers, a mean and a raw scale
   # per target, and the ensemble predicts the uniform mixture of the members' Gaussians). docs/python-api.md.
@@ -69,6 +78,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.test_split = 'test'
   # A folder of IDX files (MNIST, Fashion-MNIST, KMNIST) or an .npz file with x_train, y_train, x_test, y_test.
   config.data_dir = ''
+  # Read a folder of ArrayRecord files (python -m ensemble.data.convert) or a tfds dataset prepared as ArrayRecord a
+  # batch at a time as training asks (grain threads, each process its own rows), never whole: 'auto' once its
+  # training split would take more than a quarter of the host's memory, 'always', or 'never' (docs/data-and-models.md).
+  config.streaming = 'auto'
   # What the model takes: 'images' (uint8, or float in [0, 1]; standardised per channel, augmented), 'features'
   # (float vectors or arrays, passed as they are), 'tokens' (integer ids), or 'auto': images for the data of
   # data_dir and tensorflow-datasets; for arrays given to ensemble.fit, integers are tokens, 4-D arrays and 3-D
@@ -94,6 +107,12 @@ def get_config() -> ml_collections.ConfigDict:
   # What ensemble.fit's arrays were (shapes, dtypes, a hash of their bytes): a workdir refuses to resume on others.
   config.data_fingerprint = ''
   config.num_epochs = 10
+  # Train this many steps instead (0: num_epochs epochs), for a set whose epoch is too long to wait for: the last
+  # epoch is cut short, and the learning-rate schedule spans the steps.
+  config.num_train_steps = 0
+  # Also save a checkpoint (and write the training metrics so far) every this many steps, and resume from one at
+  # the same batch of its epoch (0: at each epoch's end only). Checkpoints are then numbered by step.
+  config.checkpoint_every_steps = 0
   config.batch_size = 128
   config.eval_batch_size = 1000
   # 'sgd' (with momentum) or 'adamw'; schedule 'constant', 'cosine' or 'warmup_cosine' (warmup_epochs

@@ -222,14 +222,15 @@ def score_noise(predict: Predictor, test: data.Split) -> list[dict[str, Any]]:
 
 
 def heldout_split(train: data.Split, config: ml_collections.ConfigDict) -> tuple[data.Split, bool]:
-  """The training examples to fit the temperature on, and whether the members were trained on them."""
+  """The training examples to fit the temperature on (in memory: of a streamed split, only they are read), and
+  whether the members were trained on them."""
   fraction = config.get('heldout_fraction', 0.0)
   # Checked before `data.hold_out`, whose message asks for a setting to train with: the run has trained.
   if not data.heldout_count(len(train['label']), fraction or FALLBACK_HELDOUT_FRACTION):
     raise UsageError(f'heldout_fraction={fraction} of {len(train["label"])} training examples holds out none '
                      'to fit the temperature on; train with a larger --config.heldout_fraction')
   _, heldout = data.hold_out(train, fraction or FALLBACK_HELDOUT_FRACTION)
-  return heldout, not fraction
+  return data.stream.in_memory(heldout), not fraction
 
 
 def score_temperature(predict: Predictor, heldout: data.Split, seen_in_training: bool,
@@ -373,7 +374,9 @@ def _evaluate_regression(workdir: str, config, member, state, devices, epoch: in
   """`evaluate` for a regression workdir, restored by the caller: reads the data, scores it
   (`regression_report.score`), writes the report into `output_dir` (default WORKDIR/eval), returns its numbers."""
   data_dir = config.data_dir if data_dir is None else data_dir
-  dataset = data.load(config.get('dataset', 'mnist'), data_dir, task='regression', target=config.get('target', ''))
+  dataset = data.load(config.get('dataset', 'mnist'), data_dir, task='regression', target=config.get('target', ''),
+                      streaming=config.get('streaming', 'never'))
+  test = data.stream.in_memory(dataset.test)
   if tuple(dataset.image_shape) != member.image_shape or dataset.num_classes != member.task.targets:
     raise UsageError(f'{dataset.source} holds inputs {dataset.image_shape} with {dataset.num_classes} '
                      f'targets but {workdir} was trained on {member.image_shape} with '
@@ -382,13 +385,12 @@ def _evaluate_regression(workdir: str, config, member, state, devices, epoch: in
   predict = Predictor(member, state, devices, config.eval_batch_size)
   components = lambda split: (*member.task.components(predict.log_probs(split)),
                               split['label'].astype(np.float64))
-  logging.info('Predicting the %d test examples and the %d held-out ones.', len(dataset.test['label']),
-               len(heldout['label']))
+  logging.info('Predicting the %d test examples and the %d held-out ones.', len(test['label']), len(heldout['label']))
   results = {'workdir': os.path.abspath(workdir), 'epoch': epoch,
              'checkpoint': checkpoint_id(workdir, epoch), 'ensemble_size': config.ensemble_size,
              'task': 'regression', 'data': dataset.source,
-             'data_dir': config_lib.data_location(data_dir), 'test_examples': len(dataset.test['label']),
-             **regression_report.score(components(dataset.test), components(heldout), config.ensemble_size, alphas,
+             'data_dir': config_lib.data_location(data_dir), 'test_examples': len(test['label']),
+             **regression_report.score(components(test), components(heldout), config.ensemble_size, alphas,
                                        seen_in_training)}
   logging.info('test: ensemble RMSE %.4g NLL %.4g CRPS %.4g 90%% coverage %.3f; mean member RMSE %.4g NLL %.4g '
                'CRPS %.4g 90%% coverage %.3f', *(results[who][name] for who in ('ensemble', 'mean_member')
@@ -418,16 +420,16 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
                                 output_dir=output_dir, alphas=alphas)
   data_dir = config.data_dir if data_dir is None else data_dir
   dataset = data.load(config.get('dataset', 'mnist'), data_dir, config.get('train_split', 'train'),
-                      config.get('test_split', 'test'))
+                      config.get('test_split', 'test'), streaming=config.get('streaming', 'never'))
+  test = data.stream.in_memory(dataset.test)
   if tuple(dataset.image_shape) != member.image_shape:
     raise UsageError(f'{dataset.source} holds {"x".join(map(str, dataset.image_shape))} images but {workdir} '
                      f'was trained on {"x".join(map(str, member.image_shape))}; give --data_dir the data it was '
                      'trained on')
   heldout, seen_in_training = heldout_split(dataset.train, config)
-  ood_sets = load_ood(ood_names, member.image_shape, dataset.test)
+  ood_sets = load_ood(ood_names, member.image_shape, test)
   predict = Predictor(member, state, devices, config.eval_batch_size)
 
-  test = dataset.test
   logging.info('Predicting the %d test examples.', len(test['label']))
   member_log_probs = predict.log_probs(test)
   member_probs = np.exp(member_log_probs)

@@ -30,7 +30,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from ensemble import backends, config as config_lib, console, data, devices as devices_lib, distributed, steps, tasks
+from ensemble import backends, config as config_lib, console, data, devices as devices_lib, distributed, methods, steps
+from ensemble import tasks
 from ensemble.errors import UsageError
 
 # A training set up to this size (its inputs and labels, one copy per device) goes to the devices once, and a whole
@@ -44,7 +45,8 @@ _CACHE_SIZE = 8
 # Fields that do not change what the programs compute (the seed only enters as the members' keys, an argument).
 _NOT_IN_PROGRAMS = ('seed', 'dataset', 'data_dir', 'train_split', 'test_split', 'heldout_fraction', 'target',
                     'checkpoints_to_keep', 'compilation_cache', 'eval_every', 'data_fingerprint', 'inputs',
-                    'standardize_features', 'eval_batch_size', 'steps_per_dispatch')
+                    'standardize_features', 'eval_batch_size', 'steps_per_dispatch', 'streaming',
+                    'checkpoint_every_steps')
 
 
 class Diverged(UsageError):
@@ -62,8 +64,9 @@ class Hook:
   def after_steps(self, step: int):
     """After each dispatch, `step` steps in."""
 
-  def after_epoch(self, epoch: int, step: int, state: Any, summary: dict[str, float]):
-    """Once the epoch's summary is known; `state` is canonical (what checkpoints store), and checked finite."""
+  def save_point(self, epoch: int, position: 'Position', state: Any, summary: dict[str, float]):
+    """At each epoch's end, once its summary is known, and every `checkpoint_every_steps` steps (`summary` then has
+    the epoch's training metrics so far); `state` is canonical (what checkpoints store), and checked finite."""
 
   def close(self):
     """However the run ends."""
@@ -113,8 +116,8 @@ def _program_key(config: ml_collections.ConfigDict, program_info: dict, model: A
                  steps_per_epoch: int) -> Any:
   """What the programs depend on: the config but its data-only fields, the data's shapes, the model, the devices."""
   fields = {k: v for k, v in config.to_dict().items() if k not in _NOT_IN_PROGRAMS}
-  if fields.get('method') == 'batchensemble':
-    fields['seed'] = config.seed  # its rank-1 factors' signs are drawn from it
+  if fields.get('method') in methods.SEEDED:
+    fields['seed'] = config.seed  # their shared weights (rank-1 factors' signs) are drawn from it
   try:
     model_key = (hash(model), model) if model is not None else None
   except TypeError:  # an unhashable model object: itself, by identity (the cache keeps it alive)
@@ -176,18 +179,19 @@ def _standardise(dataset: data.Dataset, train: data.Split, config: ml_collection
   not change when the data does. Images keep their per-channel statistics in
   the programs (normalised after augmentation, on the device).
   """
-  test = dataset.test
+  test, sample = dataset.test, data.stream.sample(train)
   target_stats = None
   if dataset.task == 'regression':
-    targets = train['label'].astype(np.float64)
+    targets = sample['label'].astype(np.float64)
     mean, std = targets.mean(0), targets.std(0)
     std = np.where(std > 0, std, 1.0)
     _in_float32(np.concatenate([mean, std]), "the targets' mean and standard deviation")
     target_stats = (mean, std)
-    scale = lambda split, name: {**split, 'label': _in_float32((split['label'].astype(np.float64) - mean) / std,
-                                                               f'the {name} targets, standardised')}
-    train, test = scale(train, 'training'), (scale(test, 'test') if test is not None else None)
-  mean, std = data.input_stats(train['image'], dataset.inputs, config.get('standardize_features', False))
+    scale = lambda name: lambda targets: _in_float32((targets.astype(np.float64) - mean) / std,
+                                                     f'the {name} targets, standardised')
+    train = data.stream.transformed(train, label=scale('training'))
+    test = data.stream.transformed(test, label=scale('test')) if test is not None else None
+  mean, std = data.input_stats(sample['image'], dataset.inputs, config.get('standardize_features', False))
   outputs = 2 * dataset.num_classes if target_stats else dataset.num_classes
   data_info = config_lib.data_info(dataset.image_shape, outputs, mean, std, inputs=dataset.inputs,
                                    target_stats=target_stats)
@@ -196,9 +200,9 @@ def _standardise(dataset: data.Dataset, train: data.Split, config: ml_collection
     transform = feature_transform(data_info)
     if transform is not None:  # standardised here: the programs take the features as they come
       program_info.update(mean=[0.0], std=[1.0])
-    features = lambda split, name: {**split, 'image': _in_float32(transform(split['image']) if transform else
-                                                                  split['image'], f'the {name} features')}
-    train, test = features(train, 'training'), (features(test, 'test') if test is not None else None)
+    features = lambda name: lambda x: _in_float32(transform(x) if transform else x, f'the {name} features')
+    train = data.stream.transformed(train, image=features('training'))
+    test = data.stream.transformed(test, image=features('test')) if test is not None else None
   return train, test, data_info, program_info
 
 
@@ -249,8 +253,17 @@ def prepare(config: ml_collections.ConfigDict, dataset: data.Dataset, model: Any
   train = _split_off_heldout(config, dataset, devices)
   train, test, data_info, program_info = _standardise(dataset, train, config)
   steps_per_epoch = data.steps_per_epoch(len(train['label']), config.batch_size)
+  if config.get('num_train_steps', 0):  # the epochs that hold them, the last one cut short
+    config.num_epochs = -(-config.num_train_steps // steps_per_epoch)
+  if data.stream.is_streamed(train) and config.steps_per_dispatch not in (0, AUTO_DISPATCH):
+    raise UsageError(f'steps_per_dispatch={config.steps_per_dispatch} keeps the training set on the devices, and '
+                     f'{dataset.source} is read a batch at a time: set --config.steps_per_dispatch=0, or '
+                     '--config.streaming=never to read it whole')
   programs = _programs(config, program_info, model, devices, steps_per_epoch)
   data_info = {**data_info, 'num_classes': programs.num_outputs}
+  if dataset.task == 'classification':
+    train = data.stream.with_classes_checked(train, programs.num_outputs)
+    test = data.stream.with_classes_checked(test, programs.num_outputs) if test is not None else None
   task = tasks.create(config, data_info)
   programs.backend.task = task  # the test pass scores in the data's units
   if config.steps_per_dispatch == AUTO_DISPATCH:
@@ -260,7 +273,10 @@ def prepare(config: ml_collections.ConfigDict, dataset: data.Dataset, model: Any
 
 
 def resident_eligible(train: data.Split, member: steps.Member, devices: Sequence[jax.Device]) -> bool:
-  """Whether a whole epoch can run as one program: the set is small, and the steps run as a loop on the devices."""
+  """Whether a whole epoch can run as one program: the set is small (and in memory), and the steps run as a loop on
+  the devices."""
+  if data.stream.is_streamed(train):
+    return False
   size = sum(np.asarray(v).nbytes for v in train.values())
   return size <= RESIDENT_LIMIT_BYTES and not backends.unrolls(devices, member)
 
@@ -282,10 +298,17 @@ def evaluate(backend, state, split: data.Split, batch_size: int, task: Any) -> d
   return metrics.BY_TASK[task.name].eval.single_from_model_output(**outputs, mask=np.concatenate(masks)).compute()
 
 
-def _train_summary(outputs: list[dict[str, np.ndarray]]) -> dict[str, float]:
-  """The epoch's training metrics, each averaged over the members and the steps."""
-  return {name: float(np.concatenate([np.ravel(chunk[name]) for chunk in outputs]).mean(dtype=np.float64))
-          for name in outputs[0]}
+def _train_summary(outputs: list[dict[str, np.ndarray]], earlier: tuple[int, dict[str, float]] | None = None,
+                   ensemble_size: int = 1) -> dict[str, float]:
+  """The epoch's training metrics, each averaged over the members and the steps; with `earlier`, (the number of
+  steps, their averages) that the epoch trained before a resume, over all of its steps."""
+  means = {name: float(np.concatenate([np.ravel(chunk[name]) for chunk in outputs]).mean(dtype=np.float64))
+           for name in outputs[0]}
+  if not earlier:
+    return means
+  done, before = earlier
+  steps = sum(np.size(chunk['loss']) for chunk in outputs) // ensemble_size
+  return {name: (before[name] * done + mean * steps) / (done + steps) for name, mean in means.items()}
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -326,9 +349,9 @@ _DRAWER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='ensemble-
 
 
 def _epoch_indices(run: Run, start_epoch: int):
-  """(epoch, its batch indices) from `start_epoch + 1` on. On small data an epoch's program is as short as the
-  host's draw of its K orders (0.2 ms for 5 members of 450 rows), so the next epoch's are drawn in a thread
-  while this one trains (the loop waits on the devices with the GIL released)."""
+  """(epoch, its batch indices) from `start_epoch + 1` (the epoch in progress) on. On small data an epoch's program
+  is as short as the host's draw of its K orders (0.2 ms for 5 members of 450 rows), so the next epoch's are drawn
+  in a thread while this one trains (the loop waits on the devices with the GIL released)."""
   config = run.config
   draw = lambda epoch: data.train_batch_indices(run.num_train, config.batch_size, config.seed, epoch,
                                                 config.ensemble_size, config.member_data)
@@ -345,48 +368,99 @@ def _test_due(config: ml_collections.ConfigDict, epoch: int) -> bool:
   return epoch == config.num_epochs or (every > 0 and epoch % every == 0)
 
 
-def train(run: Run, state: Any, *, start_epoch: int = 0, hooks: Sequence[Hook] = (),
+@dataclasses.dataclass(frozen=True)
+class Position:
+  """Where training stands: `step` steps done, and where the reading of the current epoch's batches stands
+  (`data.stream.batches`' iterator state); a checkpoint records it, and a run resumes from it exactly."""
+  step: int = 0
+  data_state: dict[str, Any] | None = None
+  # The epoch's training metrics so far (`_train_summary`), so that a resumed epoch's summary covers all its steps.
+  epoch_metrics: dict[str, float] | None = None
+
+  def epoch(self, steps_per_epoch: int) -> tuple[int, int]:
+    """(completed epochs, steps done in the epoch in progress)."""
+    return divmod(self.step, steps_per_epoch)
+
+
+def total_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:
+  return config.get('num_train_steps', 0) or config.num_epochs * steps_per_epoch
+
+
+def _save_points(config: ml_collections.ConfigDict, first: int, last: int, per_dispatch: int) -> list[int]:
+  """The steps after `first` up to `last` (an epoch's end or the run's) where a dispatch ends: every
+  `per_dispatch` steps of the epoch, and every `checkpoint_every_steps` steps of the run, where state is saved."""
+  ends = set(range(first + per_dispatch, last, per_dispatch)) | {last}
+  every = config.get('checkpoint_every_steps', 0)
+  if every:
+    ends |= set(range(-(-(first + 1) // every) * every, last, every))
+  return sorted(ends)
+
+
+def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence[Hook] = (),
           progress: bool | None = None) -> tuple[Any, dict[str, float]]:
-  """Trains `state` (the backend's) from `start_epoch` to `config.num_epochs`; returns it in the canonical layout
-  and the last epoch's summary.
+  """Trains `state` (the backend's) from `start` to `config.num_epochs` (or `num_train_steps`); returns it in the
+  canonical layout and the last epoch's summary.
 
   The test pass (when there is a test split) runs after the last epoch and
-  every `eval_every` epochs. `progress=True` shows a bar (on a terminal or in a
-  notebook) and writes a line per epoch, `False` neither; None: the bar on a
-  terminal at absl's INFO verbosity, the lines logged. Every dispatch is
-  waited for: with several simulated CPU devices, a deep queue of in-flight
+  every `eval_every` epochs. Hooks see the state at each epoch's end and every
+  `checkpoint_every_steps` steps. `progress=True` shows a bar (on a terminal
+  or in a notebook) and writes a line per epoch, `False` neither; None: the
+  bar on a terminal at absl's INFO verbosity, the lines logged. Every dispatch
+  is waited for: with several simulated CPU devices, a deep queue of in-flight
   multi-device programs starves XLA's collective rendezvous and aborts the
   process (docs/backends-and-devices.md, "Many devices on a CPU"); fetching
   the losses waits, and lets a diverged member stop the run at once.
   """
-  config, backend = run.config, run.backend
+  config, backend, per_epoch = run.config, run.backend, run.steps_per_epoch
   per_dispatch = config.steps_per_dispatch
   resident = None
   if per_dispatch:
     resident = backend.put_dataset(pad_rows(run.train))
-  per_dispatch = run.steps_per_epoch if per_dispatch < 0 else per_dispatch or 1
-  step, summary, canonical = start_epoch * run.steps_per_epoch, {}, None
+  per_dispatch = per_epoch if per_dispatch < 0 else per_dispatch or 1
+  last_step = total_steps(config, per_epoch)
+  step, summary, canonical = start.step, {}, None
+  streamed = data.stream.is_streamed(run.train)
+  rows_read = run.train.source.rows_read if streamed else 0
   show = progress is not False and (progress or logging.level_info())
   try:
-    for epoch, indices in _epoch_indices(run, start_epoch):
-      bar = console.Progress(run.steps_per_epoch, f'epoch {epoch}/{config.num_epochs}',
+    for epoch, indices in _epoch_indices(run, start.epoch(per_epoch)[0]):
+      first = (epoch - 1) * per_epoch
+      done = step - first  # steps of this epoch trained before a resume
+      indices = indices[:last_step - first]
+      bar = console.Progress(len(indices), f'epoch {epoch}/{config.num_epochs}',
                              items_per_step=config.batch_size * config.ensemble_size,
                              bar=None if progress is None else progress and console.interactive()) if show else None
+      if bar is not None and done:
+        bar.update(done)
       started = time.perf_counter()
       outputs = []
-      for start in range(0, len(indices), per_dispatch):
-        chunk = indices[start:start + per_dispatch]
+      reads = None
+      if resident is None:  # each step's rows read (streamed) or gathered on the host, this process's only
+        blocks = [distributed.process_block(backend.devices, batch) for batch in indices]
+        reads = data.stream.batches(run.train, blocks, (start.data_state or {'next_index': done}) if done else None)
+      earlier = (done, start.epoch_metrics) if done and start.epoch_metrics else None
+      so_far = functools.partial(_train_summary, outputs, earlier, config.ensemble_size)
+      for end in _save_points(config, step, first + len(indices), per_dispatch):
         with jax.profiler.StepTraceAnnotation('train', step_num=step):
-          state, chunk_metrics = backends.train_chunk(backend, state, run.train, resident, chunk)
+          if reads is None:
+            state, chunk_metrics = backend.train_steps(state, resident, indices[step - first:end - first])
+          else:
+            state, chunk_metrics = backend.train_step(state, *next(reads))
         outputs.append(backend.to_host(chunk_metrics))
-        step += len(chunk)
+        count, step = end - step, end
         _stop_if_diverged(outputs[-1]['loss'], config, epoch, step)
         for hook in hooks:
           hook.after_steps(step)
         if bar is not None:
-          bar.update(len(chunk), chunk_metrics)
+          bar.update(count, chunk_metrics)
+        every = config.get('checkpoint_every_steps', 0)
+        if every and step % every == 0 and step < first + len(indices):
+          summary = {'epoch': epoch, 'train_seconds': time.perf_counter() - started,
+                     **{f'train_{k}': v for k, v in so_far().items()}}
+          _keep(run, hooks, epoch, state, summary,
+                Position(step, data.stream.stream_position(reads, step - first), so_far()))
       summary = {'epoch': epoch, 'train_seconds': time.perf_counter() - started}
-      train_metrics = _train_summary(outputs)
+      train_metrics = so_far()
       if run.test is not None and _test_due(config, epoch):
         started = time.perf_counter()
         test = evaluate(backend, state, run.test, config.eval_batch_size, run.task)
@@ -396,19 +470,29 @@ def train(run: Run, state: Any, *, start_epoch: int = 0, hooks: Sequence[Hook] =
       summary = {k: float(v) for k, v in summary.items()}
       canonical = None
       if hooks or epoch == config.num_epochs:  # a state that may be kept
-        canonical = backend.to_canonical(state)
-        nonfinite = nonfinite_members(canonical, config.ensemble_size)
-        if nonfinite:
-          diverged(config, epoch, step, f'members {nonfinite} have non-finite parameters')
-      for hook in hooks:
-        hook.after_epoch(epoch, step, canonical, summary)
+        canonical = _keep(run, hooks, epoch, state, summary, Position(step))
       if bar is not None:
         console.log_epoch(summary, config.num_epochs, bar.close(), echo=bool(progress),
                           num_classes=run.dataset.num_classes if run.dataset.task == 'classification' else None)
   finally:
     for hook in hooks:
       hook.close()
+  if streamed:  # across processes, each reads its own share (docs/data-and-models.md)
+    logging.info('Process %d read %d rows of %s for its training batches.', jax.process_index(),
+                 run.train.source.rows_read - rows_read, run.train.source.name)
   return backend.to_canonical(state) if canonical is None else canonical, summary
+
+
+def _keep(run: Run, hooks: Sequence[Hook], epoch: int, state: Any, summary: dict[str, float],
+          position: Position) -> Any:
+  """The canonical state, checked finite, handed to the hooks with where training stands."""
+  canonical = run.backend.to_canonical(state)
+  nonfinite = nonfinite_members(canonical, run.config.ensemble_size)
+  if nonfinite:
+    diverged(run.config, epoch, position.step, f'members {nonfinite} have non-finite parameters')
+  for hook in hooks:
+    hook.save_point(epoch, position, canonical, summary)
+  return canonical
 
 
 def pad_rows(split: data.Split) -> data.Split:

@@ -57,9 +57,10 @@ def _kernels(params):
 
 
 def schedule(config, steps_per_epoch: int) -> optax.Schedule:
-  """The learning rate by step: over `config.num_epochs` epochs, or restarted every cycle of a snapshot ensemble."""
+  """The learning rate by step: over the run (`num_train_steps`, else `num_epochs` epochs), or restarted every cycle
+  of a snapshot ensemble."""
   cycles = config.snapshot_cycles if config.get('method') == 'snapshot' else 1
-  cycle_steps = config.num_epochs // cycles * steps_per_epoch
+  cycle_steps = (config.get('num_train_steps', 0) or config.num_epochs * steps_per_epoch) // cycles
   rate = SCHEDULES[config.schedule](config, cycle_steps, _warmup_steps(config, steps_per_epoch))
   return rate if cycles == 1 else lambda count: rate(count % cycle_steps)
 

@@ -17,6 +17,7 @@ from flax import struct
 from flax.training import train_state
 
 from ensemble.data import augment as augment_lib
+from ensemble.methods import adversarial
 from ensemble.methods.independent import Independent
 from ensemble.tasks import classification
 # The classification task's functions, where the backends and tests have always found them.
@@ -79,19 +80,48 @@ class Member:
   inputs: str = 'images'
   dtype: str = 'float32'  # of the forward pass (`apply`); the state is float32 either way
   task: Any = classification.Classification()
+  adversarial_epsilon: float = 0.0  # > 0: each step also trains on FGSM's perturbed inputs (methods/adversarial.py)
 
   def prepare(self, images: jnp.ndarray, key: jax.Array | None = None) -> jnp.ndarray:
     """Inputs as they arrive -> the model's input; images with a `key` are augmented first (training only)."""
+    return self.standardize(self.unstandardized(images, key))
+
+  def unstandardized(self, images: jnp.ndarray, key: jax.Array | None = None) -> jnp.ndarray:
+    """The first half of `prepare`: images as floats in [0, 1] (augmented, with a `key`), features as float32,
+    token ids as int32. Adversarial training perturbs the inputs here, in the units of their range."""
     if self.inputs == 'tokens':
       return images.astype(jnp.int32)
     if self.inputs == 'features':
-      per_feature = lambda stats: jnp.reshape(jnp.asarray(stats), images.shape[1:]) if len(stats) > 1 else stats
-      return augment_lib.normalize(images.astype(jnp.float32), per_feature(self.mean), per_feature(self.std))
+      return images.astype(jnp.float32)
     images = augment_lib.to_unit_range(images)
     transform = augment_lib.AUGMENTATIONS[self.augment]
     if key is not None and transform is not None:
       images = transform(key, images)
-    return augment_lib.normalize(images, self.mean, self.std)
+    return images
+
+  def standardize(self, inputs: jnp.ndarray) -> jnp.ndarray:
+    """The second half of `prepare`: images per channel, features per feature when `mean` and `std` have one value
+    per feature; token ids as they are."""
+    if self.inputs == 'tokens':
+      return inputs
+    return augment_lib.normalize(inputs, self._per_input(self.mean, inputs), self._per_input(self.std, inputs))
+
+  def _per_input(self, stats: tuple[float, ...], inputs: jnp.ndarray):
+    """Features' per-feature statistics shaped as one input; a channel's or a single value as they are."""
+    return jnp.reshape(jnp.asarray(stats), inputs.shape[1:]) if self.inputs == 'features' and len(stats) > 1 else stats
+
+  def input_range(self, inputs: jnp.ndarray):
+    """The range of each input dimension, in `unstandardized` units: what `adversarial_epsilon` is a fraction of.
+
+    Images: 1, the pixel range [0, 1] (255 in uint8 units). Features: their
+    training split's standard deviation times `adversarial.FEATURE_RANGE_IN_STDS`,
+    as the data's description keeps a feature's mean and standard deviation,
+    not its minimum and maximum (features that the host standardised arrive here
+    with a standard deviation of 1).
+    """
+    if self.inputs == 'images':
+      return 1.0
+    return adversarial.FEATURE_RANGE_IN_STDS * jnp.asarray(self._per_input(self.std, inputs), jnp.float32)
 
   def example_input(self) -> jnp.ndarray:
     """One prepared input of zeros: what `init` traces the model with."""
@@ -145,7 +175,7 @@ class Member:
     if not collections:
       return _float32(state.apply_fn(variables, images, train=train, rngs=rngs)), state.batch_stats
     if not train:
-      return _float32(state.apply_fn(variables, images, train=False)), state.batch_stats
+      return _float32(state.apply_fn(variables, images, train=False, rngs=rngs)), state.batch_stats
     logits, updates = state.apply_fn(variables, images, train=True, rngs=rngs, mutable=list(collections))
     if self.dtype == 'float32':  # nothing was cast: the updates are the state
       return _float32(logits), _held(dict(updates))
@@ -165,18 +195,27 @@ class Member:
 
   def gradients(self, state: TrainState, images: jnp.ndarray,
                 labels: jnp.ndarray) -> tuple[Any, tuple[Any, Metrics]]:
-    """(gradients, (updated batch statistics, metrics)) of one member's step."""
+    """(gradients, (updated batch statistics, metrics)) of one member's step. With `adversarial_epsilon`, the
+    gradients are the mean of the clean batch's and of its FGSM examples' (methods/adversarial.py); the statistics
+    and metrics are the clean batch's."""
     step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
     augment_key, dropout_key = jax.random.split(step_key)
-    inputs = self.prepare(images, augment_key)
+    inputs = self.unstandardized(images, augment_key)
 
-    def loss_fn(params):
-      logits, batch_stats = self.apply(state, params, inputs, train=True, key=dropout_key)
+    def loss_fn(params, inputs):
+      logits, batch_stats = self.apply(state, params, self.standardize(inputs), train=True, key=dropout_key)
       loss, metrics = self.task.loss(logits, labels)
       return loss, (metrics, batch_stats)
 
-    (_, (metrics, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    return grads, (batch_stats, metrics)
+    if not self.adversarial_epsilon:
+      (_, (metrics, batch_stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, inputs)
+      return grads, (batch_stats, metrics)
+    # One backward pass gives the clean loss's gradients for the parameters and for the inputs, which FGSM needs.
+    (_, (metrics, batch_stats)), (grads, input_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+        state.params, inputs)
+    perturbed = adversarial.fgsm(inputs, input_grads, self.adversarial_epsilon * self.input_range(inputs))
+    perturbed_grads = jax.grad(lambda params: loss_fn(params, perturbed)[0])(state.params)
+    return adversarial.mean_of(grads, perturbed_grads), (batch_stats, metrics)
 
   def update(self, state: TrainState, grads, aux: tuple[Any, Metrics]) -> tuple[TrainState, Metrics]:
     """Applies a step's gradients; the method then keeps what it keeps (a snapshot at a cycle's end)."""
@@ -188,9 +227,10 @@ class Member:
     """One member's logits (or log-probabilities) at test time: shared by evaluation, the eval step and export."""
     return self.method.predict(self, state, images)
 
-  def logits(self, state: TrainState, images: jnp.ndarray) -> jnp.ndarray:
-    """The logits of the member's current parameters (BatchNorm's running averages)."""
-    logits, _ = self.apply(state, state.params, self.prepare(images), train=False)
+  def logits(self, state: TrainState, images: jnp.ndarray, key: jax.Array | None = None) -> jnp.ndarray:
+    """The logits of the member's current parameters (BatchNorm's running averages); `key` seeds the model's
+    'dropout' stream, for MC dropout's passes (methods/mc_dropout.py)."""
+    logits, _ = self.apply(state, state.params, self.prepare(images), train=False, key=key)
     return logits
 
   def eval_step(self, state: TrainState, images: jnp.ndarray, labels: jnp.ndarray, *,

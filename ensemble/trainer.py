@@ -7,6 +7,7 @@ metrics.jsonl and TensorBoard line. Ctrl-C ends a run once its last checkpoint
 is complete (`Interrupted`), and the same command resumes it.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -85,37 +86,46 @@ def _write_config(config: ml_collections.ConfigDict, workdir: str, resuming: boo
   files.write_atomically(path, _config_json(config))
 
 
-def _missing_summaries(ckpt: checkpoint.Checkpointer, workdir: str, start_epoch: int) -> list[tuple[int, dict]]:
-  """(step, scalars) of the checkpointed epochs that metrics.jsonl lacks, read from their checkpoints.
+def _missing_summaries(ckpt: checkpoint.Checkpointer, workdir: str, start_key: int,
+                       start_step: int) -> list[tuple[int, dict]]:
+  """(step, scalars) of the checkpoints up to `start_key` whose lines metrics.jsonl lacks, read from them.
 
   A crash between a checkpoint and its line loses the line, and resuming starts
-  after that epoch. Lines of epochs after `start_epoch` (their checkpoints were
-  damaged) are dropped; those epochs are trained again.
+  after that checkpoint. Lines after `start_step` (their checkpoints were
+  damaged) are dropped; those steps are trained again.
   """
   if jax.process_index() != 0:
     return []
-  written = writers.drop_epochs_after(os.path.join(workdir, 'metrics.jsonl'), start_epoch)
-  summaries = [ckpt.summary(epoch) for epoch in ckpt.epochs() if epoch <= start_epoch and epoch not in written]
-  return [summary for summary in summaries if summary is not None]
+  written = writers.drop_lines_after(os.path.join(workdir, 'metrics.jsonl'), start_step)
+  summaries = [ckpt.summary(key) for key in ckpt.epochs() if key <= start_key]
+  return [summary for summary in summaries if summary is not None and summary[0] not in written]
+
+
+def _by_step(config: ml_collections.ConfigDict) -> bool:
+  """Whether checkpoints are numbered by step (saved every checkpoint_every_steps steps), not by epoch."""
+  return config.get('checkpoint_every_steps', 0) > 0
 
 
 class _SavesInBackground(loop.Hook):
-  """Each epoch's checkpoint written while the next epoch trains, and the epoch's metrics.jsonl line once the
-  checkpoint is complete: a crash before the line costs no metric, as the resume writes it from the checkpoint."""
+  """Each checkpoint written while training goes on, and its metrics.jsonl line once the checkpoint is complete: a
+  crash before the line costs no metric, as the resume writes it from the checkpoint."""
 
-  def __init__(self, ckpt: checkpoint.Checkpointer, writer: writers.Writers, meta: dict[str, Any], saved_epoch: int):
-    self._ckpt, self._writer, self._saving, self._meta = ckpt, writer, None, meta
+  def __init__(self, ckpt: checkpoint.Checkpointer, writer: writers.Writers, meta: dict[str, Any], saved_epoch: int,
+               by_step: bool):
+    self._ckpt, self._writer, self._saving, self._meta, self._by_step = ckpt, writer, None, meta, by_step
     self._report_progress = writers.ProgressReport(writer.progress)
-    self.saved_epoch = saved_epoch  # the newest epoch whose checkpoint is complete on disk
+    self.saved_epoch = saved_epoch  # the newest checkpoint (its number) complete on disk
 
   def after_steps(self, step: int):
     self._report_progress(step)
 
-  def after_epoch(self, epoch: int, step: int, state: Any, summary: dict[str, float]):
+  def save_point(self, epoch: int, position: loop.Position, state: Any, summary: dict[str, float]):
     self.finish()
     started = time.perf_counter()
-    self._ckpt.save(epoch, state, self._meta, summary=(step, summary), wait=False)
-    self._saving = epoch, step, summary, time.perf_counter() - started
+    key = position.step if self._by_step else epoch
+    meta = {**self._meta, 'position': dataclasses.asdict(position)}
+    self._ckpt.save(key, state, meta, summary=(position.step, summary), wait=False)
+    self._saving = key, position.step, summary, time.perf_counter() - started
 
   def finish(self):
     """Waits for the checkpoint being written, then writes its line, whose `save_seconds` is the time training
@@ -138,6 +148,18 @@ class _SavesInBackground(loop.Hook):
       self._ckpt.close()
 
 
+def _position(ckpt: checkpoint.Checkpointer, key: int, config: ml_collections.ConfigDict,
+              steps_per_epoch: int) -> loop.Position:
+  """Where the checkpoint numbered `key` (0: none) left training: its record's position, or (written before
+  positions were recorded) the end of epoch `key`."""
+  if not key:
+    return loop.Position()
+  recorded = ckpt.meta(key).get('position')
+  if recorded is None:
+    return loop.Position(key * steps_per_epoch)
+  return loop.Position(**recorded)
+
+
 @_releases_the_workdir
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, dataset: data.Dataset | None = None,
                        model: Any = None, progress: bool | None = None) -> tuple[Any, dict[str, float]]:
@@ -156,7 +178,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
   saved_config = _check_resume(config, workdir, ckpt)
   if dataset is None:
     dataset = data.load(config.dataset, config.data_dir, config.train_split, config.test_split,
-                        task=config.get('task', 'classification'), target=config.get('target', ''))
+                        task=config.get('task', 'classification'), target=config.get('target', ''),
+                        streaming=config.get('streaming', 'never'))
   run = loop.prepare(config, dataset, model, devices=devices)
   config, backend = run.config, run.backend
   ckpt_meta = {'model': config.model, 'ensemble_size': config.ensemble_size, 'data': run.data_info}
@@ -164,25 +187,32 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
   ckpt.check_fits(backend.abstract_state(), ckpt_meta)
   checkpoint.lock_workdir(workdir)  # the first write; refused while another run holds the workdir
   # A damaged checkpoint is moved aside and the epochs after the newest intact one are trained again.
-  start_epoch, restored = ckpt.restore_newest_intact(backend.abstract_state(), ckpt_meta, move_aside=True)
-  if start_epoch:
+  start_key, restored = ckpt.restore_newest_intact(backend.abstract_state(), ckpt_meta, move_aside=True)
+  start = _position(ckpt, start_key, config, run.steps_per_epoch)
+  start_epoch, into_epoch = start.epoch(run.steps_per_epoch)
+  if start_key:
     state = backend.from_canonical(restored)
-    logging.info('Resumed from %s at epoch %d.', ckpt.directory, start_epoch)
+    if into_epoch:
+      logging.info('Resumed from %s at step %d, %d steps into epoch %d.', ckpt.path(start_key), start.step,
+                   into_epoch, start_epoch + 1)
+    else:
+      logging.info('Resumed from %s at epoch %d.', ckpt.directory, start_epoch)
   else:
     state = run.init()
   if saved_config is not None:
     _log_changes(config, saved_config, workdir)
 
-  _write_config(config, workdir, resuming=bool(start_epoch))
-  missing = _missing_summaries(ckpt, workdir, start_epoch)
+  _write_config(config, workdir, resuming=bool(start_key))
+  missing = _missing_summaries(ckpt, workdir, start_key, start.step)
   writer = writers.create_writers(workdir, is_main_process=jax.process_index() == 0)
   for summary_step, scalars in missing:
     writer.epoch.write_scalars(summary_step, scalars)
   writer.epoch.flush()
-  if start_epoch >= config.num_epochs:
-    logging.info('%s is already trained to epoch %d %s %d: nothing to train; raise --config.num_epochs to train '
+  if start.step >= loop.total_steps(config, run.steps_per_epoch):
+    length = 'num_train_steps' if config.num_train_steps else 'num_epochs'
+    logging.info('%s is already trained to epoch %d %s %d: nothing to train; raise --config.%s to train '
                  'further.', workdir, start_epoch, 'of' if start_epoch == config.num_epochs else 'beyond num_epochs =',
-                 config.num_epochs)
+                 config.num_epochs, length)
   else:
     logging.info('Training %s on %s with the %s backend, %s per epoch; data: %s, %s.',
                  console.count(config.ensemble_size, 'member'), console.count(len(devices), 'device'), config.backend,
@@ -194,14 +224,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
                  '(replicated: %.2f MB).', 'model' if layout == 'model' else 'data',
                  len(devices) // config.ensemble_size, layout,
                  backends.bytes_per_device(state) / 1e6, member_bytes / config.ensemble_size / 1e6)
-  saves = _SavesInBackground(ckpt, writer, ckpt_meta, start_epoch)
+  saves = _SavesInBackground(ckpt, writer, ckpt_meta, start_key, _by_step(config))
   try:
-    state, summary = loop.train(run, state, start_epoch=start_epoch, hooks=[saves], progress=progress)
+    state, summary = loop.train(run, state, start=start, hooks=[saves], progress=progress)
   except loop.Diverged as e:
     resume = f'resume from epoch {e.epoch - 1}' if e.epoch > 1 else 'start again'
     raise UsageError(f'{e} and re-run to {resume} (the checkpoints saved so far are kept)') from None
   except KeyboardInterrupt:  # the hooks have closed: the last checkpoint is complete
     saved = saves.saved_epoch
+    if _by_step(config):
+      kept = f'the checkpoint of step {saved} is in {ckpt.directory}' if saved else 'no step was saved yet'
+      raise Interrupted(f'stopped after step {saved}; {kept}', saved) from None
     where = f'in epoch {saved + 1} of {config.num_epochs}' if saved < config.num_epochs else 'after its last epoch'
     kept = f'the checkpoint of epoch {saved} is in {ckpt.directory}' if saved else 'no epoch was saved yet'
     raise Interrupted(f'stopped {where}; {kept}', saved) from None

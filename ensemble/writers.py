@@ -128,10 +128,10 @@ def _json_number(value: Any) -> Any:
   return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def drop_epochs_after(path: str, epoch: int) -> set[int]:
-  """Removes the lines of epochs after `epoch` from a metrics.jsonl; returns the epochs of the lines kept.
+def drop_lines_after(path: str, step: int) -> set[int]:
+  """Removes the lines of steps after `step` from a metrics.jsonl; returns the steps of the lines kept.
 
-  A resume that went back past lost checkpoints trains those epochs again and
+  A resume that went back past lost checkpoints trains those steps again and
   writes their lines anew. A line cut short (a crash or a full disk while
   writing it) goes too; the resume writes it again from its checkpoint. The
   file is replaced whole, so a crash leaves the old one or the new one.
@@ -146,13 +146,13 @@ def drop_epochs_after(path: str, epoch: int) -> set[int]:
       record = json.loads(line)
     except ValueError:
       continue
-    if record.get('epoch', 0) <= epoch:
+    if record.get('step', 0) <= step:
       kept.append(record)
   if len(kept) < len(lines):
     strict = lambda v: [_json_number(x) for x in v] if isinstance(v, list) else _json_number(v)
     files.write_atomically(path, ''.join(json.dumps({k: strict(v) for k, v in record.items()}, allow_nan=False)
                                          + '\n' for record in kept))
-  return {record.get('epoch') for record in kept}
+  return {record.get('step') for record in kept}
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

@@ -253,6 +253,7 @@ _DATA_CHANGES = {
     'standardize_features': lambda _: True,
     'task': lambda _: 'regression',
     'target': lambda _: 'price',
+    'checkpoint_every_steps': lambda _: 5,
 }
 
 

@@ -321,6 +321,25 @@ def tiny_tfds(tiny_tfds_dir, monkeypatch):
   return 'ensemble_tiny_images'
 
 
+def test_tfds_prepared_as_array_record_streams_what_it_reads_whole(tiny_tfds, tmp_path, monkeypatch):
+  """Streamed through tfds.data_source, a batch of rows at a time; a dataset of TFRecord files cannot be."""
+  tfds = pytest.importorskip('tensorflow_datasets')
+  _expect_error(r'^streaming=always: tfds ensemble_tiny_images, prepared as tfrecord files, is read whole',
+                tiny_tfds, streaming='always')
+  array_record = str(tmp_path / 'array_record')
+  _tiny_builder_class()(data_dir=array_record, file_format='array_record').download_and_prepare()
+  monkeypatch.setattr(tfds.core.constants, 'DATA_DIR', array_record)
+  whole, streamed = (data.load(tiny_tfds, streaming=streaming) for streaming in ('never', 'always'))
+  assert data.stream.is_streamed(streamed.train) and streamed.source == 'tfds ensemble_tiny_images, streamed'
+  assert streamed.num_classes == whole.num_classes == 4 and streamed.image_shape == whole.image_shape
+  for split in ('train', 'test'):
+    rows = np.arange(len(getattr(whole, split)['label']))[::-1]
+    images, labels = getattr(streamed, split).take(rows)
+    np.testing.assert_array_equal(images, getattr(whole, split)['image'][rows])
+    np.testing.assert_array_equal(labels, getattr(whole, split)['label'][rows])
+    assert labels.dtype == np.int32
+
+
 def test_tfds_prepared_as_array_record_reads_the_same_without_tensorflow(tiny_tfds, tmp_path, monkeypatch):
   """The same dataset prepared as ArrayRecord reads, without TensorFlow, what tf.data reads from its TFRecords; a
   dataset that needs TensorFlow (to prepare it, or TFRecord files) is one line naming the extra."""

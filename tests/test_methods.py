@@ -234,7 +234,7 @@ def test_a_mesh_backend_refuses_an_ensembling_method():
 
 
 def test_every_method_has_a_name_and_the_default_is_independent():
-  assert methods.NAMES == ('independent', 'bagging', 'hyper', 'snapshot', 'batchensemble')
+  assert methods.NAMES == ('independent', 'bagging', 'hyper', 'snapshot', 'batchensemble', 'mc_dropout')
   assert isinstance(make_member().method, methods.Independent)
   assert make_member(data_info=MNIST_INFO).method.num_params({'w': np.zeros(3)}, 4) == 12
 

@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from ensemble.data import array_record, arrays, bundled, csv, idx, npz, tfds
+from ensemble.data import array_record, arrays, bundled, csv, idx, npz, stream, tfds
 from ensemble.data.base import DataError, Dataset, Split
 from ensemble.data.batches import (bootstrap, eval_batches, epoch_order, heldout_count, hold_out, steps_per_epoch,
                                    train_batch_indices, train_batches)
@@ -24,13 +24,13 @@ _STATS_CHUNK_BYTES = 1 << 24
 # The dataset name a run records when `ensemble.fit` was given arrays: no source can load it again by name.
 ARRAYS = 'arrays'
 
-
-
 @dataclasses.dataclass(frozen=True)
 class Source:
-  # Both are given (dataset, data_dir, train_split, test_split).
+  # Both are given (dataset, data_dir, train_split, test_split); `load` also config.streaming (`stream.wanted`),
+  # which only the sources that `streams` look at.
   accepts: Callable[[str, str, str, str], bool]
-  load: Callable[[str, str, str, str], Dataset]
+  load: Callable[[str, str, str, str, str], Dataset]
+  streams: bool = False
 
 
 # Tried in order: the first whose `accepts` holds loads the data. The bundled copy comes before tfds, so that
@@ -39,24 +39,29 @@ class Source:
 SOURCES = {
     'bundled': Source(bundled.accepts, lambda dataset, *_: bundled.load(dataset)),
     'tfds': Source(lambda _, data_dir, *__: not data_dir,
-                   lambda dataset, _, train, test: tfds.load(dataset, train, test)),
+                   lambda dataset, _, train, test, streaming: tfds.load(dataset, train, test, streaming), streams=True),
     'array_record': Source(lambda _, data_dir, *__: array_record.is_folder(data_dir),
-                           lambda _, data_dir, *__: array_record.load(data_dir)),
+                           lambda _, data_dir, _train, _test, streaming: array_record.load(data_dir,
+                                                                                          streaming=streaming),
+                           streams=True),
     'idx': Source(lambda _, data_dir, *__: os.path.isdir(data_dir), lambda _, data_dir, *__: idx.load(data_dir)),
     'npz': Source(lambda _, data_dir, *__: data_dir.endswith('.npz'), lambda _, data_dir, *__: npz.load(data_dir)),
 }
 
 
 def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
-         test_split: str = 'test', *, task: str = 'classification', target: str = '') -> Dataset:
+         test_split: str = 'test', *, task: str = 'classification', target: str = '',
+         streaming: str = 'never') -> Dataset:
   """Loads a dataset: the bundled or tensorflow-datasets' `dataset` when `data_dir` is empty, else what it names.
 
   Regression (`task`) reads an .npz file with float targets, a .csv file whose `target` columns are the
-  targets, or a converted folder of regression data.
+  targets, or a converted folder of regression data. `streaming` (config.streaming, `stream.wanted`) leaves a
+  converted folder or a tfds dataset prepared as ArrayRecord on disk, its splits read as training asks.
   """
   data_dir = os.path.expanduser(data_dir or '')
+  stream.check_mode(streaming)
   if task == 'regression':
-    return _load_regression(dataset, data_dir, target)
+    return _load_regression(dataset, data_dir, target, streaming)
   if dataset == ARRAYS and not data_dir:
     raise DataError('the run was trained on arrays in memory (ensemble.fit), which no file holds: give --data_dir '
                     'a folder of IDX files or an .npz file of the same data, or score it from Python with '
@@ -65,21 +70,25 @@ def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
     # A folder or file has one fixed train and test part; ignoring the split names would train on the wrong data.
     raise DataError(f'--config.train_split={train_split} / --config.test_split={test_split}: split names apply to '
                     f'tensorflow-datasets only, {data_dir} has fixed train and test parts; leave them at train, test')
-  for source in SOURCES.values():
+  for name, source in SOURCES.items():
     if source.accepts(dataset, data_dir, train_split, test_split):
-      return source.load(dataset, data_dir, train_split, test_split)
+      if streaming == 'always' and not source.streams:
+        raise stream.cannot_stream(f'{data_dir or dataset} ({name})')
+      return source.load(dataset, data_dir, train_split, test_split, streaming)
   problem = 'neither a folder nor a .npz file' if os.path.exists(data_dir) else 'no such folder or .npz file'
   raise DataError(f'{data_dir}: {problem}; data_dir must name a folder of IDX files or a .npz file '
                   '(x_train, y_train, x_test, y_test), or be empty for tensorflow-datasets')
 
 
-def _load_regression(dataset: str, data_dir: str, target: str) -> Dataset:
+def _load_regression(dataset: str, data_dir: str, target: str, streaming: str) -> Dataset:
   if dataset == ARRAYS and not data_dir:
     raise DataError('the run was trained on arrays in memory (ensemble.fit), which no file holds: give --data_dir '
                     'an .npz or .csv file of the same data, or score it from Python with '
                     'ensemble.load(workdir).evaluate(x, y)')
   if array_record.is_folder(data_dir):
-    return array_record.load(data_dir, 'regression')
+    return array_record.load(data_dir, 'regression', streaming)
+  if streaming == 'always':
+    raise stream.cannot_stream(data_dir or 'an empty data_dir')
   if data_dir.endswith('.csv'):
     return csv.load(data_dir, target)
   if data_dir.endswith('.npz'):

@@ -4,19 +4,21 @@ A folder holds dataset.json, which says what the records are, and per split
 SPLIT-00000-of-0000N.array_record files. A record is one example's fixed-size
 bytes: its input (an image or a feature vector) then its label (an int32 class
 or float targets), each C-ordered with the shape and dtype dataset.json gives.
-Fixed sizes let a reader check every record, and later stream any example by
-its index, without a schema library. Today a folder is read whole into a
-Dataset, through the same checks as every other source.
+Fixed sizes let a reader check every record, and read any example by its
+index, without a schema library. A folder is read whole into a Dataset,
+through the same checks as every other source, or streamed (`FolderSource`,
+ensemble/data/stream.py) when it would not fit in memory.
 """
 
 import json
 import math
 import os
+import threading
 from typing import Any
 
 import numpy as np
 
-from ensemble.data import arrays, base
+from ensemble.data import arrays, base, stream
 
 INFO = 'dataset.json'
 FORMAT = 'ensemble.array_record'
@@ -26,7 +28,7 @@ TASKS = ('classification', 'regression')
 INPUTS = ('images', 'features')
 # group_size:1 puts each record in its own chunk: a later streaming reader reads any one without its neighbours.
 WRITER_OPTIONS = 'group_size:1'
-_FIX = 'convert the source again with python -m ensemble.data.convert'
+FIX = 'convert the source again with python -m ensemble.data.convert'
 # What a record's parts may hold: the dtypes the loaders give a Dataset (base.Dataset checks the rest).
 _DTYPES = {'image': ('|u1', '<f4', '<f8'), 'label': ('<i4', '<f4', '<f8')}
 
@@ -58,7 +60,7 @@ def read_info(folder: str) -> dict[str, Any]:
       info = json.load(f)
     _check_info(info)
   except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-    raise base.DataError(f'{path}: cannot be read ({base.first_line(e)}); {_FIX}') from None
+    raise base.DataError(f'{path}: cannot be read ({base.first_line(e)}); {FIX}') from None
   return info
 
 
@@ -87,54 +89,124 @@ def _check_info(info: Any):
                        f'{info["splits"][split]["examples"]} it lists')
 
 
-def _read_file(path: str, expected: int, sizes: tuple[int, int]) -> np.ndarray:
-  """The file's records as uint8 (N, record bytes), each checked to be one example long."""
+def open_reader(path: str, expected: int):
+  """An ArrayRecordReader of `path`, once the file is found to hold the `expected` records dataset.json lists."""
   from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
 
   if not os.path.isfile(path):
-    raise base.DataError(f'{path}: missing (dataset.json lists it); {_FIX}')
+    raise base.DataError(f'{path}: missing (dataset.json lists it); {FIX}')
   try:
     reader = array_record_module.ArrayRecordReader(path)
+  except RuntimeError as e:  # Riegeli's report of a damaged or truncated file
+    raise base.DataError(f'{path}: cut short or damaged ({base.first_line(e)}); {FIX}') from None
+  # A file cut at a block boundary opens as "not ok" with no records, without an error: count them.
+  found = reader.num_records() if reader.ok() else None
+  if found != expected:
     try:
-      # A file cut at a block boundary opens as "not ok" with no records, without an error: count them.
-      found = reader.num_records() if reader.ok() else None
-      if found != expected:
-        held = 'no readable index' if found is None else f'{found} records'
-        raise base.DataError(f'{path}: cut short or damaged: dataset.json lists {expected} records but the file has '
-                             f'{held}; {_FIX}')
-      records = reader.read_all() if expected else []
-    finally:
       reader.close()
-  except RuntimeError as e:  # Riegeli's report of a damaged chunk or a truncated file
-    raise base.DataError(f'{path}: cut short or damaged ({base.first_line(e)}); {_FIX}') from None
+    except RuntimeError:  # a reader that is not ok reports its damage again as it closes
+      pass
+    held = 'no readable index' if found is None else f'{found} records'
+    raise base.DataError(f'{path}: cut short or damaged: dataset.json lists {expected} records but the file has '
+                         f'{held}; {FIX}')
+  return reader
+
+
+def decode(records: list[bytes], info: dict[str, Any], name: str) -> tuple[np.ndarray, np.ndarray]:
+  """(inputs, labels) of `records`, each checked to be one example long (and a class label to be one of the
+  classes): a record that disagrees is one line naming `name`, where it was read."""
+  sizes = (record_bytes(info, 'image'), record_bytes(info, 'label'))
   size = sum(sizes)
   wrong = next((i for i, record in enumerate(records) if len(record) != size), None)
   if wrong is not None:
-    raise base.DataError(f'{path}: record {wrong} holds {len(records[wrong])} bytes but dataset.json describes '
-                         f'{size} ({sizes[0]} input + {sizes[1]} label); {_FIX}')
-  return np.frombuffer(b''.join(records), np.uint8).reshape(len(records), size)
+    raise base.DataError(f'{name}: record {wrong} holds {len(records[wrong])} bytes but dataset.json describes '
+                         f'{size} ({sizes[0]} input + {sizes[1]} label); {FIX}')
+  rows = np.frombuffer(b''.join(records), np.uint8).reshape(len(records), size)
+  parts = []
+  for part, (start, stop) in (('image', (0, sizes[0])), ('label', (sizes[0], size))):
+    dtype, shape = np.dtype(info[part]['dtype']), info[part]['shape']
+    parts.append(np.ascontiguousarray(rows[:, start:stop]).view(dtype).reshape(len(rows), *shape))
+  labels = parts[1]
+  if info['task'] == 'classification' and len(labels) and not 0 <= labels.min() <= labels.max() < info['num_classes']:
+    raise base.DataError(f'{name}: labels reach [{labels.min()}, {labels.max()}] but dataset.json gives '
+                         f'{info["num_classes"]} classes; {FIX}')
+  return parts[0], labels
+
+
+def _read_file(path: str, expected: int, info: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+  reader = open_reader(path, expected)
+  try:
+    records = reader.read_all() if expected else []
+  except RuntimeError as e:  # Riegeli's report of a damaged chunk
+    raise base.DataError(f'{path}: cut short or damaged ({base.first_line(e)}); {FIX}') from None
+  finally:
+    reader.close()
+  return decode(records, info, path)
 
 
 def read_split(folder: str, info: dict[str, Any], split: str) -> tuple[np.ndarray, np.ndarray]:
   """(inputs, labels) of `split`, its files in dataset.json's order and each file's records in order."""
-  sizes = (record_bytes(info, 'image'), record_bytes(info, 'label'))
-  rows = np.concatenate([_read_file(os.path.join(folder, f['name']), f['examples'], sizes)
-                         for f in info['splits'][split]['files']])
-  parts = []
-  for part, (start, stop) in (('image', (0, sizes[0])), ('label', (sizes[0], sum(sizes)))):
-    dtype, shape = np.dtype(info[part]['dtype']), info[part]['shape']
-    parts.append(np.ascontiguousarray(rows[:, start:stop]).view(dtype).reshape(len(rows), *shape))
-  return parts[0], parts[1]
+  parts = [_read_file(os.path.join(folder, f['name']), f['examples'], info) for f in info['splits'][split]['files']]
+  return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
-def load(folder: str, task: str = 'classification') -> base.Dataset:
+class FolderSource(stream.Source):
+  """A split of a converted folder: its files' records, each read with a reader per thread (readers are not
+  shared across threads), and checked against dataset.json as it is read."""
+
+  def __init__(self, folder: str, info: dict[str, Any], split: str):
+    self._info, self.name = info, f'{folder} {split}'
+    files = info['splits'][split]['files']
+    self._paths = [f'{folder}/{f["name"]}' for f in files]
+    self._ends = np.cumsum([f['examples'] for f in files])
+    self.image = stream.Spec(tuple(info['image']['shape']), np.dtype(info['image']['dtype']))
+    self.label = stream.Spec(tuple(info['label']['shape']), np.dtype(info['label']['dtype']))
+    self._local = threading.local()
+    for path, f in zip(self._paths, files):  # a missing or truncated file is refused before training starts
+      open_reader(path, f['examples']).close()
+
+  def __len__(self) -> int:
+    return int(self._ends[-1]) if len(self._ends) else 0
+
+  def _reader(self, index: int):
+    readers = self._local.__dict__.setdefault('readers', {})
+    if index not in readers:
+      first = self._ends[index - 1] if index else 0
+      readers[index] = open_reader(self._paths[index], int(self._ends[index] - first))
+    return readers[index]
+
+  def read(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    files = np.searchsorted(self._ends, rows, side='right')
+    images = np.empty((len(rows), *self.image.shape), self.image.dtype)
+    labels = np.empty((len(rows), *self.label.shape), self.label.dtype)
+    for index in np.unique(files):
+      where = np.flatnonzero(files == index)
+      path = self._paths[index]
+      try:
+        records = self._reader(index).read((rows[where] - (self._ends[index - 1] if index else 0)).tolist())
+      except RuntimeError as e:  # Riegeli's report of a damaged chunk, or a file changed under the reader
+        raise base.DataError(f'{path}: cut short or damaged ({base.first_line(e)}); {FIX}') from None
+      images[where], labels[where] = decode(records, self._info, path)
+    self._count(len(rows))
+    return images, labels
+
+
+def load(folder: str, task: str = 'classification', streaming: str = 'never') -> base.Dataset:
   """Reads every record of both splits; the splits are checked as the other sources' are (`base.make_split`,
-  `arrays.from_arrays`), so a converted folder is refused for what its source would have been."""
+  `arrays.from_arrays`), so a converted folder is refused for what its source would have been. Streamed
+  (`stream.wanted`), reads nothing yet: the splits are `stream.Records`, read a batch at a time as training asks,
+  each record checked as it is read."""
   info = read_info(folder)
   if info['task'] != task:
     raise base.DataError(f'{folder} holds {info["task"]} data (its {INFO}) but task={task!r}: set '
                          f'--config.task={info["task"]}')
   source = f'{folder} (ArrayRecord)'
+  train_bytes = info['splits']['train']['examples'] * (record_bytes(info, 'image') + record_bytes(info, 'label'))
+  if stream.wanted(streaming, train_bytes):
+    splits = {split: stream.Records(FolderSource(folder, info, split)) for split in SPLITS}
+    outputs = info['num_classes'] if task == 'classification' else math.prod(info['label']['shape'])
+    return base.Dataset(splits['train'], splits['test'], f'{source}, streamed', outputs, inputs=info['inputs'],
+                        task=task)
   loaded = {split: read_split(folder, info, split) for split in SPLITS}
   if task == 'classification' and info['inputs'] == 'images':
     names = {split: (f'{folder}: {split} images', f'{folder}: {split} labels') for split in SPLITS}

@@ -10,6 +10,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ensemble.data import stream
 from ensemble.data.base import DataError, Split
 
 
@@ -36,6 +37,8 @@ def hold_out(split: Split, fraction: float) -> tuple[Split, Split]:
                     'leaving none to train on; lower it: --config.heldout_fraction='
                     + (f'{most:g} or less, or 0 to hold out nothing' if most else '0, to hold out nothing'))
   start = num_examples - count
+  if stream.is_streamed(split):
+    return split.view(0, start), split.view(start, num_examples)
   return {k: v[:start] for k, v in split.items()}, {k: v[start:] for k, v in split.items()}
 
 
@@ -81,7 +84,7 @@ def train_batches(split: Split, batch_size: int, seed: int, epoch: int, ensemble
                   member_data: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
   indices = train_batch_indices(len(split['label']), batch_size, seed, epoch, ensemble_size, member_data)
   for idx in indices:
-    yield split['image'][idx], split['label'][idx]
+    yield stream.take(split, idx)
 
 
 def eval_batches(split: Split, batch_size: int,
@@ -98,4 +101,4 @@ def eval_batches(split: Split, batch_size: int,
     mask = idx < n
     idx = np.where(mask, idx, 0)
     idx = idx if rows is None else idx[rows]
-    yield split['image'][idx], split['label'][idx], mask
+    yield *stream.take(split, idx), mask

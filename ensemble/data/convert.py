@@ -24,7 +24,7 @@ from absl import flags, logging
 import numpy as np
 
 from ensemble import cli, console, files
-from ensemble.data import array_record, base, csv, idx, inputs, npz
+from ensemble.data import array_record, base, csv, idx, inputs, npz, stream
 from ensemble.errors import UsageError
 
 # A file of about this many bytes unless --examples_per_file says otherwise: few files, none too large to copy.
@@ -54,7 +54,7 @@ def load_source(path: str, task: str | None = None, target: str = '') -> tuple[b
   if array_record.is_folder(path):  # converted before: written again, e.g. with other file sizes
     info = array_record.read_info(path)
     extra = {key: info[key] for key in ('class_names', 'targets') if info.get(key)}
-    return array_record.load(path, task or info['task']), extra
+    return array_record.load(path, task or info['task'], streaming='always'), extra
   if task == 'regression':
     raise UsageError(f'{path}: --task=regression reads an .npz or a .csv input; a folder holds classes')
   if os.path.isdir(os.path.join(path, 'train')):
@@ -145,12 +145,12 @@ def check_output(output: str):
 
 
 def _write_split(folder: str, split: str, part: base.Split, info: dict[str, Any], per_file: int) -> dict[str, Any]:
-  """Writes one split's records, `per_file` to a file; returns dataset.json's entry for it."""
+  """Writes one split's records, `per_file` to a file, read a file's worth at a time (a streamed split is never
+  read whole); returns dataset.json's entry for it."""
   from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
 
-  # Little-endian, as dataset.json says, on any machine.
-  values = [np.ascontiguousarray(part[key], np.dtype(info[key]['dtype'])) for key in ('image', 'label')]
-  count = len(values[0])
+  dtypes = [np.dtype(info[key]['dtype']) for key in ('image', 'label')]  # little-endian, as dataset.json says
+  count = len(part['label'])
   starts = range(0, count, per_file)
   written = []
   with console.Progress(count, f'writing {split}', unit='example') as progress:
@@ -158,11 +158,13 @@ def _write_split(folder: str, split: str, part: base.Split, info: dict[str, Any]
       name = array_record.file_name(split, index, len(starts))
       path = os.path.join(folder, name)
       stop = min(start + per_file, count)
+      images, labels = (np.ascontiguousarray(values, dtype)
+                        for values, dtype in zip(stream.take(part, np.arange(start, stop)), dtypes))
       try:
         writer = array_record_module.ArrayRecordWriter(path, array_record.WRITER_OPTIONS)
         try:
-          for i in range(start, stop):
-            writer.write(values[0][i].tobytes() + values[1][i].tobytes())
+          for image, label in zip(images, labels):
+            writer.write(image.tobytes() + label.tobytes())
             progress.update()
         finally:
           writer.close()

@@ -174,8 +174,29 @@ def _read_source(builder, name: str, split: str) -> tuple[np.ndarray, np.ndarray
   return images, labels
 
 
-def load(name: str, train_split: str = 'train', test_split: str = 'test') -> base.Dataset:
-  """Loads `name`'s two splits (any tfds split string), downloading and preparing it first if need be."""
+def _streamed(tfds, builder, name: str, splits: dict[str, str], streaming: str) -> base.Dataset | None:
+  """The splits as `stream.Records` over `tfds.data_source` when streaming is wanted; None to read them whole."""
+  from ensemble.data import stream  # pylint: disable=g-import-not-at-top
+
+  known = builder.info.splits
+  examples = known[splits['train']].num_examples if known else 0
+  image_bytes = int(np.prod(builder.info.features['image'].shape))
+  if not stream.wanted(streaming, examples * image_bytes):
+    return None
+  if builder.info.file_format != tfds.core.FileFormat.ARRAY_RECORD:
+    raise stream.cannot_stream(f'tfds {name}, prepared as {builder.info.file_format.value} files,')
+  records = {}
+  for role, split in splits.items():
+    source = f'tfds {name} {split}'
+    records[role] = stream.Records(stream.RandomAccessSource(builder.as_data_source(split=split), source))
+  return base.Dataset(records['train'], records['test'], f'tfds {name}, streamed',
+                      builder.info.features['label'].num_classes)
+
+
+def load(name: str, train_split: str = 'train', test_split: str = 'test', streaming: str = 'never') -> base.Dataset:
+  """Loads `name`'s two splits (any tfds split string), downloading and preparing it first if need be. Streamed
+  (`stream.wanted`; prepared as ArrayRecord), reads nothing yet: the splits read through `tfds.data_source` as
+  training asks."""
   try:
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   except ImportError as e:  # a declared dependency, missing from a trimmed install (a GPU host's, say)
@@ -186,6 +207,9 @@ def load(name: str, train_split: str = 'train', test_split: str = 'test') -> bas
   _check_features(builder, name)
   splits = {'train': train_split, 'test': test_split}
   _check_splits(builder, name, splits)
+  streamed = _streamed(tfds, builder, name, splits, streaming)
+  if streamed is not None:
+    return streamed
   read = lambda: {role: _read(tfds, builder, name, split) for role, split in splits.items()}
   try:
     # Reading before checking is_prepared() lets tfds.testing.mock_data, which fakes reading but not

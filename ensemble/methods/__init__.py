@@ -13,12 +13,15 @@ every method runs on both ensemble backends and is scored by the same report.
   hyper          ... and each has its own learning rate and weight decay (Wenzel et al. 2020)
   snapshot       each member keeps C snapshots along a cyclic schedule; K x C are averaged (Huang et al. 2017)
   batchensemble  members share their weights and differ in rank-1 factors (Wen et al. 2020)
+  mc_dropout     one network trained with dropout; each member a dropout sample of it (Gal and Ghahramani 2016)
+
+`adversarial_epsilon` > 0 adds adversarial training to any of them (methods/adversarial.py).
 """
 
 import math
 
 from ensemble.errors import UsageError
-from ensemble.methods import batchensemble, hyper, snapshot
+from ensemble.methods import adversarial, batchensemble, hyper, mc_dropout, snapshot
 from ensemble.methods.independent import Independent
 
 METHODS = {
@@ -27,8 +30,12 @@ METHODS = {
     'hyper': lambda config, steps_per_epoch: hyper.Hyper.from_config(config),
     'snapshot': lambda config, steps_per_epoch: snapshot.Snapshot.from_config(config, steps_per_epoch),
     'batchensemble': lambda config, steps_per_epoch: batchensemble.BatchEnsemble(seed=config.seed),
+    'mc_dropout': lambda config, steps_per_epoch: mc_dropout.MCDropout(seed=config.seed),
 }
 NAMES = tuple(METHODS)
+# The methods whose members start from weights drawn from `config.seed` alone (their shared weights), so that what
+# their programs compute depends on the seed.
+SEEDED = ('batchensemble', 'mc_dropout')
 # The models whose layers have rank-1 versions (models/rank1.py).
 RANK1_MODELS = ('cnn', 'resnet')
 
@@ -71,6 +78,12 @@ def check(config):
     _require(config.model in RANK1_MODELS or ':' in config.model,
              f'method batchensemble needs a model with rank-1 layers, one of {list(RANK1_MODELS)}, not '
              f'{config.model!r}: set --config.model=cnn, or build a model of your own with ensemble.models.rank1')
+  if method == 'mc_dropout':
+    rate = config.get('dropout_rate')
+    _require(isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 < rate < 1,
+             f'dropout_rate={rate!r} must be in (0, 1) for method mc_dropout, the probability that a unit is dropped: '
+             'set e.g. --config.dropout_rate=0.1')
+  adversarial.check(config)
   _require(config.member_data != 'bootstrap' or method == 'bagging',
            "member_data='bootstrap' is what method bagging sets: run with --config.method=bagging instead")
 

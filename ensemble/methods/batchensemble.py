@@ -50,13 +50,17 @@ class BatchEnsemble(Independent):
   seed: int = 0
   shares_weights = True
 
+  def shared(self, params):
+    """True for the leaves of `params` that all members share (a tree of `params`' structure)."""
+    return is_shared(params)
+
   def init(self, member, state, key: jax.Array):
     """The member's own factors from its key; the shared weights from the seed, the same for every member."""
     del key
     shared_key = jax.random.fold_in(jax.random.key(self.seed), _SHARED_INIT)
     reference = member.init_variables(shared_key)
     params = jax.tree.map(lambda own, common, shared: common if shared else own,
-                          state.params, reference['params'], is_shared(state.params))
+                          state.params, reference['params'], self.shared(state.params))
     return state.replace(params=params, opt_state=state.tx.init(params))
 
   def average_shared(self, grads, axis_name: str | None):
@@ -68,9 +72,8 @@ class BatchEnsemble(Independent):
       mean = jnp.mean(grad, axis=0)
       mean = mean if axis_name is None else jax.lax.pmean(mean, axis_name)
       return jnp.broadcast_to(mean, grad.shape)
-    return jax.tree.map(average, grads, is_shared(grads))
+    return jax.tree.map(average, grads, self.shared(grads))
 
   def num_params(self, params, ensemble_size: int) -> int:
-    shared = is_shared(params)
-    sizes = jax.tree.map(lambda leaf, s: leaf.size * (1 if s else ensemble_size), params, shared)
+    sizes = jax.tree.map(lambda leaf, s: leaf.size * (1 if s else ensemble_size), params, self.shared(params))
     return sum(jax.tree.leaves(sizes))

@@ -27,6 +27,11 @@ def _rank1(config) -> bool:
   return config.get('method') == 'batchensemble'
 
 
+def _dropout_rate(config) -> float:
+  """The built-in models' dropout: method mc_dropout's `dropout_rate`, none for the other methods."""
+  return config.dropout_rate if config.get('method') == 'mc_dropout' else 0.0
+
+
 def _check_resnet(config):
   depth = config.resnet_depth
   if depth < 8 or (depth - 2) % 6:
@@ -40,16 +45,18 @@ def _mlp(config, num_classes: int) -> nn.Module:
   """The mesh MLP where the config has its fields (configs/mlp.py: num_layers, depth, ...), whose blocks split over
   'model'; else the plain one, which is what a config without them (the default, on feature vectors) means."""
   if 'num_layers' not in config:
-    return mlp.Plain(num_classes=num_classes, rank1=_rank1(config))
+    return mlp.Plain(num_classes=num_classes, rank1=_rank1(config), dropout_rate=_dropout_rate(config))
   return mlp.MLP(config.num_layers, config.depth, use_scan=config.use_scan, logical=config.logical,
                  num_classes=num_classes)
 
 
 MODELS = {
-    'cnn': Entry(lambda config, num_classes: cnn.CNN(num_classes=num_classes, rank1=_rank1(config)), min_image_size=4,
-                 why='its two 2x2 poolings need at least 4x4 pixels'),
+    'cnn': Entry(lambda config, num_classes: cnn.CNN(num_classes=num_classes, rank1=_rank1(config),
+                                                     dropout_rate=_dropout_rate(config)),
+                 min_image_size=4, why='its two 2x2 poolings need at least 4x4 pixels'),
     'resnet': Entry(lambda config, num_classes: resnet.ResNet(
-        config.resnet_depth, config.resnet_width, num_classes, rank1=_rank1(config)),
+        config.resnet_depth, config.resnet_width, num_classes, rank1=_rank1(config),
+        dropout_rate=_dropout_rate(config)),
                     check=_check_resnet, min_image_size=1),
     'mlp': Entry(_mlp),
     'classifier': Entry(lambda config, num_classes: classifier.Classifier(

@@ -103,18 +103,19 @@ class Plain(nn.Module):
   vectors (a table's rows), which the default config's CNN cannot take.
 
   No annotations: each member is one small model, whatever the backend; no
-  dropout or batch statistics, so a run on tabular data needs no other
-  setting. With `rank1`, BatchEnsemble's layers (models/rank1.py).
+  batch statistics, and no dropout unless `dropout_rate` (method mc_dropout:
+  after each hidden layer, in training), so a run on tabular data needs no
+  other setting. With `rank1`, BatchEnsemble's layers (models/rank1.py).
   """
   num_classes: int = 10
   widths: Sequence[int] = (128, 128)
   rank1: bool = False
+  dropout_rate: float = 0.0
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
-    del train
     dense = rank1_layers.Dense if self.rank1 else nn.Dense
     x = x.reshape((x.shape[0], -1))
     for width in self.widths:
-      x = nn.relu(dense(width)(x))
+      x = nn.Dropout(self.dropout_rate, deterministic=not train)(nn.relu(dense(width)(x)))
     return dense(self.num_classes)(x)

@@ -40,6 +40,7 @@ class ResNet(nn.Module):
   width: int = 1
   num_classes: int = 10
   rank1: bool = False  # BatchEnsemble's layers (models/rank1.py)
+  dropout_rate: float = 0.0  # before the dense head, in training (method mc_dropout)
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
@@ -52,4 +53,4 @@ class ResNet(nn.Module):
         strides = 2 if stage > 0 and block == 0 else 1
         x = BasicBlock(filters * self.width, strides, self.rank1)(x, train)
     x = jnp.mean(x, axis=(1, 2))
-    return dense(self.num_classes)(x)
+    return dense(self.num_classes)(nn.Dropout(self.dropout_rate, deterministic=not train)(x))

@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 
 from ensemble.errors import UsageError
+from ensemble.methods import mc_dropout
 
 
 def _takes_train(fn: Callable) -> bool:
@@ -65,7 +66,8 @@ class NNX:
   passes, a key per member and step, as for linen members; what a call sows
   (nnx.Intermediate) is dropped. `train` switches the model with `.train()` /
   `.eval()` (Dropout's `deterministic`, BatchNorm's `use_running_average`),
-  and is passed on if its `__call__` takes it.
+  and is passed on if its `__call__` takes it; MC dropout's prediction then
+  switches its Dropout layers back on (`mc_dropout.nnx_dropout_on`).
   """
   build: Callable[..., Any]
 
@@ -95,6 +97,7 @@ class NNX:
     if key is not None:
       nnx.reseed(module, default=key, dropout=key)
     module.train() if train else module.eval()  # pylint: disable=expression-not-assigned
+    mc_dropout.nnx_dropout_on(module)  # MC dropout's prediction: its dropout layers drop in eval mode too
     return module(x, train=train) if _takes_train(module.__call__) else module(x)
 
   def apply(self, variables, x, *, train: bool = False, rngs=None, mutable=False):
