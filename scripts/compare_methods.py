@@ -2,7 +2,8 @@
 
   python scripts/compare_methods.py --cpu_devices=8 --epochs=10 --out=/tmp/compare
 
-Each method is one `python -m ensemble.train` run of configs/default.py with `--config.method=NAME`,
+Each method is one `python -m ensemble.train` run of configs/default.py with `--config.method=NAME` (the row
+`adversarial`: independent members with `--config.adversarial_epsilon=0.01`),
 scored by `python -m ensemble.evaluate` (the test set, and the test set rotated by --angle degrees)
 exactly as a user would run them. The table gives the ensemble's test accuracy, NLL, Brier score
 and ECE, its NLL on the rotated test set, the ensemble's distinct trained parameters, the training
@@ -26,7 +27,12 @@ sys.path.insert(0, ROOT)
 # (JAX would otherwise take most of a GPU's memory here).
 CHILD_ENV = dict(os.environ)
 os.environ['JAX_PLATFORMS'] = 'cpu'
-METHODS = ('independent', 'bagging', 'hyper', 'snapshot', 'batchensemble')
+# The table's rows: each the config it trains on top of --config (a method, and adversarial training as the
+# deep-ensemble paper's recipe adds it to independent members, its eps 0.01).
+VARIANTS = {**{name: {'method': name} for name in ('independent', 'bagging', 'hyper', 'snapshot', 'batchensemble',
+                                                   'mc_dropout')},
+            'adversarial': {'method': 'independent', 'adversarial_epsilon': 0.01}}
+METHODS = tuple(VARIANTS)
 
 
 def _run(args: list[str], log_path: str):
@@ -58,7 +64,8 @@ def train(method: str, args, workdir: str) -> float:
   lines = _lines(workdir)
   if lines and lines[-1]['epoch'] == args.epochs:
     return 0.0
-  command = ['ensemble.train', f'--workdir={workdir}', f'--config={args.config}', f'--config.method={method}',
+  command = ['ensemble.train', f'--workdir={workdir}', f'--config={args.config}',
+             *(f'--config.{key}={value}' for key, value in VARIANTS[method].items()),
              f'--config.num_epochs={args.epochs}', f'--config.data_dir={args.data_dir}',
              f'--config.snapshot_cycles={snapshot_cycles(args.epochs)}', *args.override]
   if args.cpu_devices:

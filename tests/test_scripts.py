@@ -65,4 +65,5 @@ def test_compare_methods_refuses_an_unknown_method_before_training(tmp_path):
   result = _run('scripts/compare_methods.py', '--methods=independent,bagings', f'--out={tmp_path / "runs"}')
   assert result.returncode == 2 and not (tmp_path / 'runs').exists()
   assert result.stderr.strip().splitlines() == [
-      "error: --methods: unknown ['bagings']; choose from independent, bagging, hyper, snapshot, batchensemble"]
+      "error: --methods: unknown ['bagings']; choose from independent, bagging, hyper, snapshot, batchensemble, "
+      'mc_dropout, adversarial']
