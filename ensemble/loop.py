@@ -442,10 +442,9 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
       so_far = functools.partial(_train_summary, outputs, earlier, config.ensemble_size)
       for end in _save_points(config, step, first + len(indices), per_dispatch):
         with jax.profiler.StepTraceAnnotation('train', step_num=step):
-          if reads is None:
-            state, chunk_metrics = backend.train_steps(state, resident, indices[step - first:end - first])
-          else:
-            state, chunk_metrics = backend.train_step(state, *next(reads))
+          state, chunk_metrics = backends.train_chunk(backend, state, run.train, resident,
+                                                      indices[step - first:end - first],
+                                                      None if reads is None else next(reads))
         outputs.append(backend.to_host(chunk_metrics))
         count, step = end - step, end
         _stop_if_diverged(outputs[-1]['loss'], config, epoch, step)

@@ -68,6 +68,7 @@ def test_metrics_jsonl_and_checkpoints(make_config, tmp_path, monkeypatch):
   # Epoch 1's checkpoint is written while epoch 2 trains: the trainer waits for it after epoch 2's steps, and for
   # epoch 2's before it returns.
   steps = events.count('train') // 2
+  assert steps == 8  # 256 examples in batches of 32: every step goes through backends.train_chunk
   assert [e for e in events if e != 'wait for None'] == (
       ['train'] * steps + ['save 1'] + ['train'] * steps + ['wait for 1', 'save 2', 'wait for 2'])
   lines = writers.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))

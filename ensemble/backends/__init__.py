@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, parallel, steps
+from ensemble.data import stream
 from ensemble.methods import batchensemble
 from ensemble.parallel import fsdp, logical
 from ensemble.errors import UsageError
@@ -371,19 +372,22 @@ class ForTask:
     return self._program(*args)
 
 
-def train_chunk(backend, state, split: dict[str, np.ndarray], resident, chunk: np.ndarray):
+def train_chunk(backend, state, split: Any, resident, chunk: np.ndarray,
+                batch: tuple[np.ndarray, np.ndarray] | None = None):
   """Trains on the batches whose example indices `chunk` holds, (steps, ...) of them.
 
-  Plain path (`resident` is None): one step, this process's rows of its batch
-  gathered on the host. Fast path (`resident` from `backend.put_dataset`):
-  every step of the chunk in one program. The trainer and the benchmark both
-  go through here.
+  Plain path (`resident` is None): one step on `batch`, this process's rows of
+  the step already read (`data.stream.batches`, which streams them ahead), or
+  gathered here from `split`. Fast path (`resident` from `backend.put_dataset`):
+  every step of the chunk in one program. The loop and the benchmarks all go
+  through here.
   """
   if resident is not None:
     return backend.train_steps(state, resident, chunk)
-  (batch,) = chunk
-  batch = distributed.process_block(backend.devices, batch)
-  return backend.train_step(state, split['image'][batch], split['label'][batch])
+  if batch is None:
+    (rows,) = chunk
+    batch = stream.take(split, distributed.process_block(backend.devices, rows))
+  return backend.train_step(state, *batch)
 
 
 def gathering_batches(fn):

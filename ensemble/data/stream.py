@@ -85,21 +85,16 @@ class Source:
 
 
 class Column:
-  """One part of a `Records` split, as the in-memory split's array would answer: its shape and dtype without
-  reading, its rows when indexed (`column[:100]`)."""
+  """One part of a `Records` split, as the in-memory split's array would answer for its shape and dtype, without
+  reading; its rows are read with the other part's (`take`), never alone."""
 
   def __init__(self, records: 'Records', part: str):
-    self._records, self._part = records, part
     spec = getattr(records.source, part)
     self.shape, self.dtype = (len(records), *spec.shape), spec.dtype
     self.ndim = len(self.shape)
 
   def __len__(self) -> int:
     return self.shape[0]
-
-  def __getitem__(self, index) -> np.ndarray:
-    images, labels = self._records.take(np.arange(len(self))[index])
-    return labels if self._part == 'label' else images
 
 
 class Records:
