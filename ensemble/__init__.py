@@ -11,8 +11,10 @@ devices. The API (`ensemble.api`) is imported on first use.
 
 from ensemble.errors import UsageError
 
-__all__ = ['Ensemble', 'UsageError', 'cpu_devices', 'fit', 'load']
-_API = ('Ensemble', 'cpu_devices', 'fit', 'load')
+__all__ = ['Ensemble', 'UsageError', 'cpu_devices', 'distill', 'fit', 'load']
+# Each name of the API and the module that holds it, imported on first use (they import jax). `distill` lives in
+# ensemble/distillation.py: a module named distill would shadow the function once imported.
+_API = {'Ensemble': 'api', 'fit': 'api', 'load': 'api', 'distill': 'distillation'}
 
 
 def __getattr__(name: str):
@@ -20,12 +22,13 @@ def __getattr__(name: str):
     from ensemble.devices import cpu_devices  # pylint: disable=g-import-not-at-top
     return cpu_devices
   if name in _API:
+    import importlib  # pylint: disable=g-import-not-at-top
     from ensemble import console  # pylint: disable=g-import-not-at-top
     with console.root_logging_kept():  # orbax's import would configure the caller's root logger
-      from ensemble import api  # pylint: disable=g-import-not-at-top  # on first use: it imports jax
-    return getattr(api, name)
+      module = importlib.import_module(f'ensemble.{_API[name]}')
+    return getattr(module, name)
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
 def __dir__():
-  return sorted(list(globals()) + list(_API))
+  return sorted(list(globals()) + ['cpu_devices', *_API])

@@ -539,6 +539,15 @@ def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None,
   if dataset.inputs != 'images' and config.augment != 'none' and 'augment' in fields:  # else config.fit_to_data
     raise UsageError(f'augment={config.augment!r} transforms images, and these inputs are {dataset.inputs}: '
                      "leave augment out, or set it to 'none'")
+  return fit_dataset(model, dataset, config, workdir=workdir, init=init, keep_optimizer=keep_optimizer,
+                     keep_freed_memory=keep_freed_memory, progress=progress)
+
+
+def fit_dataset(model: Any, dataset: data.Dataset, config: ml_collections.ConfigDict, *, workdir: str | None = None,
+                init: 'Ensemble | None' = None, keep_optimizer: bool = False, keep_freed_memory: bool = False,
+                progress: bool = True) -> Ensemble:
+  """`fit` once its arrays are a checked `dataset` and its keywords a `config`: what `ensemble.distill` trains its
+  student with, on labels that no array of `fit` carries (the teacher's probabilities)."""
   model_object = None
   if isinstance(model, str):
     config.model = model

@@ -4,6 +4,7 @@ import json
 import os
 from typing import Any, Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -22,9 +23,16 @@ DATA_SETTINGS = ('dataset', 'train_split', 'test_split', 'data_dir', 'heldout_fr
 # What else a resume must keep: another method's or another task's members have another state, and checkpoints
 # are numbered by epoch, or by step where they are saved every checkpoint_every_steps steps.
 RESUME_SETTINGS = DATA_SETTINGS + ('method', 'task', 'checkpoint_every_steps')
-# What a snapshot ensemble must keep besides: its cycles span num_epochs / snapshot_cycles epochs, and a resume with
-# another length would end a cycle mid-schedule and write the next snapshots over the last slot.
-SNAPSHOT_SETTINGS = ('num_epochs', 'snapshot_cycles')
+# What a method's run must keep besides, and why: a snapshot ensemble's cycles span num_epochs / snapshot_cycles
+# epochs (another length would end a cycle mid-schedule and write the next snapshots over the last slot); MultiSWAG's
+# collection phase starts at swag_start of the run, and its members keep swag_rank deviations.
+METHOD_SETTINGS = {
+    'snapshot': (('num_epochs', 'snapshot_cycles'), 'a snapshot ensemble keeps the length of its cycles '
+                 '(num_epochs / snapshot_cycles epochs) for the whole run'),
+    'multiswag': (('num_epochs', 'num_train_steps', 'swag_start', 'swag_rank'),
+                  'MultiSWAG keeps the steps of its collection phase (swag_start of the run) and the shape of its '
+                  'moments (swag_rank) for the whole run'),
+}
 MAX_SEED = 2**32 - 1  # jax.random.key folds larger seeds onto the same keys
 # The members of `ensemble_size=0` on a single device (a laptop's CPU, one GPU): several on the device, as 0 means one
 # per device only where there are several devices; an ensemble of one would be no ensemble.
@@ -251,9 +259,19 @@ def check_model(member: steps.Member, num_classes: int, method: str) -> int:
   example = jax.ShapeDtypeStruct(member.example_input().shape,
                                  jnp.int32 if member.inputs == 'tokens' else jnp.float32)
   shape = f'{tuple(example.shape)} {example.dtype}'.replace('(1,', '(batch,')
+  if method == 'mimo':
+    heads = models.mimo.heads(member.model)
+    _require(heads == member.method.heads,
+             f'method mimo trains one network of M = ensemble_size = {member.method.heads} inputs and heads, and this '
+             f'model {"has " + str(heads) + " heads" if heads else "is not one"}: wrap a model of one input and M '
+             'times the outputs of one member, ensemble.models.mimo.MIMO(YourNet(num_classes=C * M), heads=M) '
+             '(linen) or ensemble.models.mimo.nnx_mimo(build, heads=M) (NNX)')
   try:
     variables = jax.eval_shape(member.init_variables, jax.random.key(0))
-    logits = jax.eval_shape(lambda v, x: member.model.apply(v, x, train=False), variables, example)
+    logits = jax.eval_shape(lambda v, x: member.model.apply(v, member.method.model_input(x), train=False), variables,
+                            example)
+    if method == 'mimo':  # (batch, M, outputs): one head's are one member's
+      logits = jax.eval_shape(lambda outputs: outputs[:, 0], logits)
   except UsageError:
     raise
   except Exception as e:  # pylint: disable=broad-except  # the user's model code failed: say where, in one line
@@ -276,6 +294,12 @@ def check_model(member: steps.Member, num_classes: int, method: str) -> int:
     raise UsageError('method batchensemble needs a model built with rank-1 layers, and this one has none: build it '
                      'with ensemble.models.rank1.Dense and .Conv (as models/cnn.py does), or choose another '
                      '--config.method')
+  # The built-in models are linen Modules that models.create sized for packing; a user's (wrapped) must use the layers.
+  _require(method != 'packed' or isinstance(member.model, nn.Module) or models.packed.has_packed_layers(variables),
+           'method packed needs a model built with packed layers, and this one has none (it would train a deep '
+           'ensemble of it, ignoring packed_alpha and packed_gamma): size its layers with '
+           'ensemble.models.packed.width and group its inner ones with ensemble.models.packed.Dense and .Conv (NNX: '
+           '.NNXDense, .NNXConv), or choose another --config.method')
   if method == 'mc_dropout':
     with methods.mc_dropout.dropout_kept_on() as dropped:
       jax.eval_shape(lambda v, x: member.model.apply(v, x, train=False, rngs={'dropout': jax.random.key(0)}),
@@ -289,7 +313,7 @@ def check_model(member: steps.Member, num_classes: int, method: str) -> int:
 
 def check_resume(config: ml_collections.ConfigDict, saved: dict[str, Any], path: str):
   """Refuses to resume a workdir with other data settings or another method than `saved` (its config.json) records,
-  or a snapshot ensemble with other cycles.
+  or a method's own settings changed (`METHOD_SETTINGS`: a snapshot ensemble's cycles, MultiSWAG's collection phase).
 
   Other members' data, or a held-out slice the members were trained on, would
   make the checkpoints and the evaluation describe a run that never happened.
@@ -309,9 +333,8 @@ def check_resume(config: ml_collections.ConfigDict, saved: dict[str, Any], path:
            f'{os.path.dirname(path)} was trained on other arrays ({fingerprint}; now '
            f'{config.get("data_fingerprint", "") or "none recorded"}): fit into a new --workdir, or give it the '
            'arrays it was trained on to resume')
-  if methods.name(config) == 'snapshot':
-    cycle_changes = changed(SNAPSHOT_SETTINGS)
-    _require(not cycle_changes,
-             f'{path} records {", ".join(cycle_changes)}: a snapshot ensemble keeps the length of its cycles '
-             f'(num_epochs / snapshot_cycles epochs) for the whole run; resume with {", ".join(SNAPSHOT_SETTINGS)} '
-             'as recorded there, or train in a new --workdir')
+  settings, why = METHOD_SETTINGS.get(methods.name(config), ((), ''))
+  method_changes = changed(settings)
+  _require(not method_changes,
+           f'{path} records {", ".join(method_changes)}: {why}; resume with {", ".join(settings)} as recorded there, '
+           'or train in a new --workdir')

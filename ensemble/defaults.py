@@ -44,7 +44,11 @@ def get_config() -> ml_collections.ConfigDict:
   # hyper_learning_rate and hyper_weight_decay), 'snapshot' (C = snapshot_cycles restarts of the schedule, every
   # member keeping its parameters at the end of each; K x C snapshots averaged), 'batchensemble' (members share
   # their weights and differ in rank-1 factors; cnn or resnet) or 'mc_dropout' (one network trained with dropout,
-  # each member a pass of it with dropout on; training costs what K members cost). docs/methods.md.
+  # each member a pass of it with dropout on; training costs what K members cost), 'multiswag' (independent members,
+  # each a SWAG Gaussian over its weights; K x swag_samples samples averaged), 'packed' (Packed-Ensembles: members
+  # at packed_alpha / K of the model's width, packed_gamma groups in their inner layers), 'mimo' (one network of K
+  # inputs and K heads trained on K examples at once, member i predicting with head i; batch_size a multiple of K).
+  # docs/methods.md.
   config.method = 'independent'
   # Method mc_dropout's dropout rate in the built-in models (cnn, resnet, mlp; the other methods train them without
   # dropout); a model of your own keeps its own dropout layers and rates. The dp/fsdp classifier's too.
@@ -62,11 +66,28 @@ def get_config() -> ml_collections.ConfigDict:
   # its predicted variance to the power beta, Seitzer et al. 2022) or 'mse' (squared error of the mean only).
   config.loss = 'nll'
   config.beta = 0.5
+  # A student distilled from an ensemble (ensemble.distill): the temperature T of Hinton et al.'s loss, T^2 times
+  # the cross-entropy of softmax(logits / T) against the teacher's probabilities at T. Used only where the training
+  # labels are a teacher's probabilities; 1: the plain cross-entropy against them.
+  config.distill_temperature = 1.0
   # Regression from a .csv data_dir: the target column(s), comma-separated; every other column is a feature.
   config.target = ''
   config.hyper_learning_rate = (0.04, 0.12)
   config.hyper_weight_decay = (1e-4, 1e-3)
   config.snapshot_cycles = 5
+  # Method packed (Packed-Ensembles, Laurent et al. 2023): the K members together are packed_alpha times as wide as
+  # the model (each member alpha / K of each layer's width, rounded up to a multiple of packed_gamma), and each
+  # member's inner layers are split into packed_gamma groups. The paper's alpha is 2; gamma 1 is torch-uncertainty's.
+  config.packed_alpha = 2.0
+  config.packed_gamma = 1
+  # Method multiswag: the schedule spans the first swag_start of the run, shifted to end at swag_learning_rate, which
+  # then holds while each member collects its SWAG moments swag_rank (or a few more) times at even steps; swag_rank
+  # deviations make each member's low-rank covariance ((2 + swag_rank) x its parameters of extra state), and it
+  # predicts with swag_samples draws from its Gaussian (K x swag_samples forward passes).
+  config.swag_samples = 10
+  config.swag_rank = 10
+  config.swag_start = 0.75
+  config.swag_learning_rate = 0.01
   # 'shared': every member sees the same batches (the classic recipe). 'shuffled': each
   # member its own order of the training set, for more diversity between members. Method bagging sets
   # 'bootstrap': each member its own resample.

@@ -10,6 +10,7 @@ and BatchNorm scales only hurts.
 import math
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from ensemble.errors import UsageError
@@ -56,11 +57,27 @@ def _kernels(params):
   return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
+def _total_steps(config, steps_per_epoch: int) -> int:
+  return config.get('num_train_steps', 0) or config.num_epochs * steps_per_epoch
+
+
+def swag_collection_start(config, steps_per_epoch: int) -> tuple[int, int]:
+  """(the step after which MultiSWAG's rate is constant and its members collect moments, the run's steps)."""
+  total = _total_steps(config, steps_per_epoch)
+  return int(round(config.swag_start * total)), total
+
+
 def schedule(config, steps_per_epoch: int) -> optax.Schedule:
   """The learning rate by step: over the run (`num_train_steps`, else `num_epochs` epochs), or restarted every cycle
-  of a snapshot ensemble."""
+  of a snapshot ensemble, or for MultiSWAG over the steps before its collection phase, shifted to end at
+  `swag_learning_rate` and constant at it after (SWAG's moments need iterates that keep moving)."""
+  if config.get('method') == 'multiswag':
+    start, _ = swag_collection_start(config, steps_per_epoch)
+    before = SCHEDULES[config.schedule](config, start, _warmup_steps(config, steps_per_epoch))
+    swag_rate, shift = config.swag_learning_rate, 1 - config.swag_learning_rate / config.learning_rate
+    return lambda count: jnp.where(count < start, swag_rate + before(count) * shift, swag_rate)
   cycles = config.snapshot_cycles if config.get('method') == 'snapshot' else 1
-  cycle_steps = (config.get('num_train_steps', 0) or config.num_epochs * steps_per_epoch) // cycles
+  cycle_steps = _total_steps(config, steps_per_epoch) // cycles
   rate = SCHEDULES[config.schedule](config, cycle_steps, _warmup_steps(config, steps_per_epoch))
   return rate if cycles == 1 else lambda count: rate(count % cycle_steps)
 

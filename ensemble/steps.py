@@ -128,7 +128,7 @@ class Member:
     return jnp.zeros((1, *self.image_shape), jnp.int32 if self.inputs == 'tokens' else jnp.float32)
 
   def init_variables(self, key: jax.Array) -> dict[str, Any]:
-    return self.model.init(key, self.example_input(), train=False)
+    return self.model.init(key, self.method.model_input(self.example_input()), train=False)
 
   def init(self, key: jax.Array) -> TrainState:
     """A fresh member from its key: the parameters from one half, the member's own `key` from the other."""
@@ -202,9 +202,10 @@ class Member:
     augment_key, dropout_key = jax.random.split(step_key)
     inputs = self.unstandardized(images, augment_key)
 
-    def loss_fn(params, inputs):
-      logits, batch_stats = self.apply(state, params, self.standardize(inputs), train=True, key=dropout_key)
-      loss, metrics = self.task.loss(logits, labels)
+    def loss_fn(params, inputs):  # the method's grouping (MIMO's) inside: FGSM perturbs the batch as it arrived
+      model_inputs, model_labels = self.method.training_batch(self.standardize(inputs), labels)
+      logits, batch_stats = self.apply(state, params, model_inputs, train=True, key=dropout_key)
+      loss, metrics = self.method.loss(self.task, logits, model_labels)
       return loss, (metrics, batch_stats)
 
     if not self.adversarial_epsilon:

@@ -5,13 +5,22 @@
 Each method is one `python -m ensemble.train` run of configs/default.py with `--config.method=NAME` (the row
 `adversarial`: independent members with `--config.adversarial_epsilon=0.01`),
 scored by `python -m ensemble.evaluate` (the test set, and the test set rotated by --angle degrees)
-exactly as a user would run them. The table gives the ensemble's test accuracy, NLL, Brier score
-and ECE, its NLL on the rotated test set, the ensemble's distinct trained parameters, the training
-throughput (member-images per second of training, from the epochs' `train_seconds` in
-metrics.jsonl, the first epoch and its compiles left out) and the whole run's wall time, next to
-the best single member's accuracy and NLL (each the best over the members). Workdirs that already
-hold a finished run of the same epochs are scored again, not retrained. --markdown writes the
-table to a file too.
+exactly as a user would run them. The table gives the ensemble's test accuracy, NLL, Brier score and ECE, its NLL
+on the rotated test set, the AUROC of its predictive entropy against each of the report's default
+out-of-distribution sets (uniform noise, permuted pixels), the ensemble's distinct trained parameters, the training
+throughput (member-images per second of training, from the epochs' `train_seconds` in metrics.jsonl, the first
+epoch and its compiles left out) and the whole run's wall time, next to the best single member's accuracy and NLL
+(each the best over the members). Workdirs that already hold a finished run of the same epochs are scored again,
+not retrained. --markdown writes the table to a file too.
+
+  python scripts/compare_methods.py --task=regression --epochs=40
+
+--task=regression is the short table: each method fitted in this process (`ensemble.fit`, the built-in MLP, K=4
+members, Adam at 0.01 on a cosine schedule, batch 64, features and targets standardised) on two generated sets of
+one feature, --regression_rows training rows and 4,096 test rows each: the deep-ensemble paper's cubic toy
+(y = x^3 + N(0, 3^2), x uniform in [-4, 4]) and a heteroscedastic set (y = x sin x + N(0, (0.1 + 0.4 |x|)^2), x
+uniform in [-3, 3]), scored by `Ensemble.evaluate`: the mixture's RMSE, NLL, CRPS and 90% interval coverage, next
+to the best member's NLL and the fit's wall time (compiles included).
 """
 
 import argparse
@@ -20,6 +29,8 @@ import os
 import subprocess
 import sys
 import time
+
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -30,9 +41,32 @@ os.environ['JAX_PLATFORMS'] = 'cpu'
 # The table's rows: each the config it trains on top of --config (a method, and adversarial training as the
 # deep-ensemble paper's recipe adds it to independent members, its eps 0.01).
 VARIANTS = {**{name: {'method': name} for name in ('independent', 'bagging', 'hyper', 'snapshot', 'batchensemble',
-                                                   'mc_dropout')},
+                                                   'mc_dropout', 'mimo', 'packed', 'multiswag')},
             'adversarial': {'method': 'independent', 'adversarial_epsilon': 0.01}}
-METHODS = tuple(VARIANTS)
+# The row of one network distilled from the `independent` row's ensemble (which trains first), `ensemble.distill`.
+STUDENT = 'distilled'
+METHODS = (*VARIANTS, STUDENT)
+# --task=regression: the recipe every method fits with, and its two generated sets (name -> (rows, rng) -> (x, y)).
+REGRESSION_RECIPE = {'task': 'regression', 'ensemble_size': 4, 'optimizer': 'adamw', 'learning_rate': 0.01,
+                     'schedule': 'cosine', 'weight_decay': 0.0, 'batch_size': 64, 'standardize_features': True}
+REGRESSION_TEST_ROWS = 4096
+
+
+def cubic(rows: int, rng):
+  """The deep-ensemble paper's toy: y = x^3 + N(0, 3^2), x uniform in [-4, 4]."""
+  x = rng.uniform(-4, 4, (rows, 1)).astype('float32')
+  return x, (x[:, 0] ** 3 + rng.normal(0, 3, rows)).astype('float32')
+
+
+def heteroscedastic(rows: int, rng):
+  """Noise that grows with |x|: y = x sin x + N(0, (0.1 + 0.4 |x|)^2), x uniform in [-3, 3]."""
+  x = rng.uniform(-3, 3, (rows, 1)).astype('float32')
+  return x, (x[:, 0] * np.sin(x[:, 0]) + rng.normal(0, 0.1 + 0.4 * abs(x[:, 0]))).astype('float32')
+
+
+REGRESSION_SETS = {'cubic': cubic, 'heteroscedastic': heteroscedastic}
+# The OOD column: the AUROC of the ensemble's predictive entropy, test set against each of the report's default sets.
+OOD_SCORE = 'entropy'
 
 
 def _run(args: list[str], log_path: str):
@@ -92,36 +126,90 @@ def num_params(workdir: str) -> int:
   return member.method.num_params(jax.eval_shape(member.init, jax.random.key(0)).params, config.ensemble_size)
 
 
-def steps_per_epoch(workdir: str) -> int:
-  from ensemble import data  # pylint: disable=g-import-not-at-top
-  config, _ = _recorded(workdir)
-  train, _ = data.hold_out(data.load(config.dataset, config.data_dir, config.train_split, config.test_split).train,
-                           config.heldout_fraction)
-  return data.steps_per_epoch(len(train['label']), config.batch_size)
-
-
-def score(method: str, args, workdir: str, seconds: float) -> dict:
-  """The table's row for `method`: `ensemble.evaluate`'s numbers and the run's own records."""
+def score(method: str, args, workdir: str, seconds: float, data_dir: str | None = None) -> dict:
+  """The table's row for `method`: `ensemble.evaluate`'s numbers (on `data_dir`, default the run's data) and the
+  run's own records."""
   output_dir = os.path.join(workdir, 'eval')
-  _run(['ensemble.evaluate', f'--workdir={workdir}', f'--output_dir={output_dir}', f'--angles=0,{args.angle}'],
-       os.path.join(args.out, f'{method}.evaluate.log'))
+  _run(['ensemble.evaluate', f'--workdir={workdir}', f'--output_dir={output_dir}', f'--angles=0,{args.angle}',
+        *([f'--data_dir={data_dir}'] if data_dir else [])], os.path.join(args.out, f'{method}.evaluate.log'))
   with open(os.path.join(output_dir, 'metrics.json'), encoding='utf-8') as f:
     results = json.load(f)
   lines = _lines(workdir)
   config, _ = _recorded(workdir)
-  steady = [line['train_seconds'] for line in lines[1:]] or [lines[0]['train_seconds']]
-  member_images = config.batch_size * config.ensemble_size * steps_per_epoch(workdir)
+  steady = lines[1:] or lines  # the first epoch holds the compiles
+  steps = steady[-1]['step'] - (lines[0]['step'] if len(lines) > 1 else 0)
   rotated = next(row for row in results['rotation'] if row['angle'] == args.angle)
   return {
       'method': method, 'ensemble': results['ensemble'], 'best_member': results['best_member'],
       'rotated_nll': rotated['ensemble']['nll'], 'params': num_params(workdir),
-      'member_images_per_s': member_images * len(steady) / sum(steady),
+      'ood_auroc': {name: result['ensemble'][OOD_SCORE]['auroc'] for name, result in results['ood'].items()},
+      'member_images_per_s': config.batch_size * config.ensemble_size * steps / sum(
+          line['train_seconds'] for line in steady),
       'wall_seconds': seconds or sum(line['train_seconds'] for line in lines),
   }
 
 
+def distil(args, teacher: str, workdir: str) -> float:
+  """Distils the `teacher` workdir into one network of its model (`ensemble.distill`, its recipe and epochs) on its
+  training examples, in `workdir` unless it holds one; returns the wall time (labelling included), 0 if reused."""
+  if _lines(workdir):
+    return 0.0
+  import ensemble  # pylint: disable=g-import-not-at-top
+  from ensemble import data  # pylint: disable=g-import-not-at-top
+  started = time.perf_counter()
+  ens = ensemble.load(teacher)
+  config = ens.config
+  train, _ = data.hold_out(data.load(config.dataset, config.data_dir).train, config.heldout_fraction)
+  ensemble.distill(ens, config.model, train['image'], epochs=args.epochs, workdir=workdir, progress=False)
+  return time.perf_counter() - started
+
+
+def data_folder(args) -> str:
+  """The data every run trained on, as a path: what `ensemble.evaluate` needs for a run of arrays (the student)."""
+  from ensemble.data import bundled  # pylint: disable=g-import-not-at-top
+  return args.data_dir or bundled.DATASETS['mnist']
+
+
+def regression_rows(methods: list[str], args) -> list[dict]:
+  """The short table's rows: every method fitted on each of `REGRESSION_SETS`, scored on its test rows."""
+  import ensemble  # pylint: disable=g-import-not-at-top
+  rows = []
+  for set_name, make in REGRESSION_SETS.items():
+    train, test = make(args.regression_rows, np.random.default_rng(0)), make(REGRESSION_TEST_ROWS,
+                                                                              np.random.default_rng(1))
+    fitted = {}
+    for method in methods:
+      started = time.perf_counter()
+      if method == STUDENT:
+        recipe = {key: value for key, value in REGRESSION_RECIPE.items() if key not in ('ensemble_size', 'task')}
+        fitted[method] = ensemble.distill(fitted['independent'], 'mlp', train[0], epochs=args.epochs,
+                                          progress=False, **recipe)
+      else:
+        fitted[method] = ensemble.fit('mlp', train, epochs=args.epochs, progress=False,
+                                      snapshot_cycles=snapshot_cycles(args.epochs), **REGRESSION_RECIPE,
+                                      **VARIANTS[method])
+      seconds = time.perf_counter() - started
+      scores = fitted[method].evaluate(*test)
+      rows.append({'set': set_name, 'method': method, 'ensemble': scores['ensemble'],
+                   'best_member_nll': min(member['nll'] for member in scores['members']), 'wall_seconds': seconds})
+      print(f'{set_name} {method}: done ({seconds:.0f} s)', file=sys.stderr, flush=True)
+  return rows
+
+
+def regression_table(rows: list[dict]) -> str:
+  header = ['set', 'method', 'RMSE', 'NLL', 'CRPS', '90% coverage', 'best member NLL', 'wall time']
+  lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+  for row in rows:
+    e = row['ensemble']
+    lines.append('| ' + ' | '.join([
+        row['set'], row['method'], f"{e['rmse']:.3f}", f"{e['nll']:.3f}", f"{e['crps']:.3f}",
+        f"{e['coverage_90']:.3f}", f"{row['best_member_nll']:.3f}", f"{row['wall_seconds']:.1f} s"]) + ' |')
+  return '\n'.join(lines)
+
+
 def table(rows: list[dict], angle: int) -> str:
-  header = ['method', 'accuracy', 'NLL', 'Brier', 'ECE', f'NLL at {angle} deg', 'best member acc / NLL',
+  header = ['method', 'accuracy', 'NLL', 'Brier', 'ECE', f'NLL at {angle} deg',
+            'OOD AUROC ' + ' / '.join(name.replace('_', ' ') for name in rows[0]['ood_auroc']), 'best member acc / NLL',
             'parameters', 'member-images/s', 'wall time']
   lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
   for row in rows:
@@ -129,7 +217,8 @@ def table(rows: list[dict], angle: int) -> str:
     minutes, seconds = divmod(round(row['wall_seconds']), 60)
     lines.append('| ' + ' | '.join([
         row['method'], f"{e['accuracy']:.4f}", f"{e['nll']:.4f}", f"{e['brier']:.4f}", f"{e['ece']:.4f}",
-        f"{row['rotated_nll']:.3f}", f"{b['accuracy']:.4f} / {b['nll']:.4f}", f"{row['params']:,}",
+        f"{row['rotated_nll']:.3f}", ' / '.join(f'{auroc:.3f}' for auroc in row['ood_auroc'].values()),
+        f"{b['accuracy']:.4f} / {b['nll']:.4f}", f"{row['params']:,}",
         f"{row['member_images_per_s']:,.0f}", f'{minutes}m {seconds:02d}s']) + ' |')
   return '\n'.join(lines)
 
@@ -138,7 +227,10 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--data_dir', default='', help="IDX folder or .npz; empty for the config's dataset (MNIST)")
   parser.add_argument('--config', default='configs/default.py')
+  parser.add_argument('--task', default='classification', choices=('classification', 'regression'),
+                      help='the MNIST table, or the short regression table')
   parser.add_argument('--epochs', type=int, default=10)
+  parser.add_argument('--regression_rows', type=int, default=1024, help='--task=regression: training rows per set')
   parser.add_argument('--methods', default=','.join(METHODS), help='comma-separated, from ' + ', '.join(METHODS))
   parser.add_argument('--cpu_devices', type=int, default=0, help='simulate N CPU devices (0: the real devices)')
   parser.add_argument('--angle', type=int, default=60, help='rotation of the shifted test set, in degrees')
@@ -152,21 +244,47 @@ def main():
   if unknown:
     from ensemble.errors import exit_with_error  # pylint: disable=g-import-not-at-top
     exit_with_error(f'--methods: unknown {unknown}; choose from {", ".join(METHODS)}')
+  if STUDENT in methods and 'independent' not in methods[:methods.index(STUDENT)] and (
+      args.task == 'regression' or not _lines(os.path.join(args.out, 'independent'))):
+    from ensemble.errors import exit_with_error  # pylint: disable=g-import-not-at-top
+    exit_with_error(f'--methods: {STUDENT} is distilled from the independent ensemble; list independent before it')
   os.makedirs(args.out, exist_ok=True)
+  if args.task == 'regression':
+    if args.cpu_devices:
+      import ensemble  # pylint: disable=g-import-not-at-top
+      ensemble.cpu_devices(args.cpu_devices)
+    rows = regression_rows(methods, args)
+    _warn_unless_better_than_best_member((row['method'], row['ensemble']['nll'], row['best_member_nll'])
+                                         for row in rows)
+    return _write(regression_table(rows), rows, args)
   rows = []
   for method in methods:
     workdir = os.path.join(args.out, method)
-    seconds = train(method, args, workdir)
-    rows.append(score(method, args, workdir, seconds))
+    if method == STUDENT:
+      seconds = distil(args, os.path.join(args.out, 'independent'), workdir)
+      rows.append(score(method, args, workdir, seconds, data_folder(args)))
+    else:
+      seconds = train(method, args, workdir)
+      rows.append(score(method, args, workdir, seconds))
     print(f'{method}: done ({rows[-1]["wall_seconds"]:.0f} s)', file=sys.stderr, flush=True)
-  with open(os.path.join(args.out, 'rows.json'), 'w', encoding='utf-8') as f:
+  _warn_unless_better_than_best_member((row['method'], row['ensemble']['nll'], row['best_member']['nll'])
+                                       for row in rows)
+  _write(table(rows, args.angle), rows, args)
+
+
+def _warn_unless_better_than_best_member(nlls):
+  """The table's goal: every ensemble-like method beats its best member on NLL; (method, ensemble, best member)."""
+  for method, ensemble_nll, best_nll in nlls:
+    if ensemble_nll >= best_nll:
+      print(f"warning: {method}'s ensemble NLL {ensemble_nll:.4f} does not beat its best member's {best_nll:.4f}",
+            file=sys.stderr)
+
+
+def _write(text: str, rows: list[dict], args):
+  """Prints the table; keeps the rows in --out and the table in --markdown."""
+  with open(os.path.join(args.out, f'{args.task}_rows.json'), 'w', encoding='utf-8') as f:
     json.dump(rows, f, indent=2)
-  text = table(rows, args.angle)
   print(text)
-  for row in rows:
-    if row['ensemble']['nll'] >= row['best_member']['nll']:
-      print(f"warning: {row['method']}'s ensemble NLL {row['ensemble']['nll']:.4f} does not beat its best member's "
-            f"{row['best_member']['nll']:.4f}", file=sys.stderr)
   if args.markdown:
     with open(args.markdown, 'w', encoding='utf-8') as f:
       f.write(text + '\n')

@@ -11,10 +11,12 @@ from ensemble import host_memory  # pylint: disable=g-import-not-at-top,g-bad-im
 host_memory.keep_freed_memory()  # as `ensemble.train` does on CPU: steps stop page-faulting
 
 import gzip  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import inspect
 import json
 import struct
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -150,3 +152,46 @@ def checkpoint_state(workdir: str, epoch: int, **overrides) -> dict:
   state = ckpt.restore(epoch, abstract, {'model': config.model, 'ensemble_size': config.ensemble_size})
   ckpt.close()
   return jax.tree.map(np.asarray, serialization.to_state_dict(state))
+
+
+# --- the methods' tests: one small problem, ensembles fitted once per module, the checks they share ---------------
+
+def toy_features(n: int = 64, seed: int = 0, dims: int = 5):
+  """`n` rows of `dims` standard-normal features, labelled by whether the first two sum above 0."""
+  x = np.random.default_rng(seed).normal(size=(n, dims)).astype(np.float32)
+  return x, (x[:, 0] + x[:, 1] > 0).astype(np.int32)
+
+
+def fitted_once(fit):
+  """`fit`, called once per distinct arguments (defaults filled in): what a module fixture hands its tests, so that
+  they share each ensemble they ask for."""
+  done, signature = {}, inspect.signature(fit)
+
+  def fitted(*args, **kwargs):
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    key = tuple(bound.arguments.items())
+    if key not in done:
+      done[key] = fit(*args, **kwargs)
+    return done[key]
+  return fitted
+
+
+def member_params(ens):
+  """An ensemble's stacked (K, ...) parameters as numpy arrays."""
+  return jax.tree.map(np.asarray, ens.state.params)
+
+
+def assert_one_network(ens):
+  """Every member's parameters are member 0's, bit for bit: members that share every weight."""
+  jax.tree.map(lambda leaf: np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape)),
+               member_params(ens))
+
+
+def assert_same_training(a, b, *trees: str):
+  """Two ensembles trained alike (pmap against jit): parameters, the `trees` named of their states and the test loss
+  equal to float32 reductions' order."""
+  close = lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+  for tree in ('params', *trees):
+    jax.tree.map(close, getattr(a.state, tree), getattr(b.state, tree))
+  np.testing.assert_allclose(a.summary['test_loss'], b.summary['test_loss'], rtol=1e-4)

@@ -14,7 +14,7 @@ from ensemble import config as config_lib
 from ensemble.errors import UsageError
 from ensemble.methods import adversarial
 
-from conftest import make_member
+from conftest import assert_same_training, fitted_once, make_member, member_params
 
 EPSILON = 0.05
 # Small and fast: K=2 MLPs, one epoch of four steps.
@@ -79,27 +79,15 @@ def test_the_step_trains_on_fgsm_examples_computed_as_jax_grad_gives_them(case):
 def fits():
   """`fits(backend, epsilon)`: an ensemble fitted once per module on the same features."""
   train, test = _features(), _features(32, 1)
-  done = {}
-
-  def fit(backend, epsilon):
-    if (backend, epsilon) not in done:
-      done[backend, epsilon] = ensemble.fit('mlp', train, test, backend=backend, adversarial_epsilon=epsilon,
-                                            **SETTINGS)
-    return done[backend, epsilon]
-  return fit
-
-
-def _params(ens):
-  return jax.tree.map(np.asarray, ens.state.params)
+  return fitted_once(lambda backend, epsilon: ensemble.fit('mlp', train, test, backend=backend,
+                                                           adversarial_epsilon=epsilon, **SETTINGS))
 
 
 def test_adversarial_training_changes_what_is_trained_and_both_backends_train_it_alike(fits):
-  adversarial_params = _params(fits('pmap', EPSILON))
-  distances = jax.tree.map(lambda a, b: np.abs(a - b).max(), adversarial_params, _params(fits('pmap', 0.0)))
+  adversarial_params = member_params(fits('pmap', EPSILON))
+  distances = jax.tree.map(lambda a, b: np.abs(a - b).max(), adversarial_params, member_params(fits('pmap', 0.0)))
   assert max(jax.tree.leaves(distances)) > 1e-4
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), adversarial_params,
-               _params(fits('jit', EPSILON)))
-  assert np.isfinite(fits('jit', EPSILON).summary['test_loss'])
+  assert_same_training(fits('pmap', EPSILON), fits('jit', EPSILON))
 
 
 def test_a_regression_workdir_trained_adversarially_loads_and_predicts(tmp_path):

@@ -331,6 +331,21 @@ def test_a_snapshot_ensemble_resumes_only_with_its_cycles(trained):
   config_lib.check_resume(independent, {**independent.to_dict(), 'num_epochs': 4}, 'config.json')
 
 
+def test_a_multiswag_ensemble_resumes_only_with_its_collection_phase(trained):
+  """Another swag_start (or length) would move the constant-rate phase mid-run; another swag_rank the moments' shape."""
+  config = _config(trained, method='multiswag', num_epochs=4)
+  saved = config.to_dict()
+  config_lib.check_resume(config, saved, 'config.json')
+  for field, value in (('swag_start', 0.5), ('swag_rank', 4), ('num_epochs', 6)):
+    with pytest.raises(UsageError) as error:
+      config_lib.check_resume(_config(trained, **{'method': 'multiswag', 'num_epochs': 4, field: value}), saved,
+                              'config.json')
+    assert str(error.value).startswith(f'config.json records {field}={saved[field]!r} (now {value!r}): MultiSWAG keeps '
+                                       'the steps of its collection phase')
+    assert '\n' not in str(error.value)
+  config_lib.check_resume(_config(trained, method='multiswag', num_epochs=4, swag_samples=3), saved, 'config.json')
+
+
 def _hold(workdir: str) -> subprocess.Popen:
   """Another process that takes the workdir's lock and keeps it."""
   code = ('import sys, time; from ensemble import checkpoint; lock = checkpoint.WorkdirLock(sys.argv[1]); '

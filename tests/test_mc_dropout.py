@@ -12,7 +12,7 @@ import pytest
 
 import ensemble
 import user_models
-from conftest import small_config
+from conftest import assert_one_network, assert_same_training, fitted_once, small_config, toy_features
 from ensemble import config as config_lib, data, defaults, export, methods, trainer
 from ensemble.errors import UsageError
 from ensemble.methods import mc_dropout
@@ -22,13 +22,7 @@ K = 4
 SETTINGS = {'ensemble_size': K, 'epochs': 1, 'batch_size': 16, 'method': 'mc_dropout', 'progress': False}
 
 
-def _features(n: int = 64, seed: int = 0):
-  rng = np.random.default_rng(seed)
-  x = rng.normal(size=(n, 5)).astype(np.float32)
-  return x, (x[:, 0] + x[:, 1] > 0).astype(np.int32)
-
-
-TRAIN, TEST = _features(), _features(16, 1)
+TRAIN, TEST = toy_features(), toy_features(16, 1)
 MODELS = {
     'mlp': 'mlp',
     'linen': user_models.TinyNet(width=16, num_classes=2),  # Dense, BatchNorm, ReLU, nn.Dropout(0.25)
@@ -39,22 +33,8 @@ MODELS = {
 @pytest.fixture(scope='module')
 def fits():
   """`fits(model, backend)`: an MC dropout ensemble fitted once per module."""
-  done = {}
-
-  def fit(model, backend='pmap'):
-    if (model, backend) not in done:
-      done[model, backend] = ensemble.fit(MODELS[model], TRAIN, TEST, backend=backend, **SETTINGS)
-    return done[model, backend]
-  return fit
-
-
-def _params(ens):
-  return jax.tree.map(np.asarray, ens.state.params)
-
-
-def _assert_one_network(ens):
-  """Every member's parameters are member 0's, bit for bit."""
-  jax.tree.map(lambda leaf: np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape)), _params(ens))
+  return fitted_once(lambda model, backend='pmap': ensemble.fit(MODELS[model], TRAIN, TEST, backend=backend,
+                                                                **SETTINGS))
 
 
 def _member_probs(ens, x):
@@ -65,7 +45,7 @@ def _member_probs(ens, x):
 @pytest.mark.parametrize('model', list(MODELS))
 def test_members_stay_one_network_and_predict_with_their_own_dropout(fits, model):
   ens = fits(model)
-  _assert_one_network(ens)
+  assert_one_network(ens)
   probs = _member_probs(ens, TEST[0])
   assert min(np.abs(probs[i] - probs[j]).max() for i in range(K) for j in range(i)) > 1e-4  # K different passes
   np.testing.assert_array_equal(probs, _member_probs(ens, TEST[0]))  # each member's masks are its own and fixed
@@ -92,17 +72,14 @@ def test_a_member_predicts_the_model_s_train_mode_pass_under_its_own_key(fits):
 
 
 def test_pmap_and_jit_train_the_same_network(fits):
-  _assert_one_network(fits('mlp', 'jit'))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), _params(fits('mlp', 'pmap')),
-               _params(fits('mlp', 'jit')))
-  np.testing.assert_allclose(fits('mlp', 'pmap').summary['test_loss'], fits('mlp', 'jit').summary['test_loss'],
-                             rtol=1e-4)
+  assert_one_network(fits('mlp', 'jit'))
+  assert_same_training(fits('mlp', 'pmap'), fits('mlp', 'jit'))
 
 
 def test_regression_samples_the_network():
   x, _ = TRAIN
   ens = ensemble.fit('mlp', (x, (x[:, 0] - x[:, 2]).astype(np.float32)), task='regression', **SETTINGS)
-  _assert_one_network(ens)
+  assert_one_network(ens)
   assert ens.predict(x[:8])['epistemic'].min() > 0  # the K dropout passes disagree
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ensemble import backends, calibration, config as config_lib, data, evaluation, methods, optim, predictor
+from ensemble import backends, calibration, config as config_lib, data, evaluation, methods, models, optim, predictor
 from ensemble import steps, trainer
 from ensemble.errors import UsageError
 from ensemble.methods import batchensemble
@@ -206,7 +206,7 @@ def test_evaluate_scores_a_batchensemble_workdir_like_any_ensemble(trained):
      'set --config.schedule=cosine'),
     ({'method': 'hyper', 'hyper_learning_rate': (0.2, 0.1)}, 'hyper_learning_rate=(0.2, 0.1) must be a range'),
     ({'method': 'hyper', 'hyper_weight_decay': (0.0, 0.1)}, 'hyper_weight_decay=(0.0, 0.1) must be a range'),
-    ({'method': 'batchensemble', 'model': 'mlp'}, 'method batchensemble needs a model with rank-1 layers'),
+    ({'method': 'batchensemble', 'model': 'classifier'}, 'method batchensemble needs a model with rank-1 layers'),
     ({'member_data': 'bootstrap'}, 'run with --config.method=bagging'),
 ])
 def test_bad_method_options_are_refused_in_one_line(make_config, override, message):
@@ -233,8 +233,17 @@ def test_a_mesh_backend_refuses_an_ensembling_method():
     config_lib.resolve(config, jax.devices())
 
 
+def test_batchensemble_takes_the_plain_mlp_with_rank1_layers(make_config):
+  """Feature vectors' built-in member has rank-1 layers too, so --config.model=mlp is not refused."""
+  config, _ = config_lib.resolve(make_config(method='batchensemble', model='mlp'), jax.devices())
+  model = models.create(config, 10, (4,))
+  params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4)))['params']
+  assert batchensemble.is_shared(params)['_Rank1_0']['shared']['kernel']
+
+
 def test_every_method_has_a_name_and_the_default_is_independent():
-  assert methods.NAMES == ('independent', 'bagging', 'hyper', 'snapshot', 'batchensemble', 'mc_dropout')
+  assert methods.NAMES == ('independent', 'bagging', 'hyper', 'snapshot', 'batchensemble', 'mc_dropout', 'packed',
+                           'mimo', 'multiswag')
   assert isinstance(make_member().method, methods.Independent)
   assert make_member(data_info=MNIST_INFO).method.num_params({'w': np.zeros(3)}, 4) == 12
 

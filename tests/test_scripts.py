@@ -66,4 +66,10 @@ def test_compare_methods_refuses_an_unknown_method_before_training(tmp_path):
   assert result.returncode == 2 and not (tmp_path / 'runs').exists()
   assert result.stderr.strip().splitlines() == [
       "error: --methods: unknown ['bagings']; choose from independent, bagging, hyper, snapshot, batchensemble, "
-      'mc_dropout, adversarial']
+      'mc_dropout, mimo, packed, multiswag, adversarial, distilled']
+
+
+def test_compare_methods_distils_only_after_the_independent_ensemble(tmp_path):
+  result = _run('scripts/compare_methods.py', '--methods=distilled,independent', f'--out={tmp_path / "runs"}')
+  assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+      'error: --methods: distilled is distilled from the independent ensemble; list independent before it']

@@ -255,8 +255,8 @@ def unrolls(devices: Sequence[jax.Device], member: steps.Member | None = None) -
 
 def has_convolutions(member: steps.Member) -> bool:
   """Whether the member's forward pass convolves: read off its traced program, never run; kept per model (a
-  linen Module is compared by its fields) and input shape."""
-  key = (member.model, member.image_shape, member.inputs)
+  linen Module is compared by its fields), input shape and method (which may shape the model's input: MIMO's)."""
+  key = (member.model, member.image_shape, member.inputs, member.method)
   try:
     return _convolves(*key)
   except TypeError:  # a model that cannot be hashed (a field holding a list): traced every time
@@ -264,9 +264,12 @@ def has_convolutions(member: steps.Member) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _convolves(model, image_shape: tuple[int, ...], inputs: str) -> bool:
+def _convolves(model, image_shape: tuple[int, ...], inputs: str, method) -> bool:
   example = jax.ShapeDtypeStruct((1, *image_shape), jax.numpy.int32 if inputs == 'tokens' else jax.numpy.float32)
-  forward = lambda key, x: model.apply(model.init(key, x, train=False), x, train=False)
+
+  def forward(key, x):
+    x = method.model_input(x)
+    return model.apply(model.init(key, x, train=False), x, train=False)
   try:
     return 'conv_general_dilated' in str(jax.make_jaxpr(forward)(jax.random.key(0), example))
   except Exception:  # pylint: disable=broad-except  # traceable only in its mesh's context (a mesh model): unrolled

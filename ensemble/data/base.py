@@ -63,8 +63,11 @@ class Dataset:
         if labels.dtype not in HOST_FLOATS or labels.ndim != 2 or labels.shape[0] != len(images):
           raise ValueError(f'Dataset.{name}: targets must be float32/64 ({len(images)}, D), got {labels.dtype} '
                            f'{labels.shape}')
-      elif labels.dtype != np.int32 or labels.shape != images.shape[:1]:
-        raise ValueError(f'Dataset.{name}: labels must be int32 ({len(images)},), got {labels.dtype} {labels.shape}')
+      elif not ((labels.dtype == np.int32 and labels.shape == images.shape[:1])
+                or (labels.dtype == np.float32 and labels.ndim == 2 and labels.shape[0] == len(images))):
+        # float32 (N, C): a teacher's probabilities, what ensemble.distill trains a student on
+        raise ValueError(f'Dataset.{name}: labels must be int32 ({len(images)},) classes or float32 '
+                         f'({len(images)}, C) probabilities, got {labels.dtype} {labels.shape}')
     if self.test is not None and self.train['image'].shape[1:] != self.test['image'].shape[1:]:
       raise ValueError(f'Dataset: train images {self.train["image"].shape[1:]} but test images '
                        f'{self.test["image"].shape[1:]}')

@@ -3,8 +3,10 @@
 A method is a small frozen object that `steps.Member` consults at four points:
 `init` (a member's fresh state), `after_update` (after each optimizer step),
 `predict` (a member's test-time output) and, for methods whose members share
-weights, `average_shared` (their gradients, inside the backends' step). Data
-order comes from `member_data`. Everything else (backends, checkpoints,
+weights, `average_shared` (their gradients, inside the backends' step). A
+method may also change what the model is given (`model_input`) and what a
+step trains it on (`training_batch`, `loss`): MIMO's grouping. Data order
+comes from `member_data`. Everything else (backends, checkpoints,
 `ensemble.evaluate`, `ensemble.predict`) sees K members like any others, so
 every method runs on both ensemble backends and is scored by the same report.
 
@@ -14,6 +16,9 @@ every method runs on both ensemble backends and is scored by the same report.
   snapshot       each member keeps C snapshots along a cyclic schedule; K x C are averaged (Huang et al. 2017)
   batchensemble  members share their weights and differ in rank-1 factors (Wen et al. 2020)
   mc_dropout     one network trained with dropout; each member a dropout sample of it (Gal and Ghahramani 2016)
+  packed         members at alpha / K of the network's width, gamma groups in their inner layers (Laurent et al. 2023)
+  mimo           one network with K inputs and K heads, trained on K examples at once (Havasi et al. 2021)
+  multiswag      independent members, each a SWAG Gaussian over its weights; K x S samples (Wilson and Izmailov 2020)
 
 `adversarial_epsilon` > 0 adds adversarial training to any of them (methods/adversarial.py).
 """
@@ -21,7 +26,7 @@ every method runs on both ensemble backends and is scored by the same report.
 import math
 
 from ensemble.errors import UsageError
-from ensemble.methods import adversarial, batchensemble, hyper, mc_dropout, snapshot
+from ensemble.methods import adversarial, batchensemble, hyper, mc_dropout, mimo, multiswag, packed, snapshot
 from ensemble.methods.independent import Independent
 
 METHODS = {
@@ -31,13 +36,17 @@ METHODS = {
     'snapshot': lambda config, steps_per_epoch: snapshot.Snapshot.from_config(config, steps_per_epoch),
     'batchensemble': lambda config, steps_per_epoch: batchensemble.BatchEnsemble(seed=config.seed),
     'mc_dropout': lambda config, steps_per_epoch: mc_dropout.MCDropout(seed=config.seed),
+    'packed': lambda config, steps_per_epoch: packed.Packed.from_config(config),
+    'mimo': lambda config, steps_per_epoch: mimo.MIMO.from_config(config),
+    'multiswag': lambda config, steps_per_epoch: multiswag.MultiSWAG.from_config(config, steps_per_epoch),
 }
 NAMES = tuple(METHODS)
 # The methods whose members start from weights drawn from `config.seed` alone (their shared weights), so that what
 # their programs compute depends on the seed.
-SEEDED = ('batchensemble', 'mc_dropout')
-# The models whose layers have rank-1 versions (models/rank1.py).
-RANK1_MODELS = ('cnn', 'resnet')
+SEEDED = ('batchensemble', 'mc_dropout', 'mimo')
+# The models whose layers have rank-1 versions (models/rank1.py); 'mlp' is the plain one (the mesh MLP trains on the
+# mesh backends, which take no method).
+RANK1_MODELS = ('cnn', 'resnet', 'mlp')
 
 
 def name(config) -> str:
@@ -83,6 +92,19 @@ def check(config):
     _require(isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 < rate < 1,
              f'dropout_rate={rate!r} must be in (0, 1) for method mc_dropout, the probability that a unit is dropped: '
              'set e.g. --config.dropout_rate=0.1')
+  if method == 'multiswag':
+    multiswag.check(config)
+  if method == 'mimo':
+    k, batch_size = config.ensemble_size, config.batch_size  # k 0: one member per device, checked once resolved
+    _require(k != 1, 'method mimo trains one network of M = ensemble_size heads, and 1 head is a single network: '
+             'set e.g. --config.ensemble_size=4')
+    if k:
+      _require(batch_size % k == 0,
+               f'batch_size={batch_size} must be a multiple of ensemble_size={k} for method mimo, which groups each '
+               f'member\'s batch into examples of {k} inputs: set e.g. '
+               f'--config.batch_size={max(k, batch_size // k * k)}')
+  if method == 'packed':
+    packed.check(config)
   adversarial.check(config)
   _require(config.member_data != 'bootstrap' or method == 'bagging',
            "member_data='bootstrap' is what method bagging sets: run with --config.method=bagging instead")

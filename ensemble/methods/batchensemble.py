@@ -77,3 +77,13 @@ class BatchEnsemble(Independent):
   def num_params(self, params, ensemble_size: int) -> int:
     sizes = jax.tree.map(lambda leaf, s: leaf.size * (1 if s else ensemble_size), params, self.shared(params))
     return sum(jax.tree.leaves(sizes))
+
+
+@dataclasses.dataclass(frozen=True)
+class OneNetwork(BatchEnsemble):
+  """Members that share every weight: one network, of which each member is one way to predict (MC dropout's dropout
+  pass, MIMO's head). Its parameters stay identical across members by BatchEnsemble's mechanism."""
+
+  def shared(self, params):
+    """Every leaf."""
+    return jax.tree.map(lambda _: True, params)

@@ -29,6 +29,20 @@ class Independent:
     """A member's logits (or log-probabilities) at test time."""
     return member.logits(state, images)
 
+  def model_input(self, inputs):
+    """The model's input for a batch of inputs outside training (its initialisation, `config.check_model`): as
+    they are. MIMO's model takes each input once per head."""
+    return inputs
+
+  def training_batch(self, inputs, labels):
+    """(inputs, labels) of a member's prepared training batch, as its model trains on them: as they are. MIMO
+    groups them into examples of one input per head."""
+    return inputs, labels
+
+  def loss(self, task, outputs, labels):
+    """(loss, metrics) of the model's outputs for `training_batch`: the task's. MIMO sums its heads' losses."""
+    return task.loss(outputs, labels)
+
   def num_params(self, params, ensemble_size: int) -> int:
     """Distinct trained parameters of the whole ensemble, from one member's `params` (arrays or shapes)."""
     return ensemble_size * sum(leaf.size for leaf in jax.tree.leaves(params))

@@ -36,7 +36,7 @@ import functools
 import flax.linen as nn
 import jax
 
-from ensemble.methods.batchensemble import BatchEnsemble
+from ensemble.methods.batchensemble import OneNetwork
 
 # fold_in tag of a member's prediction key: its training steps fold the step number into the same key.
 PREDICTION_KEY = 0x4d43_4450
@@ -46,12 +46,8 @@ _DROPPED: contextvars.ContextVar[list | None] = contextvars.ContextVar('dropped'
 
 
 @dataclasses.dataclass(frozen=True)
-class MCDropout(BatchEnsemble):
+class MCDropout(OneNetwork):
   name: str = 'mc_dropout'
-
-  def shared(self, params):
-    """Every leaf: the members are one network."""
-    return jax.tree.map(lambda _: True, params)
 
   def predict(self, member, state, images):
     """One dropout sample of the network: its test-time pass with dropout on, under the member's own key."""

@@ -11,7 +11,7 @@ from typing import Callable
 import flax.linen as nn
 
 from ensemble.errors import UsageError
-from ensemble.models import classifier, cnn, mlp, resnet, user
+from ensemble.models import classifier, cnn, mimo, mlp, packed, resnet, user
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,18 @@ def _dropout_rate(config) -> float:
   return config.dropout_rate if config.get('method') == 'mc_dropout' else 0.0
 
 
+def _packed(config, widths) -> dict:
+  """Method packed's member: the model at packed_alpha / K of each of its layers' `widths`, packed_gamma groups in
+  its inner layers (models/packed.py); no options for the other methods."""
+  if config.get('method') != 'packed':
+    return {}
+  if config.ensemble_size < 1:
+    raise UsageError(f'method packed sizes its members by the ensemble size, and ensemble_size={config.ensemble_size}'
+                     ' is not resolved yet: set --config.ensemble_size')
+  width = lambda features: packed.width(features, config.packed_alpha, config.ensemble_size, config.packed_gamma)
+  return {'widths': tuple(width(features) for features in widths), 'groups': config.packed_gamma}
+
+
 def _check_resnet(config):
   depth = config.resnet_depth
   if depth < 8 or (depth - 2) % 6:
@@ -45,18 +57,21 @@ def _mlp(config, num_classes: int) -> nn.Module:
   """The mesh MLP where the config has its fields (configs/mlp.py: num_layers, depth, ...), whose blocks split over
   'model'; else the plain one, which is what a config without them (the default, on feature vectors) means."""
   if 'num_layers' not in config:
-    return mlp.Plain(num_classes=num_classes, rank1=_rank1(config), dropout_rate=_dropout_rate(config))
+    return mlp.Plain(num_classes=num_classes, rank1=_rank1(config), dropout_rate=_dropout_rate(config),
+                     **_packed(config, mlp.Plain.widths))
   return mlp.MLP(config.num_layers, config.depth, use_scan=config.use_scan, logical=config.logical,
                  num_classes=num_classes)
 
 
 MODELS = {
     'cnn': Entry(lambda config, num_classes: cnn.CNN(num_classes=num_classes, rank1=_rank1(config),
-                                                     dropout_rate=_dropout_rate(config)),
+                                                     dropout_rate=_dropout_rate(config),
+                                                     **_packed(config, cnn.WIDTHS)),
                  min_image_size=4, why='its two 2x2 poolings need at least 4x4 pixels'),
     'resnet': Entry(lambda config, num_classes: resnet.ResNet(
         config.resnet_depth, config.resnet_width, num_classes, rank1=_rank1(config),
-        dropout_rate=_dropout_rate(config)),
+        dropout_rate=_dropout_rate(config),
+        **_packed(config, tuple(filters * config.resnet_width for filters in resnet.STAGE_FILTERS))),
                     check=_check_resnet, min_image_size=1),
     'mlp': Entry(_mlp),
     'classifier': Entry(lambda config, num_classes: classifier.Classifier(
@@ -116,5 +131,8 @@ def create(config, num_classes: int, image_shape: tuple[int, ...], model=None):
     if min(height, width) < entry.min_image_size:
       raise UsageError(f'model {config.model!r} does not fit {height}x{width} images: {entry.why}; '
                        'choose another --config.model, e.g. resnet')
+  if config.get('method') == 'mimo':  # one network of M inputs and M heads, each head the outputs of one member
+    heads = config.ensemble_size
+    return mimo.MIMO(entry.build(config, num_classes * heads), heads=heads)
   return entry.build(config, num_classes)
 

@@ -1,9 +1,14 @@
 """The small CNN of the Flax examples: the classic deep-ensemble member."""
 
+from typing import Sequence
+
 import flax.linen as nn
 import jax.numpy as jnp
 
-from ensemble.models import fused, rank1 as rank1_layers
+from ensemble.models import fused, packed, rank1 as rank1_layers
+
+# The two convolutions' filters and the hidden dense layer's units.
+WIDTHS = (32, 64, 256)
 
 
 class CNN(nn.Module):
@@ -16,20 +21,31 @@ class CNN(nn.Module):
   XLA:CPU runs faster; BatchEnsemble's rank-1 convolutions are the plain layers.
   With `dropout_rate` (method mc_dropout), dropout before each dense layer in
   training: Gal and Ghahramani's LeNet with dropout at its inner-product layers.
+  Method packed's member sets `widths` and splits the inner layers (the second
+  convolution, the hidden dense layer) into `groups` (models/packed.py); the
+  flattened features are ordered group by group, so that each group of the
+  dense layer sees its own group of filters.
   """
   num_classes: int = 10
   rank1: bool = False  # BatchEnsemble's layers (models/rank1.py)
   dropout_rate: float = 0.0
+  widths: Sequence[int] = WIDTHS
+  groups: int = 1
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
     dropout = lambda x: nn.Dropout(self.dropout_rate, deterministic=not train)(x)  # rate 0: the identity
-    for i, features in enumerate((32, 64)):
+    pool = lambda x: nn.avg_pool(nn.relu(x), (2, 2), strides=(2, 2))
+    for i, features in enumerate(self.widths[:2]):
       if self.rank1:
-        x = nn.avg_pool(nn.relu(rank1_layers.Conv(features, kernel_size=(3, 3))(x)), (2, 2), strides=(2, 2))
+        x = pool(rank1_layers.Conv(features, kernel_size=(3, 3))(x))
+      elif i and self.groups > 1:  # the first layer takes the whole input, ungrouped
+        x = pool(packed.Conv(features, (3, 3), self.groups, name=f'Conv_{i}')(x))
       else:
         x = fused.ConvReluPool(features, name=f'Conv_{i}')(x)
-    x = x.reshape((x.shape[0], -1))
+    n, height, width, channels = x.shape
+    x = x.reshape(n, height * width, self.groups, channels // self.groups).swapaxes(1, 2).reshape(n, -1)
     dense = rank1_layers.Dense if self.rank1 else nn.Dense
-    x = nn.relu(dense(features=256)(dropout(x)))
+    hidden = packed.Dense(self.widths[2], self.groups) if self.groups > 1 else dense(self.widths[2])
+    x = nn.relu(hidden(dropout(x)))
     return dense(features=self.num_classes)(dropout(x))

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ensemble.models import rank1 as rank1_layers
+from ensemble.models import packed, rank1 as rank1_layers
 from ensemble.parallel import DATA_AXIS, MODEL_AXIS
 
 Names = Sequence[str | None]
@@ -106,16 +106,19 @@ class Plain(nn.Module):
   batch statistics, and no dropout unless `dropout_rate` (method mc_dropout:
   after each hidden layer, in training), so a run on tabular data needs no
   other setting. With `rank1`, BatchEnsemble's layers (models/rank1.py).
+  With `groups` (method packed), the hidden layers after the first are grouped.
   """
   num_classes: int = 10
   widths: Sequence[int] = (128, 128)
   rank1: bool = False
   dropout_rate: float = 0.0
+  groups: int = 1
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
     dense = rank1_layers.Dense if self.rank1 else nn.Dense
     x = x.reshape((x.shape[0], -1))
-    for width in self.widths:
-      x = nn.Dropout(self.dropout_rate, deterministic=not train)(nn.relu(dense(width)(x)))
+    for i, width in enumerate(self.widths):
+      layer = packed.Dense(width, self.groups) if i and self.groups > 1 else dense(width)
+      x = nn.Dropout(self.dropout_rate, deterministic=not train)(nn.relu(layer(x)))
     return dense(self.num_classes)(x)

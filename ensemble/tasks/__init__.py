@@ -25,7 +25,7 @@ def create(config, data_info: dict[str, Any] | None = None):
   """The task `config` names, for data described by `data_info` (its target statistics, for regression)."""
   check(config)
   if name(config) == 'classification':
-    return classification.Classification()
+    return classification.Classification(temperature=float(config.get('distill_temperature', 1.0)))
   data_info = data_info or {}
   return regression.Regression(loss_name=config.get('loss', 'nll'), beta=float(config.get('beta', 0.5)),
                                target_mean=tuple(data_info.get('target_mean', (0.0,))),

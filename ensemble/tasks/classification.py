@@ -15,6 +15,15 @@ def cross_entropy(logits: jnp.ndarray, labels: jnp.ndarray) -> jnp.ndarray:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
+def distillation_loss(logits: jnp.ndarray, teacher_probs: jnp.ndarray, temperature: float = 1.0) -> jnp.ndarray:
+  """(N,) Hinton et al.'s (2015) distillation loss: T^2 times the cross-entropy of softmax(logits / T) against
+  the teacher's probabilities at temperature T, p^(1/T) renormalised. The T^2 keeps the gradients' scale as T
+  changes; at T = 1 it is the cross-entropy against the teacher's probabilities themselves."""
+  log_teacher = jnp.log(jnp.maximum(teacher_probs, jnp.finfo(teacher_probs.dtype).tiny))
+  targets = jax.nn.softmax(log_teacher / temperature, axis=-1)
+  return temperature ** 2 * optax.softmax_cross_entropy(logits / temperature, targets)
+
+
 def ensemble_probs(probs: jnp.ndarray, axis_name: AxisName) -> jnp.ndarray:
   """The ensemble prediction: the mean of the members' probabilities over the mapped axes."""
   return jax.lax.pmean(probs, axis_name)
@@ -47,16 +56,25 @@ def eval_outputs(logits: jnp.ndarray, labels: jnp.ndarray, *, axis_name: AxisNam
 
 @dataclasses.dataclass(frozen=True)
 class Classification:
-  """Logits, one per class; trained by cross-entropy."""
+  """Logits, one per class; trained by cross-entropy against integer labels, or, against a teacher's probabilities
+  (N, C) as labels (`ensemble.distill`), by `distillation_loss` at `temperature`."""
   name: str = 'classification'
+  temperature: float = 1.0
 
   def member_output(self, logits: jnp.ndarray) -> jnp.ndarray:
     """What prediction takes from a member: its log-probabilities."""
     return jax.nn.log_softmax(logits)
 
   def loss(self, logits: jnp.ndarray, labels: jnp.ndarray) -> tuple[jnp.ndarray, Metrics]:
-    """(mean cross-entropy of the batch, the step's metrics)."""
-    loss = cross_entropy(logits, labels).mean()
+    """(mean cross-entropy of the batch, the step's metrics); with a teacher's probabilities as `labels`, the
+    distillation loss, and the accuracy is the agreement with the teacher's class."""
+    if jnp.issubdtype(labels.dtype, jnp.floating):  # (N, C) probabilities, not (N,) classes: known when traced
+      # A model with more outputs than the teacher's classes, as fit allows more than the labels use: probability 0.
+      labels = jnp.pad(labels, ((0, 0), (0, logits.shape[-1] - labels.shape[-1])))
+      loss = distillation_loss(logits, labels, self.temperature).mean()
+      labels = jnp.argmax(labels, -1)
+    else:
+      loss = cross_entropy(logits, labels).mean()
     return loss, {'loss': loss, 'accuracy': jnp.mean(jnp.argmax(logits, -1) == labels)}
 
   def eval_outputs(self, logits: jnp.ndarray, labels: jnp.ndarray, *, axis_name: AxisName) -> Metrics:

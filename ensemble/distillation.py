@@ -1,0 +1,176 @@
+"""Distillation: one network trained on an ensemble's averaged predictive, so that one network is served.
+
+  student = ensemble.distill(ens, MyModel(), x_train, test=(x_test, y_test), epochs=10)
+  student.predict(x)              # an Ensemble of one member: predict, evaluate, save, export as any other
+  student.distillation.retained   # the share of the ensemble's NLL gain over its mean member the student keeps
+
+The student is trained by `ensemble.fit`'s own trainer (`api.fit_dataset`), on the teacher's predictive as
+labels; what it becomes is an ordinary classifier or regressor of the teacher's task.
+
+  classification  labels: the members' mean probabilities (N, C); the loss is Hinton et al.'s (2015), T^2 times
+                  the cross-entropy of softmax(logits / T) against them at temperature T (`distill_temperature`,
+                  `tasks.classification.distillation_loss`); the student predicts softmax(logits).
+  regression      the student's Gaussian N(mu, s^2) fitted to the mixture's mean m and variance v by the expected
+                  NLL under the moment-matched Gaussian N(m, v), 0.5 log(2 pi s^2) + ((mu - m)^2 + v) / (2 s^2)
+                  (the KL divergence from it, up to a constant). The NLL is quadratic in the target, so that
+                  expectation is exactly the mean of the ordinary NLL at the two targets m + sqrt(v) and
+                  m - sqrt(v): each input is trained on both, and the task's loss is regression's own.
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from ensemble import api, tasks
+from ensemble.data import arrays, base
+from ensemble.errors import UsageError
+from ensemble.tasks import regression
+
+# What the student is, which fit's keywords would change: one network, of the teacher's task and inputs.
+_FIXED = {'ensemble_size': 'the student is one network',
+          'method': 'the student is one network, trained as an independent member',
+          'task': "the student learns the teacher's task",
+          'inputs': "the student takes the teacher's inputs",
+          'distill_temperature': 'give temperature=',
+          'heldout_fraction': 'every input given is labelled by the teacher; test= scores the student',
+          'eval_every': 'test= scores the student once it is trained'}
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillationReport:
+  """The test set's NLL (nats per example) of the teacher, its members and the student.
+
+  `retained` is how much of the ensemble's gain over a single member the
+  student keeps: (mean member - student) / (mean member - ensemble), the mean
+  member being the average of the members' own NLLs (what training one network
+  of the ensemble's recipe gives, on average). 1: the student is as good as the
+  ensemble; 0: as a member; NaN when the ensemble gains nothing over its mean
+  member. `retained_over_best` measures the same from the best member's NLL.
+  """
+  ensemble_nll: float
+  mean_member_nll: float
+  best_member_nll: float
+  student_nll: float
+  examples: int
+
+  @staticmethod
+  def _share(reference: float, student: float, ensemble: float) -> float:
+    gain = reference - ensemble
+    return (reference - student) / gain if gain > 0 else math.nan
+
+  @property
+  def retained(self) -> float:
+    return self._share(self.mean_member_nll, self.student_nll, self.ensemble_nll)
+
+  @property
+  def retained_over_best(self) -> float:
+    return self._share(self.best_member_nll, self.student_nll, self.ensemble_nll)
+
+  def as_dict(self) -> dict[str, float]:
+    return {**dataclasses.asdict(self), 'retained': self.retained, 'retained_over_best': self.retained_over_best}
+
+
+def _inputs(ens: api.Ensemble, data: Any) -> np.ndarray:
+  """The inputs of `data` (x, or (x, y) whose y is left aside), checked against the teacher's as `fit` checks its."""
+  if isinstance(data, tuple) and len(data) == 2:
+    data = data[0]
+  inputs = ens.check(data)
+  if len(inputs) < 1:
+    raise UsageError('distill got 0 inputs; give the inputs to label with the ensemble (its training inputs)')
+  return inputs
+
+
+def classification_targets(ens: api.Ensemble, inputs: np.ndarray) -> np.ndarray:
+  """(N, C) float32: the members' mean probabilities, the ensemble's predictive as `evaluate` scores it (without
+  the calibration temperature, which scales only `predict`'s 'probs')."""
+  return ens.member_probs(inputs).mean(0).astype(np.float32)
+
+
+def regression_targets(ens: api.Ensemble, inputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(inputs twice, targets (2N, D)): every input with the targets m + sqrt(v) and m - sqrt(v), m and v the
+  mixture's mean and variance per target (`regression.mixture_moments`, the members as trained): the average of
+  the Gaussian NLL at the two is the expected NLL under N(m, v)."""
+  moments = regression.mixture_moments(*ens.components(inputs))
+  spread = np.sqrt(moments['variance'])
+  targets = np.concatenate([moments['mean'] + spread, moments['mean'] - spread])
+  return np.concatenate([inputs, inputs]), targets
+
+
+def _check(ens: Any, temperature: Any, fit_kwargs: dict[str, Any]):
+  """The refusals that need nothing computed, made before the teacher labels anything."""
+  if not isinstance(ens, api.Ensemble):
+    raise UsageError(f'distill got a teacher of type {type(ens).__name__}; give the Ensemble that fit or load '
+                     'returned')
+  if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+    raise UsageError(f'temperature={temperature!r} must be a positive number (1: the ensemble\'s probabilities as '
+                     'they are)')
+  if ens.task.name == 'regression' and temperature != 1:
+    raise UsageError(f'temperature={temperature} sharpens or softens class probabilities, and {ens._name} is a '
+                     'regression ensemble: leave temperature= out')
+  for key, why in _FIXED.items():
+    if key in fit_kwargs:
+      raise UsageError(f'distill sets {key}= itself ({why}): leave {key}= out')
+  loss = fit_kwargs.get('loss', 'nll')
+  if ens.task.name == 'regression' and loss != 'nll':
+    raise UsageError(f"loss={loss!r}: a regression student matches the ensemble's mixture by the Gaussian NLL; "
+                     "leave loss= out")
+
+
+@api._in_fit_terms  # pylint: disable=protected-access
+def distill(ens: api.Ensemble, student_model: Any, data: Any, *, temperature: float = 1.0,
+            test: tuple[Any, Any] | None = None, config: Any = None, workdir: str | None = None,
+            init: api.Ensemble | None = None, keep_optimizer: bool = False, keep_freed_memory: bool = False,
+            progress: bool = True, **fit_kwargs) -> api.Ensemble:
+  """Trains one `student_model` network on `ens`'s predictive at the inputs `data`; returns it, an `Ensemble` of
+  one member that predicts, evaluates, saves and exports like any other.
+
+  `student_model` is what `fit` takes (a linen Module, a function of
+  `nnx.Rngs`, or a built-in model's name). `data` is the inputs to label with
+  the teacher, usually its training inputs: x, or (x, y) with y left aside.
+  `temperature` (classification) softens (> 1) or sharpens (< 1) the
+  teacher's probabilities in the loss (Hinton et al. 2015); the student
+  predicts at 1. The other keywords are `fit`'s (epochs, learning_rate,
+  batch_size, workdir, seed, ...), from the same defaults. With `test`, an
+  (inputs, labels) pair, `student.distillation` is a `DistillationReport` (else None).
+  """
+  _check(ens, temperature, fit_kwargs)
+  inputs = _inputs(ens, data)
+  if test is not None:  # before the training it would score
+    test = _test_pair(test)
+    ens.check(test[0])
+  task = ens.task.name
+  fields = {**(api.FIT_DEFAULTS if config is None else {}), **fit_kwargs, 'ensemble_size': 1,
+            'method': 'independent', 'task': task, 'distill_temperature': float(temperature)}
+  config = api._config(config, fields)  # pylint: disable=protected-access
+  tasks.check(config)
+  source = f'the predictive of {ens._name}'  # pylint: disable=protected-access
+  if task == 'regression':
+    dataset = arrays.from_arrays(regression_targets(ens, inputs), None, ens.member.inputs, task, source)
+  else:
+    train = {'image': inputs, 'label': classification_targets(ens, inputs)}
+    dataset = base.Dataset(train, None, source, ens.num_classes, inputs=ens.member.inputs)
+  student = api.fit_dataset(student_model, dataset, config, workdir=workdir, init=init, keep_optimizer=keep_optimizer,
+                            keep_freed_memory=keep_freed_memory, progress=progress)
+  student.distillation = None if test is None else report(ens, student, *test)
+  if student.distillation is not None:
+    logging.info('Distilled %s into one %s: %s', ens._name, student.config.model,  # pylint: disable=protected-access
+                 ', '.join(f'{k} {v:.4g}' for k, v in student.distillation.as_dict().items()))
+  return student
+
+
+def _test_pair(test: Any) -> tuple[Any, Any]:
+  if not isinstance(test, (tuple, list)) or len(test) != 2:
+    raise UsageError(f'test= is a {type(test).__name__}; give a pair (inputs, labels) to score the student on')
+  return test[0], test[1]
+
+
+def report(ens: api.Ensemble, student: api.Ensemble, inputs: Any, labels: Any) -> DistillationReport:
+  """The teacher's and the student's NLL on labelled `inputs`, as their `evaluate` scores them (the task's own
+  metrics: the mixture's exact density for regression)."""
+  teacher, scored = ens.evaluate(inputs, labels), student.evaluate(inputs, labels)
+  return DistillationReport(ensemble_nll=teacher['ensemble']['nll'], mean_member_nll=teacher['mean_member']['nll'],
+                            best_member_nll=min(member['nll'] for member in teacher['members']),
+                            student_nll=scored['ensemble']['nll'], examples=len(np.asarray(labels)))
