@@ -1,5 +1,5 @@
 """MIMO (`method='mimo'`, methods/mimo.py, models/mimo.py): the training batch's grouping into composite examples,
-the summed heads' loss and gradients, and each member's head, against direct computations; members that stay one
+the heads' mean loss and its gradients, and each member's head, against direct computations; members that stay one
 network, with the built-in CNN, a user's linen and NNX models through the wrapper, on both backends, for
 classification and regression; a workdir that loads, evaluates, predicts and exports; refusals in one line."""
 
@@ -58,8 +58,8 @@ def _member_state(states, i):
 
 
 def test_composite_examples_loss_and_gradients_against_a_direct_computation():
-  """Slot j of composite example r is row j B/M + r; the loss is the sum of the heads' mean cross-entropies on their
-  slots' labels, and the member's gradients are those of that sum."""
+  """Slot j of composite example r is row j B/M + r; the loss is the mean of the heads' mean cross-entropies on their
+  slots' labels, and the member's gradients are those of that mean."""
   member = _mlp_member()
   batch, groups = 8, 8 // K
   x, y = toy_features(batch, 2)
@@ -73,11 +73,11 @@ def test_composite_examples_loss_and_gradients_against_a_direct_computation():
 
   def direct_loss(params):
     outputs = member.model.apply({'params': params}, x[rows], train=True)  # (groups, K heads, 2 classes)
-    return sum(cross_entropy(outputs[:, j], y[rows][:, j]).mean() for j in range(K))
+    return sum(cross_entropy(outputs[:, j], y[rows][:, j]).mean() for j in range(K)) / K
   grads, (_, metrics) = jax.jit(member.gradients)(state, x, y)
   loss, expected = jax.jit(jax.value_and_grad(direct_loss))(state.params)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, expected)
-  np.testing.assert_allclose(metrics['loss'], loss / K, rtol=1e-5)  # the metrics are the heads' mean
+  np.testing.assert_allclose(metrics['loss'], loss, rtol=1e-5)
 
 
 def test_member_i_predicts_with_head_i_on_its_input_repeated():

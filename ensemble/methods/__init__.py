@@ -36,7 +36,7 @@ METHODS = {
     'snapshot': lambda config, steps_per_epoch: snapshot.Snapshot.from_config(config, steps_per_epoch),
     'batchensemble': lambda config, steps_per_epoch: batchensemble.BatchEnsemble(seed=config.seed),
     'mc_dropout': lambda config, steps_per_epoch: mc_dropout.MCDropout(seed=config.seed),
-    'packed': lambda config, steps_per_epoch: packed.Packed.from_config(config),
+    'packed': lambda config, steps_per_epoch: packed.Packed(),
     'mimo': lambda config, steps_per_epoch: mimo.MIMO.from_config(config),
     'multiswag': lambda config, steps_per_epoch: multiswag.MultiSWAG.from_config(config, steps_per_epoch),
 }

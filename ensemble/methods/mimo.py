@@ -13,8 +13,10 @@ average every gradient over the members), and BatchNorm's statistics are each
 member's own. Member i trains on its own batch of B = `batch_size` rows,
 grouped into B/M composite examples: example r's slot j holds row j B/M + r,
 and its label for head j is that row's label (`training_batch`). Its loss is
-the sum over the heads of each head's mean loss, as in the paper's code; its
-metrics are the heads' mean. The members' data orders are independent
+the mean over the heads of each head's mean loss: the paper's code sums them,
+which is the same at M times the learning rate, and with the default recipe
+(SGD at 0.1) the sum's M-fold steps left the CNN at chance (M = 8, MNIST).
+Its metrics are the heads' mean too. The members' data orders are independent
 (member_data shuffled), so the M slots of a composite example are independent
 examples. A step of the ensemble is thus one step of one network on K B/M
 composite examples, about the cost of one member's step of B examples (the
@@ -71,10 +73,10 @@ class MIMO(OneNetwork):
     return slots(inputs), slots(labels)
 
   def loss(self, task, outputs, labels):
-    """The sum over heads of the task's loss of head j's outputs (B/M, M, ...)[:, j] on slot j's labels; the heads'
-    mean metrics."""
+    """The mean over heads of the task's loss of head j's outputs (B/M, M, ...)[:, j] on slot j's labels, and of their
+    metrics."""
     losses, metrics = jax.vmap(task.loss, in_axes=1)(outputs, labels)
-    return jnp.sum(losses), jax.tree.map(jnp.mean, metrics)
+    return jnp.mean(losses), jax.tree.map(jnp.mean, metrics)
 
   def predict(self, member, state, images):
     """Head i's outputs for the member's inputs repeated in every slot."""

@@ -41,12 +41,7 @@ def check(config):
 
 @dataclasses.dataclass(frozen=True)
 class Packed(Independent):
-  """What differs from the deep ensemble is the member's architecture, which the model registry builds; the
-  training, the prediction and `num_params` (K members' own parameters) are the deep ensemble's."""
+  """What differs from the deep ensemble is the member's architecture, which the model registry builds from
+  packed_alpha and packed_gamma; the training, the prediction and `num_params` (K members' own parameters) are the
+  deep ensemble's."""
   name: str = 'packed'
-  alpha: float = 2.0
-  gamma: int = 1
-
-  @classmethod
-  def from_config(cls, config) -> 'Packed':
-    return cls(alpha=config.packed_alpha, gamma=config.packed_gamma)
