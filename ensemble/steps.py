@@ -17,6 +17,7 @@ from flax import struct
 from flax.training import train_state
 
 from ensemble.data import augment as augment_lib
+from ensemble.keys import member_keys  # also where the backends and tests find it
 from ensemble.methods import adversarial
 from ensemble.methods.independent import Independent
 from ensemble.tasks import classification
@@ -292,7 +293,3 @@ def stack(trees: Sequence[Any]) -> Any:
   """Equally shaped pytrees -> one pytree with a new leading axis: what a traced loop would return."""
   return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
-
-def member_keys(seed: int, ensemble_size: int) -> jax.Array:
-  """Member i's key: `split` is counter-based, so it depends on the seed and i only, not on K or the devices."""
-  return jax.random.split(jax.random.key(seed), ensemble_size)

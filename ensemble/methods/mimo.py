@@ -42,6 +42,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ensemble.keys import member_keys
 from ensemble.methods.batchensemble import OneNetwork
 
 
@@ -56,9 +57,8 @@ class MIMO(OneNetwork):
 
   def init(self, member, state, key: jax.Array):
     """The seed's network, and the member's head: i for the i-th of the members' keys."""
-    from ensemble import steps  # pylint: disable=g-import-not-at-top  # steps imports the methods
     state = super().init(member, state, key)
-    keys = jax.random.key_data(steps.member_keys(self.seed, self.heads))
+    keys = jax.random.key_data(member_keys(self.seed, self.heads))
     head = jnp.argmax(jnp.all(keys == jax.random.key_data(key), axis=-1)).astype(jnp.int32)
     return state.replace(snapshots={'head': head})
 

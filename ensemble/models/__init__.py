@@ -37,9 +37,6 @@ def _packed(config, widths) -> dict:
   its inner layers (models/packed.py); no options for the other methods."""
   if config.get('method') != 'packed':
     return {}
-  if config.ensemble_size < 1:
-    raise UsageError(f'method packed sizes its members by the ensemble size, and ensemble_size={config.ensemble_size}'
-                     ' is not resolved yet: set --config.ensemble_size')
   width = lambda features: packed.width(features, config.packed_alpha, config.ensemble_size, config.packed_gamma)
   return {'widths': tuple(width(features) for features in widths), 'groups': config.packed_gamma}
 

@@ -43,8 +43,10 @@ class CNN(nn.Module):
         x = pool(packed.Conv(features, (3, 3), self.groups, name=f'Conv_{i}')(x))
       else:
         x = fused.ConvReluPool(features, name=f'Conv_{i}')(x)
-    n, height, width, channels = x.shape
-    x = x.reshape(n, height * width, self.groups, channels // self.groups).swapaxes(1, 2).reshape(n, -1)
+    if self.groups > 1:  # group by group, each group's pixels together
+      n, height, width, channels = x.shape
+      x = x.reshape(n, height * width, self.groups, channels // self.groups).swapaxes(1, 2)
+    x = x.reshape((x.shape[0], -1))
     dense = rank1_layers.Dense if self.rank1 else nn.Dense
     hidden = packed.Dense(self.widths[2], self.groups) if self.groups > 1 else dense(self.widths[2])
     x = nn.relu(hidden(dropout(x)))
