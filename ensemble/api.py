@@ -160,7 +160,8 @@ class Ensemble:
       predicts = console.count(self.num_classes, 'class', 'classes')
     where = f'workdir={self.workdir!r}' if self.workdir else 'in memory'
     return (f'Ensemble({console.count(self.size, "member")} of {self.config.model}, {self.task.name} of '
-            f'{predicts} from {"x".join(map(str, self.input_shape))} {self.member.inputs}, epoch {self.epoch}, '
+            f'{predicts} from {"x".join(map(str, self.input_shape))} {self.member.inputs}, '
+            f'{config_lib.checkpoint_unit(self.config)} {self.epoch}, '
             f'{where})')
 
   @property
@@ -457,7 +458,7 @@ def load(workdir: str, step: int | None = None, *, model: Any = None, batch_size
   if not temperature > 0:
     raise UsageError(f'temperature={temperature} must be positive')
   batch_size = config.eval_batch_size if batch_size is None else batch_size
-  logging.info('Restored epoch %d of %s: %s on %s; temperature %.4g.', epoch, workdir,
+  logging.info('Restored %s %d of %s: %s on %s; temperature %.4g.', config_lib.checkpoint_unit(config), epoch, workdir,
                console.count(config.ensemble_size, 'member'), console.count(len(devices), 'device'), temperature)
   return Ensemble(workdir, config, member, state, devices, epoch, temperature, batch_size)
 
@@ -651,6 +652,10 @@ def _streamed(train: Any, test: Any, config: ml_collections.ConfigDict) -> data.
   inputs = config.inputs
   if inputs == 'auto':
     inputs = arrays.kind_of(np.empty((1, *splits['train'].source.image.shape), splits['train'].source.image.dtype))
+  if inputs == 'images':
+    for split in splits.values():
+      if split is not None:
+        split.source.read_as_pixels()
   first = splits['train'].source
   # Classes from a sample of the labels; the loop checks every label it reads against the model's outputs.
   outputs = (math.prod(first.label.shape) if config.task == 'regression'

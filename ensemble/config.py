@@ -40,6 +40,12 @@ ONE_DEVICE_MEMBERS = 8
 DTYPES = ('float32', 'bfloat16')
 
 
+def checkpoint_unit(config: ml_collections.ConfigDict) -> str:
+  """What a run's checkpoints are numbered by: 'step' where they are saved every checkpoint_every_steps steps,
+  else 'epoch' (what a log line names a checkpoint by)."""
+  return 'step' if config.get('checkpoint_every_steps', 0) > 0 else 'epoch'
+
+
 def data_location(data_dir: str) -> str:
   """`data_dir` as a run records it and compares it: the absolute path with links resolved ('' stays '': no
   folder, tensorflow-datasets or the bundled copy), so that neither depends on the folder a command runs in."""

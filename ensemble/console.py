@@ -321,24 +321,26 @@ def members_near_chance(accuracies: list[float], num_classes: int | None) -> lis
   return [i for i, accuracy in enumerate(accuracies) if accuracy - chance < NEAR_CHANCE_SHARE * learned]
 
 
-def _near_chance_warning(record: Mapping[str, Any], num_classes: int | None) -> str | None:
+def _near_chance_warning(record: Mapping[str, Any], num_classes: int | None, method: str | None) -> str | None:
   accuracies = _member_accuracies(record)
   near = members_near_chance(accuracies, num_classes)
   if not near:
     return None
+  fix = (' (method hyper draws each member its own from --config.hyper_learning_rate: narrow it)'
+         if method == 'hyper' else '')
   return (f'members {near} are near chance (test accuracy {", ".join(_figure(accuracies[i]) for i in near)}; '
           f'chance {_figure(1 / num_classes)}) while the median member reaches {_figure(np.median(accuracies))}: they '
-          'learn nothing and blur the average; their learning rate is likely too high or too low (method hyper '
-          'draws each member its own from --config.hyper_learning_rate: narrow it)')
+          f'learn nothing and blur the average; their learning rate is likely too high or too low{fix}')
 
 
 def log_epoch(summary: Mapping[str, Any], num_epochs: int, seconds: float, echo: bool = False,
-              num_classes: int | None = None):
+              num_classes: int | None = None, method: str | None = None):
   """One line per epoch, the figures a person compares across epochs; the members' own go to metrics.jsonl.
 
   The line is logged; with `echo` it is also written under the bar, for a
   library caller (`ensemble.fit`) whose program does not show absl's INFO lines.
-  With `num_classes`, a warning follows it while members stay near chance.
+  With `num_classes`, a warning follows it while members stay near chance
+  (naming the setting to change when `method` draws each member its own).
   """
   figures = f'{_figures(summary)}; ' if 'test_loss' in summary else ''  # epochs without a test pass have none
   if echo and _is_main_process() and not logging.level_info():
@@ -346,7 +348,7 @@ def log_epoch(summary: Mapping[str, Any], num_epochs: int, seconds: float, echo:
                f'{_figure(summary["train_loss"])}; {_duration(seconds)}', file=sys.stderr)
   logging.info('epoch %d/%d: %strain loss %s; %s', summary['epoch'], num_epochs, figures,
                _figure(summary['train_loss']), _duration(seconds))
-  warning = _near_chance_warning(summary, num_classes)
+  warning = _near_chance_warning(summary, num_classes, method)
   if warning and _is_main_process():
     logging.warning('epoch %d/%d: %s.', summary['epoch'], num_epochs, warning)
 
@@ -369,9 +371,10 @@ def _recorded_classes(workdir: str, epoch: int) -> int | None:
     return None
 
 
-def log_training_summary(workdir: str, summary: Mapping[str, Any] | None = None, num_classes: int | None = None):
+def log_training_summary(workdir: str, summary: Mapping[str, Any] | None = None, num_classes: int | None = None,
+                         method: str | None = None):
   """Where a finished run's results are and what to run next, on process 0; and a warning if members ended near
-  chance (`num_classes` defaults to what the checkpoints record).
+  chance (`num_classes` defaults to what the checkpoints record; `method` as in `log_epoch`).
 
   `summary` is the last epoch's (`trainer.train_and_evaluate` returns it);
   when this run trained nothing (resumed at its last epoch), the last line of
@@ -394,6 +397,6 @@ def log_training_summary(workdir: str, summary: Mapping[str, Any] | None = None,
       f'  python -m ensemble.evaluate --workdir {quoted}',
   ]))
   if record and len(_member_accuracies(record)) > 1:
-    warning = _near_chance_warning(record, num_classes or _recorded_classes(workdir, int(record['epoch'])))
+    warning = _near_chance_warning(record, num_classes or _recorded_classes(workdir, int(record['epoch'])), method)
     if warning:
       logging.warning('In the last epoch, %s.', warning)

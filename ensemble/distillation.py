@@ -1,6 +1,6 @@
 """Distillation: one network trained on an ensemble's averaged predictive, so that one network is served.
 
-  student = ensemble.distill(ens, MyModel(), x_train, test=(x_test, y_test), epochs=10)
+  student = ensemble.distill(ens, MyModel(), x_train, test=(x_test, y_test), epochs=30)
   student.predict(x)              # an Ensemble of one member: predict, evaluate, save, export as any other
   student.distillation.retained   # the share of the ensemble's NLL gain over its mean member the student keeps
 
@@ -132,8 +132,10 @@ def distill(ens: api.Ensemble, student_model: Any, data: Any, *, temperature: fl
   the teacher, usually its training inputs: x, or (x, y) with y left aside.
   `temperature` (classification) softens (> 1) or sharpens (< 1) the
   teacher's probabilities in the loss (Hinton et al. 2015); the student
-  predicts at 1. The other keywords are `fit`'s (epochs, learning_rate,
-  batch_size, workdir, seed, ...), from the same defaults. With `test`, an
+  predicts at 1 (at T > 1, lower the learning rate: the T^2 factor scales
+  the gradients up). The other keywords are `fit`'s (epochs, learning_rate,
+  batch_size, workdir, seed, ...), from the same defaults: give more epochs
+  than the teacher's members had (docs/methods.md, "Distillation"). With `test`, an
   (inputs, labels) pair, `student.distillation` is a `DistillationReport` (else None).
   """
   _check(ens, temperature, fit_kwargs)

@@ -411,8 +411,8 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
   refuse_single_model(config, workdir)
   devices = evaluation_devices(config.ensemble_size)
   member, state, epoch = restore(workdir, config, step, devices)
-  logging.info('Restored epoch %d of %s: %s on %s.', epoch, workdir, console.count(config.ensemble_size, 'member'),
-               console.count(len(devices), 'device'))
+  logging.info('Restored %s %d of %s: %s on %s.', config_lib.checkpoint_unit(config), epoch, workdir,
+               console.count(config.ensemble_size, 'member'), console.count(len(devices), 'device'))
   if member.task.name == 'regression':
     if ood_names and list(ood_names) != list(DEFAULT_OOD):  # the built-in image sets are on by default
       raise UsageError(f'--ood detects unfamiliar images, and {workdir} is a regression ensemble: leave --ood out')

@@ -472,7 +472,8 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
         canonical = _keep(run, hooks, epoch, state, summary, Position(step))
       if bar is not None:
         console.log_epoch(summary, config.num_epochs, bar.close(), echo=bool(progress),
-                          num_classes=run.dataset.num_classes if run.dataset.task == 'classification' else None)
+                          num_classes=run.dataset.num_classes if run.dataset.task == 'classification' else None,
+                          method=config.method)
   finally:
     for hook in hooks:
       hook.close()

@@ -92,7 +92,7 @@ def _train():
       raise KeyboardInterrupt(f'stopped before training began; run the same command to go on: {_command()}') from None
     go_on = f'resume from epoch {e.saved_epoch}' if e.saved_epoch else 'start again'
     raise KeyboardInterrupt(f'{e}; to {go_on}, run the same command: {_command()}') from None
-  console.log_training_summary(FLAGS.workdir, summary)
+  console.log_training_summary(FLAGS.workdir, summary, method=FLAGS.config.method)
 
 
 def _command() -> str:

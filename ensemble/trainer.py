@@ -102,8 +102,7 @@ def _missing_summaries(ckpt: checkpoint.Checkpointer, workdir: str, start_key: i
 
 
 def _by_step(config: ml_collections.ConfigDict) -> bool:
-  """Whether checkpoints are numbered by step (saved every checkpoint_every_steps steps), not by epoch."""
-  return config.get('checkpoint_every_steps', 0) > 0
+  return config_lib.checkpoint_unit(config) == 'step'
 
 
 class _SavesInBackground(loop.Hook):

@@ -10,8 +10,12 @@ on the rotated test set, the AUROC of its predictive entropy against each of the
 out-of-distribution sets (uniform noise, permuted pixels), the ensemble's distinct trained parameters, the training
 throughput (member-images per second of training, from the epochs' `train_seconds` in metrics.jsonl, the first
 epoch and its compiles left out) and the whole run's wall time, next to the best single member's accuracy and NLL
-(each the best over the members). Workdirs that already hold a finished run of the same epochs are scored again,
-not retrained. --markdown writes the table to a file too.
+(each the best over the members). The `distilled` row (one network trained for --student_epochs, by default
+three times the members') trains in a process of its own too, so that the student runs where the members ran.
+Workdirs that already hold a finished run of the same epochs are not retrained, and their rows are kept from the
+last scoring (eval/row.json; remove it to score again), so that a table can be made over several sessions.
+--markdown writes the table to a file too. On a GPU host, --score_in_background scores each run while the next
+one trains (the scoring's compiles and data work run on the host's otherwise idle CPUs).
 
   python scripts/compare_methods.py --task=regression --epochs=40
 
@@ -24,6 +28,7 @@ to the best member's NLL and the fit's wall time (compiles included).
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -34,10 +39,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-# This process only reads shapes and records, on the CPU; an accelerator stays whole for the runs it starts
-# (JAX would otherwise take most of a GPU's memory here).
+# The runs it starts see the caller's environment (and its accelerator); main() keeps this process on the CPU.
 CHILD_ENV = dict(os.environ)
-os.environ['JAX_PLATFORMS'] = 'cpu'
 # The table's rows: each the config it trains on top of --config (a method, and adversarial training as the
 # deep-ensemble paper's recipe adds it to independent members, its eps 0.01).
 VARIANTS = {**{name: {'method': name} for name in ('independent', 'bagging', 'hyper', 'snapshot', 'batchensemble',
@@ -46,9 +49,11 @@ VARIANTS = {**{name: {'method': name} for name in ('independent', 'bagging', 'hy
 # The row of one network distilled from the `independent` row's ensemble (which trains first), `ensemble.distill`.
 STUDENT = 'distilled'
 METHODS = (*VARIANTS, STUDENT)
-# --task=regression: the recipe every method fits with, and its two generated sets (name -> (rows, rng) -> (x, y)).
+# --task=regression: the recipe every method fits with (method hyper's rates drawn around its rate), and its two
+# generated sets (name -> (rows, rng) -> (x, y)).
 REGRESSION_RECIPE = {'task': 'regression', 'ensemble_size': 4, 'optimizer': 'adamw', 'learning_rate': 0.01,
-                     'schedule': 'cosine', 'weight_decay': 0.0, 'batch_size': 64, 'standardize_features': True}
+                     'hyper_learning_rate': (0.004, 0.012), 'schedule': 'cosine', 'weight_decay': 0.0,
+                     'batch_size': 64, 'standardize_features': True}
 REGRESSION_TEST_ROWS = 4096
 
 
@@ -70,14 +75,16 @@ OOD_SCORE = 'entropy'
 
 
 def _run(args: list[str], log_path: str):
-  """Runs `python -m args` from the repository root, its output in `log_path`; exits on failure."""
+  """Runs `python -m args` (or `python -c CODE ...`) from the repository root, its output in `log_path`; exits
+  on failure."""
+  argv = args if args[0] == '-c' else ['-m', *args]
   with open(log_path, 'w', encoding='utf-8') as log:
-    result = subprocess.run([sys.executable, '-m', *args], cwd=ROOT, env=CHILD_ENV, stdout=log,
+    result = subprocess.run([sys.executable, *argv], cwd=ROOT, env=CHILD_ENV, stdout=log,
                             stderr=subprocess.STDOUT, check=False)
   if result.returncode:
     with open(log_path, encoding='utf-8') as log:
       last = log.read().strip().splitlines()[-1:]
-    sys.exit(f'error: python -m {" ".join(args)} failed (exit {result.returncode}): {last}; log: {log_path}')
+    sys.exit(f'error: python {" ".join(argv[:2])} failed (exit {result.returncode}): {last}; log: {log_path}')
 
 
 def _lines(workdir: str) -> list[dict]:
@@ -128,8 +135,12 @@ def num_params(workdir: str) -> int:
 
 def score(method: str, args, workdir: str, seconds: float, data_dir: str | None = None) -> dict:
   """The table's row for `method`: `ensemble.evaluate`'s numbers (on `data_dir`, default the run's data) and the
-  run's own records."""
+  run's own records; a reused run's row as it was scored, if it was (`seconds` 0)."""
   output_dir = os.path.join(workdir, 'eval')
+  kept = os.path.join(output_dir, 'row.json')
+  if not seconds and os.path.exists(kept):
+    with open(kept, encoding='utf-8') as f:
+      return json.load(f)
   _run(['ensemble.evaluate', f'--workdir={workdir}', f'--output_dir={output_dir}', f'--angles=0,{args.angle}',
         *([f'--data_dir={data_dir}'] if data_dir else [])], os.path.join(args.out, f'{method}.evaluate.log'))
   with open(os.path.join(output_dir, 'metrics.json'), encoding='utf-8') as f:
@@ -139,28 +150,47 @@ def score(method: str, args, workdir: str, seconds: float, data_dir: str | None 
   steady = lines[1:] or lines  # the first epoch holds the compiles
   steps = steady[-1]['step'] - (lines[0]['step'] if len(lines) > 1 else 0)
   rotated = next(row for row in results['rotation'] if row['angle'] == args.angle)
-  return {
+  row = {
       'method': method, 'ensemble': results['ensemble'], 'best_member': results['best_member'],
-      'rotated_nll': rotated['ensemble']['nll'], 'params': num_params(workdir),
+      'mean_member': results['mean_member'], 'rotated_nll': rotated['ensemble']['nll'], 'params': num_params(workdir),
       'ood_auroc': {name: result['ensemble'][OOD_SCORE]['auroc'] for name, result in results['ood'].items()},
       'member_images_per_s': config.batch_size * config.ensemble_size * steps / sum(
           line['train_seconds'] for line in steady),
       'wall_seconds': seconds or sum(line['train_seconds'] for line in lines),
   }
+  with open(kept, 'w', encoding='utf-8') as f:  # kept if a later row fails, and for the next run of the script
+    json.dump(row, f, indent=2)
+  return row
+
+
+# The student trains in a process of its own, as the members do, so that it runs where they run (this one is on
+# the CPU): sys.argv[1:] = teacher workdir, student workdir, epochs.
+DISTIL = '''
+import sys
+import ensemble
+from ensemble import data
+teacher, workdir, epochs = sys.argv[1:]
+ens = ensemble.load(teacher)
+config = ens.config
+train, _ = data.hold_out(data.load(config.dataset, config.data_dir).train, config.heldout_fraction)
+ensemble.distill(ens, config.model, train['image'], epochs=int(epochs), workdir=workdir, progress=False)
+'''
+
+
+def student_epochs(args) -> int:
+  """--student_epochs, else three times the members' epochs: a student learns from a patient teacher (Beyer et al.
+  2022); at the members' 10 epochs on MNIST it kept none of the ensemble's gain (docs/benchmarks.md)."""
+  return args.student_epochs or 3 * args.epochs
 
 
 def distil(args, teacher: str, workdir: str) -> float:
-  """Distils the `teacher` workdir into one network of its model (`ensemble.distill`, its recipe and epochs) on its
-  training examples, in `workdir` unless it holds one; returns the wall time (labelling included), 0 if reused."""
+  """Distils the `teacher` workdir into one network of its model (`ensemble.distill`, its recipe, `student_epochs`)
+  on its training examples, in `workdir` unless it holds one; returns the wall time (labelling included), 0 if
+  reused."""
   if _lines(workdir):
     return 0.0
-  import ensemble  # pylint: disable=g-import-not-at-top
-  from ensemble import data  # pylint: disable=g-import-not-at-top
   started = time.perf_counter()
-  ens = ensemble.load(teacher)
-  config = ens.config
-  train, _ = data.hold_out(data.load(config.dataset, config.data_dir).train, config.heldout_fraction)
-  ensemble.distill(ens, config.model, train['image'], epochs=args.epochs, workdir=workdir, progress=False)
+  _run(['-c', DISTIL, teacher, workdir, str(student_epochs(args))], os.path.join(args.out, f'{STUDENT}.train.log'))
   return time.perf_counter() - started
 
 
@@ -182,7 +212,7 @@ def regression_rows(methods: list[str], args) -> list[dict]:
       started = time.perf_counter()
       if method == STUDENT:
         recipe = {key: value for key, value in REGRESSION_RECIPE.items() if key not in ('ensemble_size', 'task')}
-        fitted[method] = ensemble.distill(fitted['independent'], 'mlp', train[0], epochs=args.epochs,
+        fitted[method] = ensemble.distill(fitted['independent'], 'mlp', train[0], epochs=student_epochs(args),
                                           progress=False, **recipe)
       else:
         fitted[method] = ensemble.fit('mlp', train, epochs=args.epochs, progress=False,
@@ -230,6 +260,8 @@ def main():
   parser.add_argument('--task', default='classification', choices=('classification', 'regression'),
                       help='the MNIST table, or the short regression table')
   parser.add_argument('--epochs', type=int, default=10)
+  parser.add_argument('--student_epochs', type=int, default=0,
+                      help='the distilled row: epochs of its one network (0: three times --epochs)')
   parser.add_argument('--regression_rows', type=int, default=1024, help='--task=regression: training rows per set')
   parser.add_argument('--methods', default=','.join(METHODS), help='comma-separated, from ' + ', '.join(METHODS))
   parser.add_argument('--cpu_devices', type=int, default=0, help='simulate N CPU devices (0: the real devices)')
@@ -238,7 +270,14 @@ def main():
   parser.add_argument('--markdown', default='', help='also write the table to this file')
   parser.add_argument('--override', action='append', default=[],
                       help='extra --config.KEY=VALUE for every method (repeat the flag)')
+  parser.add_argument('--score_in_background', action='store_true',
+                      help="score each finished run while the next one trains (on an accelerator host, whose CPUs "
+                           "are otherwise idle; each run then takes at most 45%% of the GPU's memory)")
   args = parser.parse_args()
+  # This process only reads shapes and records: on the CPU, so that an accelerator stays whole for its runs.
+  os.environ['JAX_PLATFORMS'] = 'cpu'
+  if args.score_in_background:
+    CHILD_ENV.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.45')
   methods = args.methods.split(',')
   unknown = sorted(set(methods) - set(METHODS))
   if unknown:
@@ -258,15 +297,19 @@ def main():
                                          for row in rows)
     return _write(regression_table(rows), rows, args)
   rows = []
-  for method in methods:
-    workdir = os.path.join(args.out, method)
-    if method == STUDENT:
-      seconds = distil(args, os.path.join(args.out, 'independent'), workdir)
-      rows.append(score(method, args, workdir, seconds, data_folder(args)))
-    else:
-      seconds = train(method, args, workdir)
-      rows.append(score(method, args, workdir, seconds))
-    print(f'{method}: done ({rows[-1]["wall_seconds"]:.0f} s)', file=sys.stderr, flush=True)
+  with concurrent.futures.ThreadPoolExecutor(1) as scorer:
+    for method in methods:
+      workdir = os.path.join(args.out, method)
+      if method == STUDENT:
+        seconds = distil(args, os.path.join(args.out, 'independent'), workdir)
+        rows.append(scorer.submit(score, method, args, workdir, seconds, data_folder(args)))
+      else:
+        seconds = train(method, args, workdir)
+        rows.append(scorer.submit(score, method, args, workdir, seconds))
+      print(f'{method}: trained ({seconds:.0f} s)', file=sys.stderr, flush=True)
+      if not args.score_in_background:
+        rows[-1].result()
+  rows = [row.result() for row in rows]
   _warn_unless_better_than_best_member((row['method'], row['ensemble']['nll'], row['best_member']['nll'])
                                        for row in rows)
   _write(table(rows, args.angle), rows, args)

@@ -167,13 +167,15 @@ def test_a_member_that_stays_near_chance_while_the_others_learn_is_warned_of(inf
   assert console.members_near_chance(members, 10) == [1, 4]
   assert console.members_near_chance([0.12, 0.1, 0.11], 10) == []  # nobody learns yet: nothing to compare with
   assert console.members_near_chance([0.6, 0.55, 0.58], 2) == []
-  console.log_epoch(_summary(members), 10, 5.0, num_classes=10)
-  console.log_training_summary(str(tmp_path), {**_summary(members), 'step': 80}, num_classes=10)
+  console.log_epoch(_summary(members), 10, 5.0, num_classes=10, method='hyper')
+  console.log_training_summary(str(tmp_path), {**_summary(members), 'step': 80}, num_classes=10, method='hyper')
+  console.log_epoch(_summary(members), 10, 5.0, num_classes=10, method='independent')
   warnings = [r.getMessage() for r in caplog.records if r.levelno == py_logging.WARNING]
   what = ('members [1, 4] are near chance (test accuracy 0.09800, 0.1120; chance 0.1000) while the median member '
           'reaches 0.9600: they learn nothing and blur the average; their learning rate is likely too high or too '
-          'low (method hyper draws each member its own from --config.hyper_learning_rate: narrow it)')
-  assert warnings == [f'epoch 2/10: {what}.', f'In the last epoch, {what}.']
+          'low')
+  hyper = f'{what} (method hyper draws each member its own from --config.hyper_learning_rate: narrow it)'
+  assert warnings == [f'epoch 2/10: {hyper}.', f'In the last epoch, {hyper}.', f'epoch 2/10: {what}.']
   caplog.clear()
   console.log_epoch(_summary([0.97, 0.96]), 10, 5.0, num_classes=10)
   assert not [r for r in caplog.records if r.levelno == py_logging.WARNING]

@@ -206,6 +206,9 @@ def test_evaluate_scores_a_batchensemble_workdir_like_any_ensemble(trained):
      'set --config.schedule=cosine'),
     ({'method': 'hyper', 'hyper_learning_rate': (0.2, 0.1)}, 'hyper_learning_rate=(0.2, 0.1) must be a range'),
     ({'method': 'hyper', 'hyper_weight_decay': (0.0, 0.1)}, 'hyper_weight_decay=(0.0, 0.1) must be a range'),
+    ({'method': 'hyper', 'optimizer': 'adamw', 'learning_rate': 0.01},
+     "hyper_learning_rate=(0.04, 0.12) in place of learning_rate=0.01, which that range leaves out: set one around "
+     "it, e.g. --config.hyper_learning_rate='(0.004, 0.012)'"),
     ({'method': 'batchensemble', 'model': 'classifier'}, 'method batchensemble needs a model with rank-1 layers'),
     ({'member_data': 'bootstrap'}, 'run with --config.method=bagging'),
 ])

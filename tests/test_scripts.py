@@ -73,3 +73,25 @@ def test_compare_methods_distils_only_after_the_independent_ensemble(tmp_path):
   result = _run('scripts/compare_methods.py', '--methods=distilled,independent', f'--out={tmp_path / "runs"}')
   assert result.returncode == 2 and result.stderr.strip().splitlines() == [
       'error: --methods: distilled is distilled from the independent ensemble; list independent before it']
+
+
+def test_compare_methods_scores_runs_in_the_background_and_distils_in_a_process_of_its_own(mnist_dir, tmp_path):
+  out = tmp_path / 'runs'
+  result = _run('scripts/compare_methods.py', f'--data_dir={mnist_dir}', '--epochs=1', '--cpu_devices=2',
+                f'--out={out}', '--methods=independent,distilled', '--score_in_background',
+                '--override=--config.ensemble_size=2', '--override=--config.batch_size=32')
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = json.loads((out / 'classification_rows.json').read_text())
+  assert [row['method'] for row in rows] == ['independent', 'distilled']
+  for row in rows:  # each row also kept beside its run, as scored
+    assert json.loads((out / row['method'] / 'eval' / 'row.json').read_text()) == row
+  independent, student = rows
+  assert independent['params'] == 2 * student['params']  # two CNN members, one student CNN
+  assert 0 < student['ensemble']['nll'] and student['member_images_per_s'] > 0
+  assert json.loads((out / 'distilled' / 'config.json').read_text())['ensemble_size'] == 1
+  assert [line.split(' | ')[0] for line in result.stdout.splitlines()[2:]] == ['| independent', '| distilled']
+  scored = (out / 'independent' / 'eval' / 'metrics.json').stat().st_mtime_ns
+  again = _run('scripts/compare_methods.py', f'--data_dir={mnist_dir}', '--epochs=1', '--cpu_devices=2',
+               f'--out={out}', '--methods=independent,distilled')
+  assert again.returncode == 0 and again.stdout == result.stdout  # finished runs kept, and their rows
+  assert (out / 'independent' / 'eval' / 'metrics.json').stat().st_mtime_ns == scored

@@ -67,6 +67,18 @@ def test_fit_trains_on_a_random_access_source_as_on_its_arrays(fields):
   np.testing.assert_array_equal(streamed.predict(x[:8])['probs'], arrays.predict(x[:8])['probs'])
 
 
+def test_a_source_of_float_images_trains_on_their_pixels_as_arrays_do():
+  """Float images in [0, 1] are read as uint8 pixels, as `fit`'s arrays become; out of that range, one line."""
+  rng = np.random.default_rng(1)
+  x, y = rng.random((48, 6, 6, 1), dtype=np.float32), rng.integers(0, 3, 48).astype(np.int32)
+  common = dict(ensemble_size=2, epochs=1, batch_size=16, progress=False)
+  arrays = ensemble.fit(_Tiny(), (x, y), **common)
+  streamed = ensemble.fit(_Tiny(), [(x[i], y[i]) for i in range(len(x))], **common)
+  _assert_same_state(streamed.state, arrays.state)
+  with pytest.raises(data.DataError, match=r'train= source: float images must lie in \[0, 1\] but span \[0'):
+    ensemble.fit(_Tiny(), [(x[i] * 255, y[i]) for i in range(len(x))], **common)
+
+
 @pytest.mark.parametrize('streaming', ['always', 'never'])
 def test_a_mid_epoch_resume_equals_an_uninterrupted_run(folder, tmp_path, streaming, caplog):
   """7 steps of 4 an epoch, saved every 3: checkpoints at steps 3, 4 (epoch 1's end), 6 and 7 (the run's end, in
@@ -88,6 +100,11 @@ def test_a_mid_epoch_resume_equals_an_uninterrupted_run(folder, tmp_path, stream
   _assert_same_state(again, state)
   assert timeless([again_summary]) == timeless([summary])
   assert timeless(writers.read_jsonl(os.path.join(resumed, 'metrics.jsonl'))) == timeless(lines)
+  if streaming == 'never':  # a step-numbered checkpoint is named as one
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger='absl'):
+      loaded = ensemble.load(resumed)
+    assert f'Restored step 7 of {resumed}' in caplog.text and ', step 7, ' in repr(loaded)
 
 
 def test_num_train_steps_sets_the_epochs_and_the_schedule_spans_them(folder):

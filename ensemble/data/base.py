@@ -131,7 +131,7 @@ def _check_image_layout(images: np.ndarray, name: str):
                     'e.g. x.transpose(0, 2, 3, 1)')
 
 
-def _float_to_uint8(images: np.ndarray, name: str) -> np.ndarray:
+def float_to_uint8(images: np.ndarray, name: str) -> np.ndarray:
   """Rounds x*255 chunk by chunk: floats are accepted in [0, 1] only, where this is lossless for 8-bit sources."""
   if not images.size:
     return images.astype(np.uint8)
@@ -155,7 +155,7 @@ def as_images(images: np.ndarray, name: str) -> np.ndarray:
   if images.dtype == np.uint8:
     return images
   if np.issubdtype(images.dtype, np.floating):
-    return _float_to_uint8(images, name)
+    return float_to_uint8(images, name)
   raise DataError(f'{name}: images of dtype {images.dtype}; store them as uint8 (0..255) or as float in [0, 1]')
 
 

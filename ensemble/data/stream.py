@@ -241,7 +241,7 @@ class RandomAccessSource(Source):
   a `grain.MapDataset`, a `tfds.data_source`, a list. `__getitems__`, where it has one, reads a batch at once."""
 
   def __init__(self, source: Any, name: str, task: str = 'classification'):
-    self._source, self.name = source, name
+    self._source, self.name, self._pixels = source, name, False
     if not len(source):
       raise base.DataError(f'{name}: no examples; give a source that holds some')
     image, label = self._pair(source[0])
@@ -257,6 +257,12 @@ class RandomAccessSource(Source):
 
   def __len__(self) -> int:
     return len(self._source)
+
+  def read_as_pixels(self):
+    """Float images in [0, 1] are read as uint8 pixels, as `fit`'s image arrays become (`base.as_images`): the
+    members see the same pixels whichever way the data came, and the steps take uint8 images."""
+    if np.issubdtype(self.image.dtype, np.floating):
+      self._pixels, self.image = True, Spec(self.image.shape, np.dtype(np.uint8))
 
   def _pair(self, example: Any) -> tuple[np.ndarray, np.ndarray]:
     if isinstance(example, dict) and {'image', 'label'} <= set(example):
@@ -280,4 +286,5 @@ class RandomAccessSource(Source):
     labels = np.stack([p[1] for p in pairs]) if pairs else np.empty(empty + self.label.shape, self.label.dtype)
     labels = labels.reshape(len(labels), *self.label.shape)
     self._count(len(rows))
-    return images.astype(self.image.dtype, copy=False), labels.astype(self.label.dtype, copy=False)
+    images = base.float_to_uint8(images, self.name) if self._pixels else images.astype(self.image.dtype, copy=False)
+    return images, labels.astype(self.label.dtype, copy=False)

@@ -71,6 +71,11 @@ def check(config):
                and value[0] <= value[1],
                f'{field}={value!r} must be a range (low, high) of positive numbers with low <= high, '
                f"e.g. --config.{field}='(0.05, 0.2)'")
+    (low, high), rate = config.hyper_learning_rate, config.learning_rate
+    _require(low <= rate <= high,  # else the rate set would be silently replaced by draws far from it
+             f'method hyper draws each member its learning rate from hyper_learning_rate=({low:g}, {high:g}) in '
+             f'place of learning_rate={rate:g}, which that range leaves out: set one around it, e.g. '
+             f"--config.hyper_learning_rate='({0.4 * rate:.3g}, {1.2 * rate:.3g})'")
   if method == 'snapshot':
     cycles, epochs = config.snapshot_cycles, config.num_epochs
     _require(isinstance(cycles, int) and cycles >= 1 and epochs % cycles == 0,
