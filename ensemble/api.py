@@ -499,6 +499,12 @@ FIT_DEFAULTS = {'heldout_fraction': 0.0, 'eval_every': 0, 'compilation_cache': '
                 'steps_per_dispatch': loop.AUTO_DISPATCH}
 
 
+def fit_defaults(task: str | None) -> dict[str, Any]:
+  """Where `fit` (and `distill`) start from other values than ensemble/defaults.py's, for `task` (None: the
+  default's): `FIT_DEFAULTS`, and for regression `defaults.REGRESSION`."""
+  return {**FIT_DEFAULTS, **(defaults.REGRESSION if task == 'regression' else {})}
+
+
 @_in_fit_terms
 def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None, *,
         ensemble_size: int | None = None, epochs: int | None = None, method: str | None = None,
@@ -518,8 +524,9 @@ def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None,
   to `Ensemble.summary` after the last epoch (and every `eval_every` epochs).
   `fields` are ensemble/defaults.py's fields (learning_rate, optimizer,
   augment, member_data, backend, seed, ...), starting from its values (but
-  `FIT_DEFAULTS`) or from `config`. Unless `num_devices` is given, the members
-  go on as many devices as split them evenly.
+  `fit_defaults`: for task='regression', Adam at 0.01 on standardised
+  features) or from `config`. Unless `num_devices` is given, the members go
+  on as many devices as split them evenly.
 
   `workdir=None` trains in memory and writes nothing anywhere; the
   `Ensemble` holds the members (`save` writes a workdir). A loop of fits of
@@ -534,7 +541,7 @@ def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None,
   faster): a setting of the whole process, never undone, so only if asked.
   """
   given = {'ensemble_size': ensemble_size, 'epochs': epochs, 'method': method, **fields}
-  config = _config(config, {**(FIT_DEFAULTS if config is None else {}), **given})
+  config = _config(config, {**(fit_defaults(fields.get('task')) if config is None else {}), **given})
   tasks.check(config)  # the task decides how the arrays are read
   dataset = _dataset(train, test, config)
   if dataset.inputs != 'images' and config.augment != 'none' and 'augment' in fields:  # else config.fit_to_data

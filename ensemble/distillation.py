@@ -144,7 +144,7 @@ def distill(ens: api.Ensemble, student_model: Any, data: Any, *, temperature: fl
     test = _test_pair(test)
     ens.check(test[0])
   task = ens.task.name
-  fields = {**(api.FIT_DEFAULTS if config is None else {}), **fit_kwargs, 'ensemble_size': 1,
+  fields = {**(api.fit_defaults(task) if config is None else {}), **fit_kwargs, 'ensemble_size': 1,
             'method': 'independent', 'task': task, 'distill_temperature': float(temperature)}
   config = api._config(config, fields)  # pylint: disable=protected-access
   tasks.check(config)
