@@ -277,7 +277,9 @@ def test_the_cli_trains_on_npz_and_csv(data, tmp_path):
   ens = ensemble.load(str(tmp_path / 'npz'))
   assert ens.task.name == 'regression' and ens.predict(x_test)['mean'].shape == (len(x_test),)
   recipe = ens.config  # configs/regression.py is fit's regression recipe
-  assert {key: recipe[key] for key in defaults.REGRESSION} == defaults.REGRESSION and recipe.augment == 'none'
+  as_read = lambda value: tuple(value) if isinstance(value, (list, tuple)) else value  # config.json keeps lists
+  assert {key: as_read(recipe[key]) for key in defaults.REGRESSION} == defaults.REGRESSION
+  assert recipe.augment == 'none'
   _the_programs_read_a_regression_workdir(str(tmp_path / 'npz'), x_test, tmp_path)
   rows = ['a,label,y'] + [f'{v:.6f},{i % 3},{t:.6f}' for i, (v, t) in enumerate(zip(x[:, 0], y))]
   (tmp_path / 'cubic.csv').write_text('\n'.join(rows) + '\n')
@@ -352,6 +354,9 @@ def test_fit_regresses_with_adam_on_standardised_features_unless_told_otherwise(
   recipe = ens.config
   assert (recipe.optimizer, recipe.learning_rate, recipe.weight_decay, recipe.standardize_features) == (
       'adamw', 0.01, 0.0, True)
+  hyper = ensemble.fit('mlp', (x[:256], y[:256]), task='regression', ensemble_size=2, epochs=1, method='hyper',
+                       progress=False)  # its drawn rates around the recipe's
+  assert tuple(hyper.config.hyper_learning_rate) == (0.004, 0.012)
   assert ens.evaluate(x, y)['ensemble']['rmse'] < 3.5
   told = ensemble.fit('mlp', (x[:256], y[:256]), task='regression', ensemble_size=2, epochs=1, optimizer='sgd',
                       standardize_features=False, progress=False).config
