@@ -101,10 +101,6 @@ def _missing_summaries(ckpt: checkpoint.Checkpointer, workdir: str, start_key: i
   return [summary for summary in summaries if summary is not None and summary[0] not in written]
 
 
-def _by_step(config: ml_collections.ConfigDict) -> bool:
-  return config_lib.checkpoint_unit(config) == 'step'
-
-
 class _SavesInBackground(loop.Hook):
   """Each checkpoint written while training goes on, and its metrics.jsonl line once the checkpoint is complete: a
   crash before the line costs no metric, as the resume writes it from the checkpoint."""
@@ -223,7 +219,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
                  '(replicated: %.2f MB).', 'model' if layout == 'model' else 'data',
                  len(devices) // config.ensemble_size, layout,
                  backends.bytes_per_device(state) / 1e6, member_bytes / config.ensemble_size / 1e6)
-  saves = _SavesInBackground(ckpt, writer, ckpt_meta, start_key, _by_step(config))
+  saves = _SavesInBackground(ckpt, writer, ckpt_meta, start_key, config_lib.checkpoint_unit(config) == 'step')
   try:
     state, summary = loop.train(run, state, start=start, hooks=[saves], progress=progress)
   except loop.Diverged as e:
@@ -231,7 +227,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
     raise UsageError(f'{e} and re-run to {resume} (the checkpoints saved so far are kept)') from None
   except KeyboardInterrupt:  # the hooks have closed: the last checkpoint is complete
     saved = saves.saved_epoch
-    if _by_step(config):
+    if config_lib.checkpoint_unit(config) == 'step':
       kept = f'the checkpoint of step {saved} is in {ckpt.directory}' if saved else 'no step was saved yet'
       raise Interrupted(f'stopped after step {saved}; {kept}', saved) from None
     where = f'in epoch {saved + 1} of {config.num_epochs}' if saved < config.num_epochs else 'after its last epoch'
