@@ -26,15 +26,13 @@ import shutil
 from typing import Any, Sequence
 
 import jax
-import ml_collections
 import numpy as np
 from absl import logging
 
-from ensemble import calibration, console, data, defaults, files, host_memory, loop, predictor, steps, tasks
-from ensemble import config as config_lib
+from ensemble import calibration, console, data, defaults, files, host_memory, loop, members, optim, predictor
+from ensemble import recipe as recipe_lib, steps
 from ensemble.data import arrays
 from ensemble.errors import UsageError
-from ensemble.models import user
 from ensemble.tasks import regression
 from ensemble.uncertainty import decomposition, selective
 
@@ -71,7 +69,7 @@ def bucket(n: int, batch_size: int) -> int:
   return min(batch_size, loop.bucket_rows(n))
 
 
-def _fitted_temperature(workdir: str, config: ml_collections.ConfigDict, epoch: int) -> float | None:
+def _fitted_temperature(workdir: str, config: recipe_lib.Recipe, epoch: int) -> float | None:
   """The temperature `ensemble.evaluate` fitted (in WORKDIR/eval/metrics.json; for a regression workdir its
   variance scale, regression's temperature), if it was fitted for this checkpoint and on the held-out slice of the
   data this run was trained on; None, with a warning that says why, if not."""
@@ -88,16 +86,16 @@ def _fitted_temperature(workdir: str, config: ml_collections.ConfigDict, epoch: 
                                                           results.get('variance_scaling', {}).get('scale'))
   if temperature is None:
     return None
-  fitted_on, trained_on = (config_lib.data_location(results.get('data_dir', '')),
-                           config_lib.data_location(config.get('data_dir', '')))
+  fitted_on, trained_on = (recipe_lib.data_location(results.get('data_dir', '')),
+                           recipe_lib.data_location(config.data_dir))
   if results.get('epoch') != epoch:
     problem = f'was fitted for epoch {results.get("epoch")}, not {epoch}'
   elif results.get('checkpoint') != _evaluation().checkpoint_id(workdir, epoch):
     problem = (f'was fitted for another checkpoint of epoch {epoch} (the run was trained again since)'
                if results.get('checkpoint') else 'does not record the checkpoint it was fitted for (an older version)')
-  elif config.get('dataset') != data.ARRAYS and fitted_on != trained_on:  # arrays in memory: --data_dir names them
+  elif config.dataset != data.ARRAYS and fitted_on != trained_on:  # arrays in memory: --data_dir names them
     problem = (f'was fitted on the held-out slice of {fitted_on or "the named dataset"}, not of the data the run was '
-               f'trained on ({trained_on or config.get("dataset")})')
+               f'trained on ({trained_on or config.dataset})')
   else:
     return temperature
   logging.warning('The temperature in %s %s: predicting without temperature scaling; run python -m '
@@ -136,7 +134,7 @@ class Ensemble:
   there is one.
   """
 
-  def __init__(self, workdir: str | None, config: ml_collections.ConfigDict, member: steps.Member,
+  def __init__(self, workdir: str | None, config: recipe_lib.Recipe, member: steps.Member,
                state: steps.TrainState, devices: Sequence[jax.Device], epoch: int, temperature: float = 1.0,
                batch_size: int = 1000, *, task: Any = None, data_info: dict[str, Any] | None = None,
                summary: dict[str, float] | None = None):
@@ -161,18 +159,20 @@ class Ensemble:
     where = f'workdir={self.workdir!r}' if self.workdir else 'in memory'
     return (f'Ensemble({console.count(self.size, "member")} of {self.config.model}, {self.task.name} of '
             f'{predicts} from {"x".join(map(str, self.input_shape))} {self.member.inputs}, '
-            f'{config_lib.checkpoint_unit(self.config)} {self.epoch}, '
+            f'{self.config.checkpoint_unit} {self.epoch}, '
             f'{where})')
 
   @property
   def params(self) -> Any:
-    """The members' parameters, each leaf (K, ...): what `apply` takes."""
-    return self.state.params
+    """What the members predict with, each leaf (K, ...): what `apply` takes. Their parameters; for methods that
+    predict with what they kept, a dict of the parameters and that (snapshot: 'params', 'snapshots'; multiswag:
+    'params' and the SWAG moments 'mean', 'variance', 'deviations'), so that `apply` is a function of all of it."""
+    return self.member.method.params_of(self.state)
 
   def apply(self, params: Any, inputs: jax.Array) -> Any:
-    """Every member's output for a batch of `inputs`, as a pure JAX function of `params` (the members', each leaf
-    (K, ...), as `params` gives them): it runs under `jax.jit`, `jax.grad` and `jax.vmap`, so that an acquisition
-    function or the predictive mean can be differentiated with respect to the inputs or the parameters.
+    """Every member's output for a batch of `inputs`, as a pure JAX function of `params` (what `params` gives, each
+    leaf (K, ...)): it runs under `jax.jit`, `jax.grad` and `jax.vmap`, so that an acquisition function or the
+    predictive mean can be differentiated with respect to the inputs or the parameters.
 
     Classification: (K, N, C) log-probabilities. Regression: (means, variances), each (K M, N, D) in the targets'
     units (M = 1 component per member, or a snapshot member's snapshots); the mixture's mean is `means.mean(0)`.
@@ -181,7 +181,7 @@ class Ensemble:
     inputs = jax.numpy.asarray(inputs)
     if self._transform is not None:
       inputs = loop.feature_transform(self._data_info, xp=jax.numpy)(inputs)
-    state = self.state.replace(params=params)
+    state = self.member.method.with_params(self.state, params)
     member_output = lambda state: self.member.task.member_output(self.member.predict(state, inputs))
     outputs = jax.vmap(member_output)(state)
     if self.task.name == 'regression':
@@ -236,7 +236,8 @@ class Ensemble:
                        f'give a batch of shape (N, {", ".join(map(str, shape))})')
     if kind == 'images':  # as training saw them: [0, 1] floats rounded to 8 bits
       return data.base.as_images(images, 'inputs')
-    return arrays.as_inputs(images, kind, 'inputs')  # the checks fit makes: ids in int32's range, finite features
+    inputs = arrays.as_inputs(images, kind, 'inputs')  # the checks fit makes: ids in int32's range, finite features
+    return members.ids_checked(self.member, inputs, 'inputs')
 
   def _labelled(self, inputs: Any) -> np.ndarray:
     """`check`ed inputs to score: at least one, as a mean over none is no score."""
@@ -251,12 +252,14 @@ class Ensemble:
 
   def member_outputs(self, images: Any, *, progress: bool = False) -> np.ndarray:
     """(K, N, W) float64: every member's output (log-probabilities; a regression member's raw outputs),
-    `batch_size` inputs at a time, the last batch bucketed."""
+    `batch_size` inputs at a time, the last batch bucketed. Outputs that are not finite are never returned: they
+    are one UsageError that says for how many inputs, and the likely cause."""
+    _check_flag('progress', progress)
     images = self.check(images)
     if self._transform is not None:
       images = self._transform(images)
-    if self.member.inputs == 'features':
-      images = images.astype(np.float32)
+    if self.member.inputs == 'features':  # what the members compute in: a value beyond float32 is refused
+      images = loop.in_float32(images, "the inputs' features")
     starts = range(0, len(images), self.batch_size)
     if progress and len(starts) > 1:
       starts = console.track(starts, 'predicting', unit='batch', items_per_step=self.batch_size, items='images')
@@ -267,7 +270,13 @@ class Ensemble:
         chunk = chunk.astype(np.float32) / 255.0
       split = {'image': chunk, 'label': np.zeros(len(chunk), np.int32)}
       batches.append(self._predictor(bucket(len(chunk), self.batch_size)).log_probs(split))
-    return np.concatenate(batches, axis=1)
+    outputs = np.concatenate(batches, axis=1)
+    finite = np.isfinite(outputs).all(axis=(0, 2))
+    if not finite.all():
+      cause = _NONFINITE_CAUSES[self.member.inputs]
+      raise UsageError(f'{int((~finite).sum())} of {len(finite)} inputs give the members non-finite outputs (NaN '
+                       f'or infinity; the first is input {int(np.argmin(finite))}): {cause}')
+    return outputs
 
   def member_probs(self, images: Any, *, progress: bool = False) -> np.ndarray:
     """(K, N, C) float64: every member's probabilities, `batch_size` images at a time, the last batch bucketed."""
@@ -298,6 +307,7 @@ class Ensemble:
     aleatoric + epistemic holds; the temperature only rescales 'probs' (and
     leaves 'class' as it is).
     """
+    _check_flag('members', members)
     if self.task.name == 'regression':
       return self._predict_regression(images, members=members, progress=progress, levels=levels)
     member_probs = self.member_probs(images, progress=progress)
@@ -315,6 +325,7 @@ class Ensemble:
     central intervals 'lower_P', 'upper_P' holding P% of it (exact mixture quantiles); each (N, D), or (N,)
     for one target; the components' variances times the variance scale (`temperature`). 'member_means' and
     'member_variances' (K M, N, D) with `members`."""
+    levels = regression.checked_levels(levels)
     means, variances = self.components(inputs, progress=progress)
     variances = variances * self.temperature  # the variance scale ensemble.evaluate fitted (1 without one)
     result = regression.predictive(means, variances, levels)
@@ -382,7 +393,7 @@ class Ensemble:
                         ignore=shutil.ignore_patterns(checkpoint.LOCK_FILE))
       else:
         files.write_atomically(os.path.join(partial, 'config.json'),
-                               json.dumps(self.config.to_dict(), indent=2, sort_keys=True))
+                               json.dumps(self.config.to_dict(), indent=2, sort_keys=True))  # with the data's hash
         meta = {'model': self.config.model, 'ensemble_size': self.size, 'data': self._data_info}
         step = int(np.asarray(self.state.step).reshape(-1)[0])
         ckpt = checkpoint.Checkpointer(partial)
@@ -418,9 +429,8 @@ class Ensemble:
       raise UsageError('flag_threshold reads the held-out slice of the data a workdir was trained on, and this '
                        'ensemble is in memory; give the held-out inputs to predict() and threshold their '
                        f"'{FLAG_SCORE}' with ensemble.uncertainty.selective, or save() it first")
-    dataset = data.load(self.config.get('dataset', 'mnist'), self.config.data_dir if data_dir is None else data_dir,
-                        self.config.get('train_split', 'train'), self.config.get('test_split', 'test'),
-                        streaming=self.config.get('streaming', 'never'))
+    dataset = data.load(self.config.dataset, self.config.data_dir if data_dir is None else data_dir,
+                        self.config.train_split, self.config.test_split, streaming=self.config.streaming)
     if tuple(dataset.image_shape) != self.image_shape:
       raise UsageError(f'{dataset.source} holds {"x".join(map(str, dataset.image_shape))} images but '
                        f'{self.workdir} was trained on {"x".join(map(str, self.image_shape))}; give --data_dir the '
@@ -453,50 +463,29 @@ def load(workdir: str, step: int | None = None, *, model: Any = None, batch_size
   evaluation.refuse_single_model(config, workdir)
   devices = predictor.evaluation_devices(config.ensemble_size)
   member, state, epoch = evaluation.restore(workdir, config, step, devices, model)
+  from ensemble import checkpoint  # pylint: disable=g-import-not-at-top  # orbax: only where files are read
+  summary = (checkpoint.read_record(workdir, epoch).get('summary') or {}).get('scalars', {})
   if temperature is None:
     temperature = _fitted_temperature(workdir, config, epoch) or 1.0
   if not temperature > 0:
     raise UsageError(f'temperature={temperature} must be positive')
   batch_size = config.eval_batch_size if batch_size is None else batch_size
-  logging.info('Restored %s %d of %s: %s on %s; temperature %.4g.', config_lib.checkpoint_unit(config), epoch, workdir,
+  logging.info('Restored %s %d of %s: %s on %s; temperature %.4g.', config.checkpoint_unit, epoch, workdir,
                console.count(config.ensemble_size, 'member'), console.count(len(devices), 'device'), temperature)
-  return Ensemble(workdir, config, member, state, devices, epoch, temperature, batch_size)
-
-
-# What `fit`'s keywords set in the config, besides the config's own field names.
-_ALIASES = {'epochs': 'num_epochs'}
-
-
-def _config(config: ml_collections.ConfigDict | None, fields: dict[str, Any]) -> ml_collections.ConfigDict:
-  """ensemble/defaults.py (or `config`) with `fields` set; an unknown field is refused with the closest names."""
-  config = ml_collections.ConfigDict((config or defaults.get_config()).to_dict())
-  for key, value in fields.items():
-    if value is None:
-      continue
-    key = _ALIASES.get(key, key)
-    if key not in config:
-      import difflib  # pylint: disable=g-import-not-at-top
-      close = difflib.get_close_matches(key, list(config.keys()) + list(_ALIASES), n=3)
-      hint = f' (did you mean {", ".join(close)}?)' if close else ''
-      raise UsageError(f'unknown field {key!r}{hint}; the fields are those of ensemble/defaults.py')
-    current = config[key]
-    if isinstance(current, ml_collections.ConfigDict):
-      value = ml_collections.ConfigDict(dict(value))
-    elif isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
-      value = float(value)
-    elif isinstance(current, tuple) and isinstance(value, list):
-      value = tuple(value)
-    try:
-      config[key] = value
-    except TypeError as e:
-      raise UsageError(f'{key}={value!r}: {e}') from None
-  return config
+  return Ensemble(workdir, config, member, state, devices, epoch, temperature, batch_size, summary=summary)
 
 
 # Where `fit` departs from ensemble/defaults.py (a program's recipe): no held-out slice and one test pass at the end
 # unless asked, and no persistent compilation cache unless asked (it is a setting of the caller's whole process).
 FIT_DEFAULTS = {'heldout_fraction': 0.0, 'eval_every': 0, 'compilation_cache': '',
                 'steps_per_dispatch': loop.AUTO_DISPATCH}
+# What a predicted input that the members give NaN or infinity for most likely is, by the kind of inputs.
+_NONFINITE_CAUSES = {
+    'tokens': 'token ids the model cannot embed, or a model that is not finite on them',
+    'features': 'inputs far outside the range the members were trained on, or a model that is not finite there (a '
+                'log or a division of its inputs); check those inputs',
+    'images': 'a model that is not finite on these images; check them',
+}
 
 
 def fit_defaults(task: str | None) -> dict[str, Any]:
@@ -505,10 +494,30 @@ def fit_defaults(task: str | None) -> dict[str, Any]:
   return {**FIT_DEFAULTS, **(defaults.REGRESSION if task == 'regression' else {})}
 
 
+def _check_flag(name: str, value: Any, none: bool = False):
+  if not (isinstance(value, bool) or (none and value is None)):
+    raise UsageError(f'{name}={value!r} must be True or False' + (' (or None)' if none else ''))
+
+
+def fit_recipe(config: Any, fields: dict[str, Any]) -> recipe_lib.Recipe:
+  """`fit`'s keywords as a recipe, each field checked alone (ensemble/recipe.py): on `config` (a ConfigDict, a dict
+  or a Recipe) when given, else on ensemble/defaults.py's recipe with `fit_defaults` for the task."""
+  if 'epochs' in fields:
+    if 'num_epochs' in fields:
+      raise UsageError('epochs= and num_epochs= are one setting: give one of them')
+    fields['num_epochs'] = fields.pop('epochs')
+  fields = {key: value for key, value in fields.items() if value is not None}
+  if config is None:
+    task = fields.get('task')
+    base = recipe_lib.of(fit_defaults(task if isinstance(task, str) else None))
+  else:
+    base = recipe_lib.of(config)
+  return recipe_lib.of(fields, base=base)
+
+
 @_in_fit_terms
-def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None, *,
-        ensemble_size: int | None = None, epochs: int | None = None, method: str | None = None,
-        workdir: str | None = None, config: ml_collections.ConfigDict | None = None, init: 'Ensemble | None' = None,
+def fit(model: Any, train: Any, test: Any = None, *, ensemble_size: int | None = None, epochs: int | None = None,
+        method: str | None = None, workdir: str | None = None, config: Any = None, init: 'Ensemble | None' = None,
         keep_optimizer: bool = False, keep_freed_memory: bool = False, progress: bool = True,
         **fields) -> Ensemble:
   """Trains an ensemble of `model` on arrays, its members in parallel on the devices there are; returns it.
@@ -520,83 +529,89 @@ def fit(model: Any, train: tuple[Any, Any], test: tuple[Any, Any] | None = None,
   'resnet', 'package.module:Name'). `train` and `test` are (inputs, labels)
   pairs of arrays: images, feature vectors or token ids (`inputs`:
   ensemble/defaults.py says how they are told apart), labels integer classes
-  (float targets for task='regression'). `test` is optional: its scores go
-  to `Ensemble.summary` after the last epoch (and every `eval_every` epochs).
-  `fields` are ensemble/defaults.py's fields (learning_rate, optimizer,
-  augment, member_data, backend, seed, ...), starting from its values (but
-  `fit_defaults`: for task='regression', Adam at 0.01 on standardised
-  features) or from `config`. Unless `num_devices` is given, the members go
-  on as many devices as split them evenly.
+  (float targets for task='regression'); or a split of `ensemble.data.load`
+  ({'image', 'label'} arrays, or a streamed one); or any random-access source
+  of (input, label) pairs (a list, a `grain.MapDataset`), streamed. `test` is
+  optional: its scores go to `Ensemble.summary` after the last epoch (and
+  every `eval_every` epochs). `fields` are ensemble/defaults.py's fields
+  (learning_rate, optimizer, augment, member_data, backend, seed, ...),
+  starting from its values (but `fit_defaults`: for task='regression', Adam at
+  0.01 on standardised features) or from `config`. Unless `num_devices` is
+  given, the members go on the devices as `python -m ensemble.train` places
+  them (ensemble/recipe.py: all of them where they divide the members, else as
+  many as do).
 
   `workdir=None` trains in memory and writes nothing anywhere; the
   `Ensemble` holds the members (`save` writes a workdir). A loop of fits of
   the same model and recipe compiles once (ensemble/loop.py), and `init=ens`
   starts every member from `ens`'s (same model and size; the optimizer starts
-  afresh unless `keep_optimizer`). With `workdir`, the run writes checkpoints,
-  metrics and event files there, and an existing workdir resumes by the rules
-  of `python -m ensemble.train` if it was trained on the same arrays.
-  `progress` shows a bar and a line per epoch. `keep_freed_memory=True`
-  makes glibc keep the memory XLA:CPU frees, as `python -m ensemble.train`
-  does (`ensemble/host_memory.py`; convolutional members trained 1.44x
-  faster): a setting of the whole process, never undone, so only if asked.
+  afresh unless `keep_optimizer`, which keeps its moments and restarts its
+  schedule). With `workdir`, the run writes checkpoints, metrics and event
+  files there, and an existing workdir resumes by the rules of
+  `python -m ensemble.train` if it was trained on the same arrays; a folder
+  that is not a workdir is refused. `progress` shows a bar and a line per
+  epoch. `keep_freed_memory=True` makes glibc keep the memory XLA:CPU frees,
+  as `python -m ensemble.train` does (`ensemble/host_memory.py`;
+  convolutional members trained 1.44x faster): a setting of the whole
+  process, never undone, so only if asked.
   """
-  given = {'ensemble_size': ensemble_size, 'epochs': epochs, 'method': method, **fields}
-  config = _config(config, {**(fit_defaults(fields.get('task')) if config is None else {}), **given})
-  tasks.check(config)  # the task decides how the arrays are read
-  dataset = _dataset(train, test, config)
-  if dataset.inputs != 'images' and config.augment != 'none' and 'augment' in fields:  # else config.fit_to_data
-    raise UsageError(f'augment={config.augment!r} transforms images, and these inputs are {dataset.inputs}: '
+  for name, value in (('keep_optimizer', keep_optimizer), ('keep_freed_memory', keep_freed_memory)):
+    _check_flag(name, value)
+  _check_flag('progress', progress, none=True)
+  settings = fit_recipe(config, {'ensemble_size': ensemble_size, 'epochs': epochs, 'method': method, **fields})
+  dataset = _dataset(train, test, settings)
+  if dataset.inputs != 'images' and settings.augment != 'none' and 'augment' in fields:  # else the recipe sets it
+    raise UsageError(f'augment={settings.augment!r} transforms images, and these inputs are {dataset.inputs}: '
                      "leave augment out, or set it to 'none'")
-  return fit_dataset(model, dataset, config, workdir=workdir, init=init, keep_optimizer=keep_optimizer,
+  return fit_dataset(model, dataset, settings, workdir=workdir, init=init, keep_optimizer=keep_optimizer,
                      keep_freed_memory=keep_freed_memory, progress=progress)
 
 
-def fit_dataset(model: Any, dataset: data.Dataset, config: ml_collections.ConfigDict, *, workdir: str | None = None,
+def fit_dataset(model: Any, dataset: data.Dataset, settings: recipe_lib.Recipe, *, workdir: str | None = None,
                 init: 'Ensemble | None' = None, keep_optimizer: bool = False, keep_freed_memory: bool = False,
-                progress: bool = True) -> Ensemble:
-  """`fit` once its arrays are a checked `dataset` and its keywords a `config`: what `ensemble.distill` trains its
+                progress: bool | None = True) -> Ensemble:
+  """`fit` once its arrays are a checked `dataset` and its keywords a recipe: what `ensemble.distill` trains its
   student with, on labels that no array of `fit` carries (the teacher's probabilities)."""
   model_object = None
   if isinstance(model, str):
-    config.model = model
+    settings = recipe_lib.of({'model': model}, base=settings)
   else:
-    user.wrap(model)  # refuses what is no model before anything runs
     model_object = model
-    config.model, kwargs = user.describe(model)
-    config.model_kwargs = ml_collections.ConfigDict(kwargs)
-  config.dataset, config.data_dir = data.ARRAYS, ''
-  if config.ensemble_size and not config.num_devices:  # as many of the devices as split the members evenly
-    config.num_devices = len(predictor.evaluation_devices(config.ensemble_size))
+  if workdir is not None and not (isinstance(workdir, (str, os.PathLike)) and str(workdir).strip()):
+    raise UsageError(f'workdir={workdir!r} names no folder; give the folder to write the run in, or leave workdir= '
+                     'out to train in memory')
   if init is not None and not isinstance(init, Ensemble):
     raise UsageError(f'init={type(init).__name__}: give an Ensemble (what fit or load returned) to start from')
+  if workdir is not None and init is not None:
+    raise UsageError('init= starts a fit in memory, and a workdir resumes from its own checkpoints: leave out one of '
+                     'init= and workdir=')
+  settings = settings.replace(dataset=data.ARRAYS, data_dir='', data_fingerprint=_fingerprint(dataset))
+  recipe, devices = recipe_lib.resolve(settings, jax.devices(), model=model_object, dataset=dataset)
+  if init is not None:
+    recipe_lib.check_warm_start(recipe, init.config, keep_optimizer)
   if keep_freed_memory:  # once the arguments are checked
     host_memory.keep_freed_memory_on_cpu()
   if workdir is not None:
-    if not str(workdir).strip():
-      raise UsageError("workdir='' names no folder; give the folder to write the run in, or leave workdir= out to "
-                       'train in memory')
-    if init is not None:
-      raise UsageError('init= starts a fit in memory, and a workdir resumes from its own checkpoints: leave out '
-                       'one of init= and workdir=')
-    config.data_fingerprint = _fingerprint(dataset)
     from ensemble import trainer  # pylint: disable=g-import-not-at-top  # only here: its writers import TensorFlow
-    trainer.train_and_evaluate(config, os.path.abspath(os.path.expanduser(workdir)), dataset=dataset,
-                               model=model_object, progress=progress)
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    trainer.train_and_evaluate(recipe, workdir, dataset=dataset, model=model_object, progress=progress,
+                               devices=devices)
     return load(workdir, model=model_object)
-  run = loop.prepare(config, dataset, model_object)
+  run = loop.prepare(recipe, devices, dataset, model_object)
   state = run.init() if init is None else _warm_start(run, init, keep_optimizer)
   state, summary = loop.train(run, state, progress=progress)
-  devices = predictor.evaluation_devices(run.config.ensemble_size)
+  devices = predictor.evaluation_devices(recipe.ensemble_size)
   if devices != run.devices:  # members spread over several devices each (backend jit): one device's worth each
     from ensemble import backends  # pylint: disable=g-import-not-at-top
     state = jax.device_put(state, backends.member_sharding(devices))
-  return Ensemble(None, run.config, run.member, state, devices, run.config.num_epochs,
-                  batch_size=run.config.eval_batch_size, task=run.task, data_info=run.data_info, summary=summary)
+  return Ensemble(None, recipe, run.member, state, devices, recipe.num_epochs, batch_size=recipe.eval_batch_size,
+                  task=run.task, data_info=run.data_info, summary=summary)
 
 
 def _warm_start(run: loop.Run, init: Ensemble, keep_optimizer: bool) -> Any:
   """A fresh state of `run`'s members with `init`'s parameters and other model state (and optimizer state, if
-  `keep_optimizer`), copied: the steps donate what they train, and `init` stays usable."""
+  `keep_optimizer`: its moments kept, its schedule restarted, so that the new fit trains for its own epochs),
+  copied: the steps donate what they train, and `init` stays usable."""
   fresh = run.backend.to_canonical(run.init())
   parts = ('params', 'batch_stats') + (('opt_state',) if keep_optimizer else ())
   for part in parts:
@@ -604,12 +619,27 @@ def _warm_start(run: loop.Run, init: Ensemble, keep_optimizer: bool) -> Any:
     shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
     if jax.tree.structure(target) != jax.tree.structure(source) or shapes(target) != shapes(source):
       raise UsageError(f'init=: its members\' {part} do not match this fit\'s ({init.size} members of '
-                       f'{init.config.model}, now {run.config.ensemble_size} of {run.config.model}); start from an '
-                       'ensemble of the same model, size and data shapes, or leave init= out')
-  copy = lambda target, source: jax.device_put(source, target.sharding, may_alias=False)
-  return run.backend.from_canonical(fresh.replace(**{part: jax.tree.map(copy, getattr(fresh, part),
-                                                                        getattr(init.state, part))
-                                                     for part in parts}))
+                       f'{init.config.model}, method {init.config.method}; now {run.recipe.ensemble_size} of '
+                       f'{run.recipe.model}, method {run.recipe.method}); start from an ensemble of the same model, '
+                       'size and data shapes, or leave init= out')
+  def copied(part):
+    """`init`'s part in new buffers laid out as this fit's. Where the layout changes (members spread over more
+    devices, backend jit), `device_put(..., may_alias=False)` kept the buffers of the shards that stay on their
+    device, and the steps donated them: those are copied where they are first (one program)."""
+    target, source = getattr(fresh, part), getattr(init.state, part)
+    same = jax.tree.leaves(jax.tree.map(lambda t, s: s.sharding.is_equivalent_to(t.sharding, t.ndim), target, source))
+    source = source if all(same) else _copied(source)
+    return jax.tree.map(lambda t, s: jax.device_put(s, t.sharding, may_alias=False), target, source)
+  state = fresh.replace(**{part: copied(part) for part in parts})
+  if keep_optimizer:
+    state = state.replace(opt_state=optim.restart_schedule(state.opt_state))
+  return run.backend.from_canonical(state)
+
+
+@jax.jit
+def _copied(tree: Any) -> Any:
+  """`tree`'s arrays in new buffers where they are: a jitted program's outputs never alias its inputs."""
+  return jax.tree.map(jax.numpy.copy, tree)
 
 
 def _fingerprint(dataset: data.Dataset) -> str:
@@ -629,43 +659,58 @@ def _fingerprint(dataset: data.Dataset) -> str:
 
 def _is_source(split: Any) -> bool:
   """Whether `split` is a random-access source of examples (a `grain.MapDataset`, a `tfds.data_source`, a list of
-  pairs), not a pair of arrays."""
-  return (hasattr(split, '__len__') and hasattr(split, '__getitem__') and not isinstance(split, np.ndarray)
+  pairs), not a pair of arrays nor one of `data.load`'s splits."""
+  return (hasattr(split, '__len__') and hasattr(split, '__getitem__') and not isinstance(split, (np.ndarray, dict))
+          and not data.stream.is_streamed(split)
           and not (isinstance(split, (tuple, list)) and len(split) == 2 and not isinstance(split[0], tuple)))
 
 
-def _dataset(train: Any, test: Any, config: ml_collections.ConfigDict) -> data.Dataset:
+def _as_pair(split: Any, name: str) -> Any:
+  """One of `data.load`'s in-memory splits ({'image', 'label'} arrays) as the pair of arrays it holds; any other
+  dict is refused in one line."""
+  if not isinstance(split, dict):
+    return split
+  if set(split) != {'image', 'label'}:
+    raise UsageError(f'{name}= is a dict of {sorted(split)}; give (inputs, labels) arrays, a split of '
+                     "ensemble.data.load ({'image': inputs, 'label': labels}), or a source of (input, label) pairs")
+  return split['image'], split['label']
+
+
+def _dataset(train: Any, test: Any, settings: recipe_lib.Recipe) -> data.Dataset:
   """The arrays (or sources, streamed) as a Dataset; without `test`, the held-out slice of `train` tests (the loop
   holds it out too), or nothing when no slice is held out."""
-  if _is_source(train):
-    return _streamed(train, test, config)
-  if test is None and config.heldout_fraction:
+  train, test = _as_pair(train, 'train'), _as_pair(test, 'test')
+  if _is_source(train) or data.stream.is_streamed(train):
+    return _streamed(train, test, settings)
+  if test is not None and (_is_source(test) or data.stream.is_streamed(test)):
+    raise UsageError(f'test= is a source of examples ({type(test).__name__}) and train= is not: give train= as a '
+                     'source too, or both as (inputs, labels) arrays')
+  if test is None and settings.heldout_fraction:
     inputs, labels = arrays.pair(train, 'train')
-    _, heldout = data.hold_out({'image': inputs, 'label': labels}, config.heldout_fraction)
+    _, heldout = data.hold_out({'image': inputs, 'label': labels}, settings.heldout_fraction)
     test = (heldout['image'], heldout['label'])
-  return arrays.from_arrays(train, test, config.inputs, config.task)
+  return arrays.from_arrays(train, test, settings.inputs, settings.task)
 
 
-def _streamed(train: Any, test: Any, config: ml_collections.ConfigDict) -> data.Dataset:
-  """Random-access sources as streamed splits (`data.stream`): read a batch at a time, in grain's threads."""
-  if test is not None and not _is_source(test):
+def _streamed(train: Any, test: Any, settings: recipe_lib.Recipe) -> data.Dataset:
+  """Random-access sources (or `data.load`'s streamed splits) as streamed splits (`data.stream`): read a batch at a
+  time, in grain's threads, as the arrays they hold would be read."""
+  if test is not None and not (_is_source(test) or data.stream.is_streamed(test)):
     raise UsageError(f'train= is a source of examples ({type(train).__name__}) and test= is not: give test= as a '
                      'source too, or both as (inputs, labels) arrays')
-  splits = {name: None if split is None else
-            data.stream.Records(data.stream.RandomAccessSource(split, f'{name}= source', config.task))
-            for name, split in (('train', train), ('test', test))}
-  if splits['test'] is None and config.heldout_fraction:
-    _, splits['test'] = data.hold_out(splits['train'], config.heldout_fraction)
-  inputs = config.inputs
-  if inputs == 'auto':
-    inputs = arrays.kind_of(np.empty((1, *splits['train'].source.image.shape), splits['train'].source.image.dtype))
-  if inputs == 'images':
-    for split in splits.values():
-      if split is not None:
-        split.source.read_as_pixels()
+
+  def records(split, name):
+    if split is None or data.stream.is_streamed(split):
+      return split
+    return data.stream.Records(data.stream.RandomAccessSource(split, f'{name}= source', settings.task,
+                                                              settings.inputs))
+  splits = {'train': records(train, 'train'), 'test': records(test, 'test')}
+  if splits['test'] is None and settings.heldout_fraction:
+    _, splits['test'] = data.hold_out(splits['train'], settings.heldout_fraction)
   first = splits['train'].source
+  inputs = first.inputs
   # Classes from a sample of the labels; the loop checks every label it reads against the model's outputs.
-  outputs = (math.prod(first.label.shape) if config.task == 'regression'
+  outputs = (math.prod(first.label.shape) if settings.task == 'regression'
              else int(data.stream.sample(splits['train'])['label'].max()) + 1)
   return data.Dataset(splits['train'], splits['test'], f'{type(train).__name__} source, streamed', outputs,
-                      inputs=inputs, task=config.task)
+                      inputs=inputs, task=settings.task)

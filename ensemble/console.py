@@ -175,14 +175,17 @@ class Progress:
   later pass over many batches. Shows on process 0 only, and not below
   `--verbosity=0`; `bar` forces the bar on or off (`ensemble.fit` shows it in
   a notebook, where tqdm draws a widget). `items_per_step` adds a throughput in items (member-images:
-  batch size times members); metrics passed to `update` with a 'loss' add the
-  running mean loss, fetched only when progress is shown.
+  batch size times members); metrics passed to `update` add the running mean
+  loss, fetched only when progress is shown: `loss` says which metric, and
+  what to add to it (a task's, `reported_loss`: a regression's NLL in the
+  targets' units, as the epoch's summary reports it).
   """
 
   def __init__(self, total: int, desc: str, *, unit: str = 'step', items_per_step: int = 0,
                items: str = 'member-images', every_secs: float | None = None, file: TextIO | None = None,
-               show: bool | None = None, bar: bool | None = None):
+               show: bool | None = None, bar: bool | None = None, loss: tuple[str, float] = ('loss', 0.0)):
     self.total, self.desc, self.unit = total, desc, unit
+    self._loss_key, self._loss_offset = loss
     self._items_per_step, self._items = items_per_step, items
     self._file = sys.stderr if file is None else file
     self._show = _is_main_process() if show is None else show
@@ -214,8 +217,8 @@ class Progress:
     self._n += n
     if not self._show:
       return
-    if metrics is not None and 'loss' in metrics:
-      self._pending_losses.append(metrics['loss'])
+    if metrics is not None and self._loss_key in metrics:
+      self._pending_losses.append(metrics[self._loss_key])
     if self._bar is not None:
       self._bar.update(n)
       if self._n >= self.total:
@@ -236,7 +239,7 @@ class Progress:
         self._loss_sum += float(values.sum())
         self._loss_count += values.size
     self._pending_losses = []
-    return self._loss_sum / self._loss_count if self._loss_count else None
+    return self._loss_sum / self._loss_count + self._loss_offset if self._loss_count else None
 
   def _describe(self, rate: float | None) -> str:
     if not rate:

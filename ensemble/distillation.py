@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from ensemble import api, tasks
+from ensemble import api
 from ensemble.data import arrays, base
 from ensemble.errors import UsageError
 from ensemble.tasks import regression
@@ -139,22 +139,24 @@ def distill(ens: api.Ensemble, student_model: Any, data: Any, *, temperature: fl
   (inputs, labels) pair, `student.distillation` is a `DistillationReport` (else None).
   """
   _check(ens, temperature, fit_kwargs)
+  for name, value in (('keep_optimizer', keep_optimizer), ('keep_freed_memory', keep_freed_memory)):
+    api._check_flag(name, value)  # pylint: disable=protected-access
+  api._check_flag('progress', progress, none=True)  # pylint: disable=protected-access
   inputs = _inputs(ens, data)
   if test is not None:  # before the training it would score
     test = _test_pair(test)
     ens.check(test[0])
   task = ens.task.name
-  fields = {**(api.fit_defaults(task) if config is None else {}), **fit_kwargs, 'ensemble_size': 1,
-            'method': 'independent', 'task': task, 'distill_temperature': float(temperature)}
-  config = api._config(config, fields)  # pylint: disable=protected-access
-  tasks.check(config)
+  # What the student is, whatever `config` says: one network of the teacher's task, trained on every input given.
+  settings = api.fit_recipe(config, {**fit_kwargs, 'ensemble_size': 1, 'method': 'independent', 'task': task,
+                                     'distill_temperature': float(temperature), 'heldout_fraction': 0.0})
   source = f'the predictive of {ens._name}'  # pylint: disable=protected-access
   if task == 'regression':
     dataset = arrays.from_arrays(regression_targets(ens, inputs), None, ens.member.inputs, task, source)
   else:
     train = {'image': inputs, 'label': classification_targets(ens, inputs)}
     dataset = base.Dataset(train, None, source, ens.num_classes, inputs=ens.member.inputs)
-  student = api.fit_dataset(student_model, dataset, config, workdir=workdir, init=init, keep_optimizer=keep_optimizer,
+  student = api.fit_dataset(student_model, dataset, settings, workdir=workdir, init=init, keep_optimizer=keep_optimizer,
                             keep_freed_memory=keep_freed_memory, progress=progress)
   student.distillation = None if test is None else report(ens, student, *test)
   if student.distillation is not None:

@@ -9,7 +9,6 @@ batch that its own devices hold (`process_rows`), and gather results that live
 on other processes when it needs them on the host (`to_numpy`).
 """
 
-import collections
 import socket
 import time
 import warnings
@@ -154,28 +153,6 @@ def to_numpy(tree: Any) -> Any:
       return np.asarray(x)
     return multihost_utils.process_allgather(x, tiled=True)
   return jax.tree.map(fetch, tree)
-
-
-def check_layout(config, devices: Sequence[jax.Device]):
-  """Refuses, on every process alike, a run that the processes could not share out evenly."""
-  if jax.process_count() == 1:
-    return
-  per_process = dict(collections.Counter(device.process_index for device in devices))
-  if len(per_process) != jax.process_count() or len(set(per_process.values())) > 1:
-    raise UsageError(f'the {jax.process_count()} processes would train on {per_process} of their devices; '
-                     'give every process the same number of devices (--cpu_devices on CPU) and leave '
-                     '--config.num_devices at 0')
-  num_processes, local = len(per_process), len(devices) // len(per_process)
-  # Batches that all members share are split over all devices and gathered back on each:
-  # every eval batch, and the train batches of the plain path (the fast path gathers on device).
-  split = ['eval_batch_size']
-  if config.member_data == 'shared' and not config.steps_per_dispatch:
-    split.append('batch_size')
-  for name in split:
-    if config[name] % len(devices):
-      raise UsageError(f'{name}={config[name]} gives each of the {num_processes} processes '
-                       f'{config[name] / num_processes:g} examples per step, which its {local} devices cannot '
-                       f'split evenly; set --config.{name} to a multiple of {len(devices)}')
 
 
 def all_processes(ok: bool) -> bool:

@@ -19,13 +19,12 @@ import os
 from typing import Any, Sequence
 
 import jax
-import ml_collections
 import numpy as np
 import scipy.ndimage
 from absl import logging
 
 from ensemble import backends, calibration, checkpoint, console, data, regression_report, report, steps
-from ensemble import config as config_lib
+from ensemble import members, recipe as recipe_lib
 from ensemble.data import tfds
 from ensemble.predictor import Predictor, evaluation_devices
 from ensemble.errors import UsageError
@@ -37,7 +36,6 @@ NOISE_STDS = (0.04, 0.06, 0.08, 0.09, 0.10)
 # Runs trained before `heldout_fraction` existed (or with 0) held nothing out; the temperature is then
 # fitted on this last fraction of the training split, which the members have seen, and the report says so.
 FALLBACK_HELDOUT_FRACTION = 0.1
-RUN_CONFIG_KEYS = ('model', 'ensemble_size', 'learning_rate', 'momentum', 'eval_batch_size', 'data_dir')
 OOD_SCORES = ('max_probability', 'entropy', 'mutual_information')  # each oriented so that higher means "more OOD"
 OOD_HISTOGRAM_BINS = 40
 DEFAULT_ALPHAS = (0.05, 0.01)
@@ -45,27 +43,30 @@ DEFAULT_ALPHAS = (0.05, 0.01)
 SELECTIVE_COVERAGES = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.5)
 
 
-def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-  """The resolved config that `ensemble.train` saved next to its checkpoints."""
+def load_run_config(workdir: str) -> recipe_lib.Recipe:
+  """The recipe that a run (or `Ensemble.save`) recorded next to its checkpoints."""
   path = os.path.join(workdir, 'config.json')
   fix = '--workdir must name a folder written by python -m ensemble.train'
-  config = config_lib.read_run_config(path, fix)
-  missing = [key for key in RUN_CONFIG_KEYS if key not in config]
+  config = recipe_lib.read_record(path, fix)
+  missing = [key for key in recipe_lib.RECORD_KEYS if key not in config]
   if missing:
     raise UsageError(f'{path}: lacks {", ".join(missing)}; {fix}')
-  return ml_collections.ConfigDict(config)
+  try:
+    return recipe_lib.from_record(config)
+  except UsageError as e:
+    raise UsageError(f'{path}: {e}') from None
 
 
-def refuse_single_model(config: ml_collections.ConfigDict, workdir: str):
+def refuse_single_model(config: recipe_lib.Recipe, workdir: str):
   """The mesh backends train one model split over a mesh, not an ensemble of members: nothing here reads it."""
-  backend = config.get('backend', 'pmap')
+  backend = config.backend
   if backend in backends.MESH_MODELS:
     raise UsageError(f'{workdir} holds one {config.model} model trained with backend {backend!r}, not an ensemble; '
                      'evaluate, predict and export read ensembles trained with backend pmap or jit (its test loss '
                      f'and accuracy per epoch are in {os.path.join(workdir, "metrics.jsonl")})')
 
 
-def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None, devices: Sequence[jax.Device],
+def restore(workdir: str, config: recipe_lib.Recipe, step: int | None, devices: Sequence[jax.Device],
             model: Any = None) -> tuple[steps.Member, steps.TrainState, int]:
   """The members saved at `step` (default: the newest intact checkpoint): what they are, their state, its epoch.
 
@@ -79,7 +80,7 @@ def restore(workdir: str, config: ml_collections.ConfigDict, step: int | None, d
                      f'--workdir={workdir}')
   if step is not None and step not in epochs:
     raise UsageError(f'--step={step}: no such checkpoint in {ckpt.directory}; choose one of {epochs}')
-  member = config_lib.member(config, _recorded_data(ckpt, epochs if step is None else [step]), model=model)
+  member = members.member(config, _recorded_data(ckpt, epochs if step is None else [step]), model=model)
   target = backends.abstract_member_state(member, config.ensemble_size, devices)
   meta = {'model': config.model, 'ensemble_size': config.ensemble_size}
   try:
@@ -221,10 +222,10 @@ def score_noise(predict: Predictor, test: data.Split) -> list[dict[str, Any]]:
                      desc='gaussian noise', unit='severity')
 
 
-def heldout_split(train: data.Split, config: ml_collections.ConfigDict) -> tuple[data.Split, bool]:
+def heldout_split(train: data.Split, config: recipe_lib.Recipe) -> tuple[data.Split, bool]:
   """The training examples to fit the temperature on (in memory: of a streamed split, only they are read), and
   whether the members were trained on them."""
-  fraction = config.get('heldout_fraction', 0.0)
+  fraction = config.heldout_fraction
   # Checked before `data.hold_out`, whose message asks for a setting to train with: the run has trained.
   if not data.heldout_count(len(train['label']), fraction or FALLBACK_HELDOUT_FRACTION):
     raise UsageError(f'heldout_fraction={fraction} of {len(train["label"])} training examples holds out none '
@@ -374,8 +375,7 @@ def _evaluate_regression(workdir: str, config, member, state, devices, epoch: in
   """`evaluate` for a regression workdir, restored by the caller: reads the data, scores it
   (`regression_report.score`), writes the report into `output_dir` (default WORKDIR/eval), returns its numbers."""
   data_dir = config.data_dir if data_dir is None else data_dir
-  dataset = data.load(config.get('dataset', 'mnist'), data_dir, task='regression', target=config.get('target', ''),
-                      streaming=config.get('streaming', 'never'))
+  dataset = data.load(config.dataset, data_dir, task='regression', target=config.target, streaming=config.streaming)
   test = data.stream.in_memory(dataset.test)
   if tuple(dataset.image_shape) != member.image_shape or dataset.num_classes != member.task.targets:
     raise UsageError(f'{dataset.source} holds inputs {dataset.image_shape} with {dataset.num_classes} '
@@ -389,7 +389,7 @@ def _evaluate_regression(workdir: str, config, member, state, devices, epoch: in
   results = {'workdir': os.path.abspath(workdir), 'epoch': epoch,
              'checkpoint': checkpoint_id(workdir, epoch), 'ensemble_size': config.ensemble_size,
              'task': 'regression', 'data': dataset.source,
-             'data_dir': config_lib.data_location(data_dir), 'test_examples': len(test['label']),
+             'data_dir': recipe_lib.data_location(data_dir), 'test_examples': len(test['label']),
              **regression_report.score(components(test), components(heldout), config.ensemble_size, alphas,
                                        seen_in_training)}
   logging.info('test: ensemble RMSE %.4g NLL %.4g CRPS %.4g 90%% coverage %.3f; mean member RMSE %.4g NLL %.4g '
@@ -411,7 +411,7 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
   refuse_single_model(config, workdir)
   devices = evaluation_devices(config.ensemble_size)
   member, state, epoch = restore(workdir, config, step, devices)
-  logging.info('Restored %s %d of %s: %s on %s.', config_lib.checkpoint_unit(config), epoch, workdir,
+  logging.info('Restored %s %d of %s: %s on %s.', config.checkpoint_unit, epoch, workdir,
                console.count(config.ensemble_size, 'member'), console.count(len(devices), 'device'))
   if member.task.name == 'regression':
     if ood_names and list(ood_names) != list(DEFAULT_OOD):  # the built-in image sets are on by default
@@ -419,8 +419,7 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
     return _evaluate_regression(workdir, config, member, state, devices, epoch, data_dir=data_dir,
                                 output_dir=output_dir, alphas=alphas)
   data_dir = config.data_dir if data_dir is None else data_dir
-  dataset = data.load(config.get('dataset', 'mnist'), data_dir, config.get('train_split', 'train'),
-                      config.get('test_split', 'test'), streaming=config.get('streaming', 'never'))
+  dataset = data.load(config.dataset, data_dir, config.train_split, config.test_split, streaming=config.streaming)
   test = data.stream.in_memory(dataset.test)
   if tuple(dataset.image_shape) != member.image_shape:
     raise UsageError(f'{dataset.source} holds {"x".join(map(str, dataset.image_shape))} images but {workdir} '
@@ -435,7 +434,7 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
   member_probs = np.exp(member_log_probs)
   results = {'workdir': os.path.abspath(workdir), 'epoch': epoch, 'checkpoint': checkpoint_id(workdir, epoch),
              'ensemble_size': config.ensemble_size, 'data': dataset.source,
-             'data_dir': config_lib.data_location(data_dir), 'test_examples': len(test['label']),
+             'data_dir': recipe_lib.data_location(data_dir), 'test_examples': len(test['label']),
              **score_test_set(member_log_probs, test['label'])}
   logging.info('test: ensemble accuracy %.4f NLL %.4f ECE %.4f; mean member accuracy %.4f NLL %.4f ECE %.4f',
                *(results[who][name] for who in ('ensemble', 'mean_member') for name in ('accuracy', 'nll', 'ece')))

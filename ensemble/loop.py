@@ -1,6 +1,6 @@
 """The training core, in memory: a run's checks and programs, then the epoch loop with hooks at each epoch's end.
 
-  run = loop.prepare(config, dataset, model)      # checks, standardises, builds (or reuses) the compiled programs
+  run = loop.prepare(recipe, devices, dataset, model)  # standardises, builds (or reuses) the compiled programs
   state, summary = loop.train(run, run.init(), hooks=[...])
 
 `ensemble.fit` runs it alone and nothing is written anywhere; `python -m
@@ -22,33 +22,28 @@ import dataclasses
 import functools
 import json
 import time
+import types
 from typing import Any, Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from absl import logging
 
-from ensemble import backends, config as config_lib, console, data, devices as devices_lib, distributed, methods, steps
-from ensemble import tasks
+from ensemble import backends, console, data, devices as devices_lib, distributed, members, steps, tasks
+from ensemble import recipe as recipe_lib
+from ensemble.defaults import Recipe
 from ensemble.errors import UsageError
 
 # A training set up to this size (its inputs and labels, one copy per device) goes to the devices once, and a whole
-# epoch runs as one program (config.steps_per_dispatch = -1), unless the steps must be unrolled (convolutions on
-# CPU, `backends.unrolls`). Larger sets are fed a batch at a time from the host.
+# epoch runs as one program (steps_per_dispatch = -1), unless the steps must be unrolled (convolutions on CPU,
+# `backends.unrolls`). Larger sets are fed a batch at a time from the host.
 RESIDENT_LIMIT_BYTES = 64 << 20
 # steps_per_dispatch's "choose": -1 for a set under RESIDENT_LIMIT_BYTES whose steps run as a loop, else 0.
 AUTO_DISPATCH = -2
 # How many runs' programs a process keeps.
 _CACHE_SIZE = 8
-# Fields that do not change what the programs compute (the seed only enters as the members' keys, an argument).
-_NOT_IN_PROGRAMS = ('seed', 'dataset', 'data_dir', 'train_split', 'test_split', 'heldout_fraction', 'target',
-                    'checkpoints_to_keep', 'compilation_cache', 'eval_every', 'data_fingerprint', 'inputs',
-                    'standardize_features', 'eval_batch_size', 'steps_per_dispatch', 'streaming',
-                    'checkpoint_every_steps')
-
-
 class Diverged(UsageError):
   """A member's loss or parameters stopped being finite in `epoch`: nothing of that epoch may be kept."""
 
@@ -82,14 +77,15 @@ class Programs:
 
 @dataclasses.dataclass
 class Run:
-  """A training run once its config and data are checked: the loop's input.
+  """A training run once its recipe and data are resolved: the loop's input.
 
   `train` and `test` are the host splits as the programs take them (features
   and targets standardised); `data_info` describes the data as checkpoints
   record it (with the standardisation's statistics), `task` the outputs in the
-  data's own units. `member` is what the programs compute, `task` aside.
+  data's own units. `member` is what the programs compute (in standardised
+  units), `steps_per_dispatch` how many steps each dispatch runs (-1: an epoch).
   """
-  config: ml_collections.ConfigDict
+  recipe: Recipe
   devices: list[jax.Device]
   dataset: data.Dataset
   train: data.Split
@@ -99,48 +95,85 @@ class Run:
   task: Any
   backend: Any
   steps_per_epoch: int
+  steps_per_dispatch: int
 
   @property
   def num_train(self) -> int:
     return len(self.train['label'])
 
   def init(self) -> Any:
-    """Every member's fresh state, from the config's seed."""
-    return self.backend.init(self.config.seed)
+    """Every member's fresh state, from the recipe's seed."""
+    return self.backend.init(self.recipe.seed)
 
 
 _PROGRAMS: 'collections.OrderedDict[Any, Programs]' = collections.OrderedDict()
 
 
-def _program_key(config: ml_collections.ConfigDict, program_info: dict, model: Any, devices: Sequence[jax.Device],
+def _program_key(recipe: Recipe, program_info: dict, model: Any, devices: Sequence[jax.Device],
                  steps_per_epoch: int) -> Any:
-  """What the programs depend on: the config but its data-only fields, the data's shapes, the model, the devices."""
-  fields = {k: v for k, v in config.to_dict().items() if k not in _NOT_IN_PROGRAMS}
-  if fields.get('method') in methods.SEEDED:
-    fields['seed'] = config.seed  # their shared weights (rank-1 factors' signs) are drawn from it
-  try:
-    model_key = (hash(model), model) if model is not None else None
-  except TypeError:  # an unhashable model object: itself, by identity (the cache keeps it alive)
-    model_key = ('id', id(model))
-  return (json.dumps(fields, sort_keys=True, default=repr), json.dumps(program_info, sort_keys=True), model_key,
+  """What the programs depend on: the recipe but what they do not read (`recipe.for_programs`), the data's shapes,
+  the model, the devices."""
+  return (recipe_lib.for_programs(recipe), json.dumps(program_info, sort_keys=True), model_key(model),
           tuple(d.id for d in devices), steps_per_epoch)
 
 
-def _programs(config, program_info: dict, model: Any, devices, steps_per_epoch: int) -> Programs:
+def model_key(model: Any) -> Any:
+  """A user's model object as what it computes: equal models share their programs, though each fit is given its
+  own object (a fresh `functools.partial` of the same class and arguments, a lambda of the same code and closure,
+  a linen Module with the same fields, lists among them). What cannot be told apart is keyed by identity (the
+  programs' cache keeps the object alive, so its id stays its own)."""
+  if model is None or isinstance(model, (str, int, float, bool, bytes)):
+    return model
+  if isinstance(model, nn.Module):
+    fields = [(f.name, model_key(getattr(model, f.name))) for f in dataclasses.fields(model)
+              if f.name not in ('parent', 'name')]
+    return ('linen', type(model), tuple(fields))
+  if isinstance(model, functools.partial):
+    return ('partial', model_key(model.func), model_key(model.args), model_key(sorted(model.keywords.items())))
+  if isinstance(model, types.FunctionType):
+    code = model.__code__
+    closure = tuple(model_key(cell.cell_contents) for cell in model.__closure__ or ())
+    names = _global_names(code)
+    referenced = tuple((name, model_key(model.__globals__[name]) if not callable(model.__globals__[name])
+                        else model.__globals__[name]) for name in sorted(names) if name in model.__globals__)
+    return ('function', code, closure, model_key(model.__defaults__), model_key(model.__kwdefaults__), referenced)
+  if isinstance(model, (list, tuple)):
+    return ('sequence', type(model).__name__, tuple(model_key(item) for item in model))
+  if isinstance(model, dict):
+    return ('dict', tuple(sorted((repr(k), model_key(v)) for k, v in model.items())))
+  if isinstance(model, np.ndarray):
+    return ('array', model.shape, str(model.dtype), model.tobytes())
+  try:
+    hash(model)
+    return model
+  except TypeError:
+    return ('id', id(model))
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+  """The global names a function's code reads, its nested functions' (a comprehension's, a lambda's) included."""
+  names = set(code.co_names)
+  for const in code.co_consts:
+    if isinstance(const, types.CodeType):
+      names |= _global_names(const)
+  return names
+
+
+def _programs(recipe: Recipe, program_info: dict, model: Any, devices, steps_per_epoch: int) -> Programs:
   """The member and backend for `program_info`'s data: kept from an earlier run with the same key, or built."""
-  key = _program_key(config, program_info, model, devices, steps_per_epoch)
+  key = _program_key(recipe, program_info, model, devices, steps_per_epoch)
   if key in _PROGRAMS:
     _PROGRAMS.move_to_end(key)
     return _PROGRAMS[key]
   outputs = program_info['num_classes']
-  member = config_lib.member(config, program_info, steps_per_epoch, model)
+  member = members.member(recipe, program_info, steps_per_epoch, model)
   # The mesh backends' models are the package's own, built for their mesh (backends/sharded.py).
-  num_outputs = (outputs if config.backend in backends.MESH_MODELS
-                 else config_lib.check_model(member, outputs, config.method))
+  num_outputs = (outputs if recipe.backend in backends.MESH_MODELS
+                 else members.check_model(member, outputs, recipe.method))
   if num_outputs != outputs:  # a user's model with more outputs than the training labels use
-    member = config_lib.member(config, {**program_info, 'num_classes': num_outputs}, steps_per_epoch, model)
-  backend = backends.create(config.backend, member=member, devices=devices, ensemble_size=config.ensemble_size,
-                            member_data=config.member_data, config=config)
+    member = members.member(recipe, {**program_info, 'num_classes': num_outputs}, steps_per_epoch, model)
+  backend = backends.create(recipe.backend, member=member, devices=devices, ensemble_size=recipe.ensemble_size,
+                            member_data=recipe.member_data, config=recipe)
   programs = Programs(member, backend, num_outputs)
   _PROGRAMS[key] = programs
   while len(_PROGRAMS) > _CACHE_SIZE:
@@ -148,27 +181,7 @@ def _programs(config, program_info: dict, model: Any, devices, steps_per_epoch: 
   return programs
 
 
-def _split_off_heldout(config: ml_collections.ConfigDict, dataset: data.Dataset,
-                       devices: list[jax.Device]) -> data.Split:
-  """The training split without its held-out slice, once the split sizes are checked against the config;
-  `config.eval_batch_size` at most the test set's size (rounded up to split over the devices), so that its one
-  batch is not padded to many times its size."""
-  train_split, _ = data.hold_out(dataset.train, config.heldout_fraction)  # refuses a slice of none or all
-  num_train = len(train_split['label'])
-  if config.batch_size > num_train:
-    raise UsageError(f'batch_size={config.batch_size} exceeds the {num_train} training examples; '
-                     'lower --config.batch_size')
-  if dataset.test is not None:
-    num_test = len(dataset.test['label'])
-    fitting = -(-num_test // len(devices)) * len(devices)
-    if config.eval_batch_size > fitting:
-      logging.info('Evaluating in batches of %d, the %d test examples, not of eval_batch_size=%d.', fitting,
-                   num_test, config.eval_batch_size)
-      config.eval_batch_size = fitting
-  return train_split
-
-
-def _standardise(dataset: data.Dataset, train: data.Split, config: ml_collections.ConfigDict):
+def _standardise(dataset: data.Dataset, train: data.Split, recipe: Recipe):
   """(train, test, data_info, program_info): the splits as the programs take them, and two descriptions of the data.
 
   Regression targets, and features when `standardize_features` asks, are
@@ -176,37 +189,48 @@ def _standardise(dataset: data.Dataset, train: data.Split, config: ml_collection
   standard deviation (a constant one's taken as 1), then cast: `data_info`
   records those statistics for checkpoints (a restored member applies them on
   the device), while `program_info` leaves them out, so that the programs do
-  not change when the data does. Images keep their per-channel statistics in
+  not change when the data does: they compute in standardised units, for as
+  many targets as the data has. Images keep their per-channel statistics in
   the programs (normalised after augmentation, on the device).
   """
   test, sample = dataset.test, data.stream.sample(train)
   target_stats = None
   if dataset.task == 'regression':
     targets = sample['label'].astype(np.float64)
-    mean, std = targets.mean(0), targets.std(0)
-    std = np.where(std > 0, std, 1.0)
-    _in_float32(np.concatenate([mean, std]), "the targets' mean and standard deviation")
-    target_stats = (mean, std)
-    scale = lambda name: lambda targets: _in_float32((targets.astype(np.float64) - mean) / std,
-                                                     f'the {name} targets, standardised')
-    train = data.stream.transformed(train, label=scale('training'))
-    test = data.stream.transformed(test, label=scale('test')) if test is not None else None
-  mean, std = data.input_stats(sample['image'], dataset.inputs, config.get('standardize_features', False))
+    with np.errstate(over='ignore', invalid='ignore'):  # beyond float64: refused just below
+      target_mean, target_std = targets.mean(0), targets.std(0)
+    target_std = np.where(target_std > 0, target_std, 1.0)
+    in_float32(np.concatenate([target_mean, target_std]), "the targets' mean and standard deviation")
+    target_stats = (target_mean, target_std)
+    train = data.stream.transformed(train, label=functools.partial(_standardised, target_stats,
+                                                                   'the training targets, standardised'))
+    if test is not None:
+      test = data.stream.transformed(test, label=functools.partial(_standardised, target_stats,
+                                                                   'the test targets, standardised'))
+  mean, std = data.input_stats(sample['image'], dataset.inputs, recipe.standardize_features)
   outputs = 2 * dataset.num_classes if target_stats else dataset.num_classes
-  data_info = config_lib.data_info(dataset.image_shape, outputs, mean, std, inputs=dataset.inputs,
-                                   target_stats=target_stats)
+  data_info = members.data_info(dataset.image_shape, outputs, mean, std, inputs=dataset.inputs,
+                                target_stats=target_stats)
   program_info = {k: v for k, v in data_info.items() if not k.startswith('target_')}
-  if dataset.inputs == 'features':
+  if dataset.inputs == 'features':  # standardised here, if at all: the programs take the features as they come
+    program_info.update(mean=[0.0], std=[1.0])
     transform = feature_transform(data_info)
-    if transform is not None:  # standardised here: the programs take the features as they come
-      program_info.update(mean=[0.0], std=[1.0])
-    features = lambda name: lambda x: _in_float32(transform(x) if transform else x, f'the {name} features')
+    features = lambda name: functools.partial(_features, transform, f'the {name} features')
     train = data.stream.transformed(train, image=features('training'))
     test = data.stream.transformed(test, image=features('test')) if test is not None else None
   return train, test, data_info, program_info
 
 
-def _in_float32(values: np.ndarray, what: str) -> np.ndarray:
+def _standardised(stats: tuple[np.ndarray, np.ndarray], what: str, targets: np.ndarray) -> np.ndarray:
+  mean, std = stats
+  return in_float32((targets.astype(np.float64) - mean) / std, what)
+
+
+def _features(transform, what: str, features: np.ndarray) -> np.ndarray:
+  return in_float32(transform(features) if transform else features, what)
+
+
+def in_float32(values: np.ndarray, what: str) -> np.ndarray:
   """`values` as the float32 the programs compute in; a value beyond its range (3.4e38) is a one-line error, where
   training would only report divergence."""
   with np.errstate(over='ignore'):
@@ -219,57 +243,47 @@ def _in_float32(values: np.ndarray, what: str) -> np.ndarray:
 
 
 def feature_transform(data_info: dict[str, Any], xp=np):
-  """The host's standardisation of features by `data_info`'s per-feature statistics (in float64), or
-  None where the programs take the inputs as they are. With xp=jnp, the same traced (in float32), for
-  `Ensemble.apply`."""
-  if data_info.get('inputs') != 'features' or len(data_info['mean']) <= 1:
+  """The host's standardisation of features by `data_info`'s per-feature statistics (in float64), or None where
+  the features are not standardised (their statistics are 0 and 1: they pass as they are). With xp=jnp, the same
+  traced (in float32), for `Ensemble.apply`."""
+  if data_info.get('inputs') != 'features':
+    return None
+  if all(m == 0.0 for m in data_info['mean']) and all(s == 1.0 for s in data_info['std']):
     return None
   dtype = np.float64 if xp is np else jnp.float32
   mean, std = xp.asarray(data_info['mean'], dtype), xp.asarray(data_info['std'], dtype)
+  count = len(data_info['mean'])
 
   def transform(features):
-    flat = features.reshape(len(features), len(data_info["mean"])).astype(dtype)
+    flat = features.reshape(len(features), count).astype(dtype)
     return ((flat - mean) / std).reshape(features.shape)
   return transform
 
 
-def prepare(config: ml_collections.ConfigDict, dataset: data.Dataset, model: Any = None, *,
-            devices: Sequence[jax.Device] | None = None) -> Run:
-  """Checks `config` against the devices and `dataset`, and builds (or reuses) the programs; writes nothing.
-
-  `model` is a user's model object, which replaces the one `config.model` names. With `devices`, `config` is
-  already resolved for them (`config.resolve`).
-  """
-  if devices is None:
-    config, devices = config_lib.resolve(config, jax.devices(), model)
+def prepare(recipe: Recipe, devices: Sequence[jax.Device], dataset: data.Dataset, model: Any = None) -> Run:
+  """Builds (or reuses) the programs of a resolved recipe (ensemble/recipe.py) for `dataset`, and standardises the
+  data for them; writes nothing, and neither checks nor changes the recipe. `model` is a user's model object, which
+  replaces the one the recipe names."""
   devices = list(devices)
-  devices_lib.compilation_cache(config.get('compilation_cache', 'auto'))
-  if config.get('inputs', 'auto') not in ('auto', dataset.inputs):
-    raise UsageError(f'{dataset.source} holds {dataset.inputs}, not {config.inputs}: set --config.inputs=auto')
-  if dataset.task != config.get('task', 'classification'):
-    raise UsageError(f'{dataset.source} holds {dataset.task} data but task={config.get("task", "classification")!r}: '
-                     f'set --config.task={dataset.task}')
-  config_lib.fit_to_data(config, dataset.inputs, dataset.source, model)
-  train = _split_off_heldout(config, dataset, devices)
-  train, test, data_info, program_info = _standardise(dataset, train, config)
-  steps_per_epoch = data.steps_per_epoch(len(train['label']), config.batch_size)
-  if config.get('num_train_steps', 0):  # the epochs that hold them, the last one cut short
-    config.num_epochs = -(-config.num_train_steps // steps_per_epoch)
-  if data.stream.is_streamed(train) and config.steps_per_dispatch not in (0, AUTO_DISPATCH):
-    raise UsageError(f'steps_per_dispatch={config.steps_per_dispatch} keeps the training set on the devices, and '
-                     f'{dataset.source} is read a batch at a time: set --config.steps_per_dispatch=0, or '
-                     '--config.streaming=never to read it whole')
-  programs = _programs(config, program_info, model, devices, steps_per_epoch)
+  devices_lib.compilation_cache(recipe.compilation_cache)
+  train, _ = data.hold_out(dataset.train, recipe.heldout_fraction)
+  train, test, data_info, program_info = _standardise(dataset, train, recipe)
+  steps_per_epoch = data.steps_per_epoch(len(train['label']), recipe.batch_size)
+  programs = _programs(recipe, program_info, model, devices, steps_per_epoch)
   data_info = {**data_info, 'num_classes': programs.num_outputs}
   if dataset.task == 'classification':
     train = data.stream.with_classes_checked(train, programs.num_outputs)
     test = data.stream.with_classes_checked(test, programs.num_outputs) if test is not None else None
-  task = tasks.create(config, data_info)
-  programs.backend.task = task  # the test pass scores in the data's units
-  if config.steps_per_dispatch == AUTO_DISPATCH:
-    config.steps_per_dispatch = -1 if resident_eligible(train, programs.member, devices) else 0
-  return Run(config=config, devices=devices, dataset=dataset, train=train, test=test, data_info=data_info,
-             member=programs.member, task=task, backend=programs.backend, steps_per_epoch=steps_per_epoch)
+  if members.vocabulary(programs.member) is not None:  # token ids the model can embed, as they are read
+    check = lambda name: functools.partial(members.ids_checked, programs.member, name=name)
+    train = data.stream.transformed(train, image=check(f'{dataset.source}: train'))
+    test = data.stream.transformed(test, image=check(f'{dataset.source}: test')) if test is not None else None
+  per_dispatch = recipe.steps_per_dispatch
+  if per_dispatch == AUTO_DISPATCH:
+    per_dispatch = -1 if resident_eligible(train, programs.member, devices) else 0
+  return Run(recipe=recipe, devices=devices, dataset=dataset, train=train, test=test, data_info=data_info,
+             member=programs.member, task=tasks.create(recipe, data_info), backend=programs.backend,
+             steps_per_epoch=steps_per_epoch, steps_per_dispatch=per_dispatch)
 
 
 def resident_eligible(train: data.Split, member: steps.Member, devices: Sequence[jax.Device]) -> bool:
@@ -282,9 +296,11 @@ def resident_eligible(train: data.Split, member: steps.Member, devices: Sequence
 
 
 def evaluate(backend, state, split: data.Split, batch_size: int, task: Any) -> dict[str, Any]:
-  """The `task`'s ensemble and member metrics over the whole split, each example counted once.
+  """The `task`'s ensemble and member metrics over the whole split, each example counted once, in the data's units.
 
-  Each process feeds only its rows of every batch; the outputs cover whole batches.
+  Each process feeds only its rows of every batch; the outputs cover whole
+  batches. The programs score in standardised units (they do not change when
+  the data does); `task.in_data_units` converts on the host.
   """
   from ensemble import metrics  # pylint: disable=g-import-not-at-top  # clu: only where a test pass runs
   outputs, masks = [], []
@@ -292,7 +308,8 @@ def evaluate(backend, state, split: data.Split, batch_size: int, task: Any) -> d
   for images, labels, mask in data.eval_batches(split, batch_size, rows):
     outputs.append(backend.eval_step(state, images, labels))
     masks.append(mask)
-  outputs = jax.tree.map(lambda *xs: np.concatenate(xs, axis=-1), *backend.to_host(outputs))
+  outputs = jax.tree.map(lambda *xs: np.concatenate(xs, axis=1), *backend.to_host(outputs))  # (K, N, ...)
+  outputs = task.in_data_units(outputs)
   # The ensemble outputs are the same on every member; member 0's copy is enough.
   outputs = {k: v[0] if k.startswith('ensemble_') else v.T for k, v in outputs.items()}
   return metrics.BY_TASK[task.name].eval.single_from_model_output(**outputs, mask=np.concatenate(masks)).compute()
@@ -312,8 +329,10 @@ def _train_summary(outputs: list[dict[str, np.ndarray]], earlier: tuple[int, dic
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _finite_members(leaves: list[jax.Array], ensemble_size: int) -> jax.Array:
-  return jnp.stack([jnp.isfinite(x).reshape(ensemble_size, -1).all(1) for x in leaves]).all(0)
+def _finite_rows(x: jax.Array, ensemble_size: int) -> jax.Array:
+  """(K,) whether each member's slice of a leaf is finite: a program per leaf's shape, which the leaves of other
+  recipes' states share (one program for a whole state would be compiled again for every state's structure)."""
+  return jnp.isfinite(x).reshape(ensemble_size, -1).all(1)
 
 
 def nonfinite_members(state: Any, ensemble_size: int) -> list[int]:
@@ -323,10 +342,11 @@ def nonfinite_members(state: Any, ensemble_size: int) -> list[int]:
   which the reshape to (1, -1) covers alike.
   """
   leaves = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return np.flatnonzero(~distributed.to_numpy(_finite_members(leaves, ensemble_size))).tolist()
+  finite = np.stack(distributed.to_numpy([_finite_rows(x, ensemble_size) for x in leaves]))
+  return np.flatnonzero(~finite.all(0)).tolist()
 
 
-def _stop_if_diverged(losses: np.ndarray, config: ml_collections.ConfigDict, epoch: int, step: int):
+def _stop_if_diverged(losses: np.ndarray, config: Recipe, epoch: int, step: int):
   """Ends the run once a member's training loss is NaN or infinite: its state must not be kept.
 
   `losses` is (K, S): the S steps that ended at `step`, as every process sees them.
@@ -339,7 +359,7 @@ def _stop_if_diverged(losses: np.ndarray, config: ml_collections.ConfigDict, epo
   diverged(config, epoch, first, f'members {members} have a non-finite training loss')
 
 
-def diverged(config: ml_collections.ConfigDict, epoch: int, step: int, what: str):
+def diverged(config: Recipe, epoch: int, step: int, what: str):
   raise Diverged(f'training diverged in epoch {epoch} at step {step}: {what}; lower --config.learning_rate '
                  f'(now {config.learning_rate}) or --config.momentum (now {config.momentum})', epoch)
 
@@ -352,7 +372,7 @@ def _epoch_indices(run: Run, start_epoch: int):
   """(epoch, its batch indices) from `start_epoch + 1` (the epoch in progress) on. On small data an epoch's program
   is as short as the host's draw of its K orders (0.2 ms for 5 members of 450 rows), so the next epoch's are drawn
   in a thread while this one trains (the loop waits on the devices with the GIL released)."""
-  config = run.config
+  config = run.recipe
   draw = lambda epoch: data.train_batch_indices(run.num_train, config.batch_size, config.seed, epoch,
                                                 config.ensemble_size, config.member_data)
   upcoming = _DRAWER.submit(draw, start_epoch + 1)
@@ -363,8 +383,8 @@ def _epoch_indices(run: Run, start_epoch: int):
     yield epoch, indices
 
 
-def _test_due(config: ml_collections.ConfigDict, epoch: int) -> bool:
-  every = config.get('eval_every', 1)
+def _test_due(config: Recipe, epoch: int) -> bool:
+  every = config.eval_every
   return epoch == config.num_epochs or (every > 0 and epoch % every == 0)
 
 
@@ -382,15 +402,15 @@ class Position:
     return divmod(self.step, steps_per_epoch)
 
 
-def total_steps(config: ml_collections.ConfigDict, steps_per_epoch: int) -> int:
-  return config.get('num_train_steps', 0) or config.num_epochs * steps_per_epoch
+def total_steps(config: Recipe, steps_per_epoch: int) -> int:
+  return config.num_train_steps or config.num_epochs * steps_per_epoch
 
 
-def _save_points(config: ml_collections.ConfigDict, first: int, last: int, per_dispatch: int) -> list[int]:
+def _save_points(config: Recipe, first: int, last: int, per_dispatch: int) -> list[int]:
   """The steps after `first` up to `last` (an epoch's end or the run's) where a dispatch ends: every
   `per_dispatch` steps of the epoch, and every `checkpoint_every_steps` steps of the run, where state is saved."""
   ends = set(range(first + per_dispatch, last, per_dispatch)) | {last}
-  every = config.get('checkpoint_every_steps', 0)
+  every = config.checkpoint_every_steps
   if every:
     ends |= set(range(-(-(first + 1) // every) * every, last, every))
   return sorted(ends)
@@ -411,8 +431,8 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
   process (docs/backends-and-devices.md, "Many devices on a CPU"); fetching
   the losses waits, and lets a diverged member stop the run at once.
   """
-  config, backend, per_epoch = run.config, run.backend, run.steps_per_epoch
-  per_dispatch = config.steps_per_dispatch
+  config, backend, per_epoch = run.recipe, run.backend, run.steps_per_epoch
+  per_dispatch = run.steps_per_dispatch
   resident = None
   if per_dispatch:
     resident = backend.put_dataset(pad_rows(run.train))
@@ -428,7 +448,7 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
       done = step - first  # steps of this epoch trained before a resume
       indices = indices[:last_step - first]
       bar = console.Progress(len(indices), f'epoch {epoch}/{config.num_epochs}',
-                             items_per_step=config.batch_size * config.ensemble_size,
+                             items_per_step=config.batch_size * config.ensemble_size, loss=run.task.reported_loss,
                              bar=None if progress is None else progress and console.interactive()) if show else None
       if bar is not None and done:
         bar.update(done)
@@ -452,20 +472,19 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
           hook.after_steps(step)
         if bar is not None:
           bar.update(count, chunk_metrics)
-        every = config.get('checkpoint_every_steps', 0)
+        every = config.checkpoint_every_steps
         if every and step % every == 0 and step < first + len(indices):
-          summary = {'epoch': epoch, 'train_seconds': time.perf_counter() - started,
-                     **{f'train_{k}': v for k, v in so_far().items()}}
+          summary = {'epoch': epoch, 'train_seconds': time.perf_counter() - started, **run.task.summary(so_far())}
           _keep(run, hooks, epoch, state, summary,
                 Position(step, data.stream.stream_position(reads, step - first), so_far()))
       summary = {'epoch': epoch, 'train_seconds': time.perf_counter() - started}
       train_metrics = so_far()
+      test = None
       if run.test is not None and _test_due(config, epoch):
         started = time.perf_counter()
         test = evaluate(backend, state, run.test, config.eval_batch_size, run.task)
-        summary.update(test_seconds=time.perf_counter() - started, **run.task.summary(train_metrics, test))
-      else:
-        summary.update({f'train_{name}': value for name, value in train_metrics.items()})
+        summary['test_seconds'] = time.perf_counter() - started
+      summary.update(run.task.summary(train_metrics, test))
       summary = {k: float(v) for k, v in summary.items()}
       canonical = None
       if hooks or epoch == config.num_epochs:  # a state that may be kept
@@ -487,9 +506,9 @@ def _keep(run: Run, hooks: Sequence[Hook], epoch: int, state: Any, summary: dict
           position: Position) -> Any:
   """The canonical state, checked finite, handed to the hooks with where training stands."""
   canonical = run.backend.to_canonical(state)
-  nonfinite = nonfinite_members(canonical, run.config.ensemble_size)
+  nonfinite = nonfinite_members(canonical, run.recipe.ensemble_size)
   if nonfinite:
-    diverged(run.config, epoch, position.step, f'members {nonfinite} have non-finite parameters')
+    diverged(run.recipe, epoch, position.step, f'members {nonfinite} have non-finite parameters')
   for hook in hooks:
     hook.save_point(epoch, position, canonical, summary)
   return canonical

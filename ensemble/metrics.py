@@ -54,8 +54,9 @@ class EvalMetrics(clu_metrics.Collection):
 
 @flax.struct.dataclass
 class RegressionTrainMetrics(clu_metrics.Collection):
-  """The members' training loss, in standardised units, averaged over the members and the steps."""
+  """The members' training loss and Gaussian NLL, in standardised units, averaged over the members and the steps."""
   loss: clu_metrics.Average.from_output('loss')
+  nll: clu_metrics.Average.from_output('nll')
 
 
 @flax.struct.dataclass

@@ -15,11 +15,10 @@ import time
 from typing import Any
 
 import jax
-import ml_collections
 from absl import logging
 
-from ensemble import backends, checkpoint, config as config_lib, console, data, loop, writers
-from ensemble import files
+from ensemble import backends, checkpoint, console, data, files, loop, recipe as recipe_lib, writers
+from ensemble.defaults import Recipe
 from ensemble.errors import UsageError
 
 
@@ -48,7 +47,30 @@ def _releases_the_workdir(train):
   return wrapped
 
 
-def _check_resume(config: ml_collections.ConfigDict, workdir: str, ckpt: checkpoint.Checkpointer) -> dict | None:
+def check_workdir(workdir: str):
+  """A workdir is only ever a workdir: a new or empty folder, or one a run (or `Ensemble.save`) wrote, which holds
+  a run's config.json, its checkpoints/ or its lock. Any other folder is refused before anything is written in
+  it, so that it stays byte for byte as it was."""
+  if not os.path.exists(workdir):
+    return
+  if not os.path.isdir(workdir):
+    raise UsageError(f'{workdir} is a file, not a folder; give --workdir a new or empty folder, or a workdir')
+  entries = sorted(os.listdir(workdir))
+  if not entries or checkpoint.CHECKPOINTS_DIR in entries or checkpoint.LOCK_FILE in entries:
+    return
+  if 'config.json' in entries:
+    try:
+      recorded = recipe_lib.read_record(os.path.join(workdir, 'config.json'), '')
+    except UsageError:
+      recorded = {}
+    if all(key in recorded for key in recipe_lib.RECORD_KEYS):
+      return
+  held = ', '.join(entries[:3]) + (f' and {len(entries) - 3} more' if len(entries) > 3 else '')
+  raise UsageError(f'{workdir} holds {held}, and is not a workdir (no config.json of a run, no checkpoints): give '
+                   '--workdir a new or empty folder; nothing in this one was changed')
+
+
+def _check_resume(recipe: Recipe, workdir: str, ckpt: checkpoint.Checkpointer) -> dict | None:
   """A workdir with checkpoints resumes only with the data settings that its config.json records; without a
   config.json that can be read, not at all (the resume would write the current config as if it were the original).
   Returns what config.json records, or None for a fresh run."""
@@ -56,34 +78,34 @@ def _check_resume(config: ml_collections.ConfigDict, workdir: str, ckpt: checkpo
   if not epochs:
     return None
   path = os.path.join(workdir, 'config.json')
-  saved = config_lib.read_run_config(
+  saved = recipe_lib.read_record(
       path, f'it records how the checkpoints of epochs {epochs} in {ckpt.directory} were trained, and a resume must '
       'keep their settings: put it back from a backup (or from the workdir this one was copied from), or train in a '
       'new --workdir')
-  config_lib.check_resume(config, saved, path)
+  recipe_lib.check_resume(recipe, saved, path)
   return saved
 
 
-def _config_json(config: ml_collections.ConfigDict) -> str:
-  return json.dumps(config.to_dict(), indent=2, sort_keys=True)
+def _config_json(recipe: Recipe) -> str:
+  return json.dumps(recipe.to_dict(), indent=2, sort_keys=True)
 
 
-def _log_changes(config: ml_collections.ConfigDict, saved: dict[str, Any], workdir: str):
-  """Names the settings a resume changes: `config` as the run will train, filled in as the run that wrote
-  config.json filled in its own, and in JSON's types as written there (a tuple is a list), against that record."""
-  recorded = json.loads(_config_json(config))
+def _log_changes(recipe: Recipe, saved: dict[str, Any], workdir: str):
+  """Names the settings a resume changes: the recipe as the run will train, in JSON's types as written there (a
+  tuple is a list), against that record."""
+  recorded = json.loads(_config_json(recipe))
   changed = {key: value for key, value in recorded.items() if key in saved and saved[key] != value}
   if changed:
     logging.info('Resuming with %s; %s keeps the settings the workdir was started with.', changed,
                  os.path.join(workdir, 'config.json'))
 
 
-def _write_config(config: ml_collections.ConfigDict, workdir: str, resuming: bool):
+def _write_config(recipe: Recipe, workdir: str, resuming: bool):
   """config.json describes the checkpoints: written when a run starts afresh, never replaced by a resume."""
   path = os.path.join(workdir, 'config.json')
   if jax.process_index() != 0 or (resuming and os.path.exists(path)):
     return
-  files.write_atomically(path, _config_json(config))
+  files.write_atomically(path, _config_json(recipe))
 
 
 def _missing_summaries(ckpt: checkpoint.Checkpointer, workdir: str, start_key: int,
@@ -143,8 +165,7 @@ class _SavesInBackground(loop.Hook):
       self._ckpt.close()
 
 
-def _position(ckpt: checkpoint.Checkpointer, key: int, config: ml_collections.ConfigDict,
-              steps_per_epoch: int) -> loop.Position:
+def _position(ckpt: checkpoint.Checkpointer, key: int, steps_per_epoch: int) -> loop.Position:
   """Where the checkpoint numbered `key` (0: none) left training: its record's position, or (written before
   positions were recorded) the end of epoch `key`."""
   if not key:
@@ -156,34 +177,40 @@ def _position(ckpt: checkpoint.Checkpointer, key: int, config: ml_collections.Co
 
 
 @_releases_the_workdir
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, dataset: data.Dataset | None = None,
-                       model: Any = None, progress: bool | None = None) -> tuple[Any, dict[str, float]]:
+def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | None = None, model: Any = None,
+                       progress: bool | None = None,
+                       devices: list[jax.Device] | None = None) -> tuple[Any, dict[str, float]]:
   """Trains (or resumes) the ensemble in `workdir`; returns its canonical state and last summary.
 
-  `dataset` replaces the data `config` names (arrays in memory), `model` the
-  model it names (a user's model object). `progress`: as `loop.train`'s.
+  `config` is a config (an ml_collections ConfigDict, a dict of fields), resolved here (ensemble/recipe.py); or,
+  with `devices`, a recipe `ensemble.fit` already resolved for its `dataset`. `dataset` replaces the data the
+  config names (arrays in memory), `model` the model it names (a user's model object). `progress`: as
+  `loop.train`'s.
   """
-  config, devices = config_lib.resolve(config, jax.devices(), model)
   # Everything that can refuse the run does so before the workdir is written; a resume with other data
   # settings before any data is read.
+  resolved = devices is not None
+  recipe, devices = (config, devices) if resolved else recipe_lib.resolve(config, jax.devices(), model=model)
+  check_workdir(workdir)
   # One process writes its checkpoints in the background while the next epoch trains; across processes, orbax's
   # saves meet at barriers, kept in the training thread.
-  ckpt = checkpoint.Checkpointer(workdir, max_to_keep=config.checkpoints_to_keep,
+  ckpt = checkpoint.Checkpointer(workdir, max_to_keep=recipe.checkpoints_to_keep,
                                  asynchronous=jax.process_count() == 1)
-  saved_config = _check_resume(config, workdir, ckpt)
+  saved_config = _check_resume(recipe, workdir, ckpt)
   if dataset is None:
-    dataset = data.load(config.dataset, config.data_dir, config.train_split, config.test_split,
-                        task=config.get('task', 'classification'), target=config.get('target', ''),
-                        streaming=config.get('streaming', 'never'))
-  run = loop.prepare(config, dataset, model, devices=devices)
-  config, backend = run.config, run.backend
+    dataset = data.load(recipe.dataset, recipe.data_dir, recipe.train_split, recipe.test_split, task=recipe.task,
+                        target=recipe.target, streaming=recipe.streaming)
+  if not resolved:
+    recipe, devices = recipe_lib.resolve(recipe, devices, model=model, dataset=dataset)
+  run = loop.prepare(recipe, devices, dataset, model)
+  config, backend = recipe, run.backend
   ckpt_meta = {'model': config.model, 'ensemble_size': config.ensemble_size, 'data': run.data_info}
 
   ckpt.check_fits(backend.abstract_state(), ckpt_meta)
   checkpoint.lock_workdir(workdir)  # the first write; refused while another run holds the workdir
   # A damaged checkpoint is moved aside and the epochs after the newest intact one are trained again.
   start_key, restored = ckpt.restore_newest_intact(backend.abstract_state(), ckpt_meta, move_aside=True)
-  start = _position(ckpt, start_key, config, run.steps_per_epoch)
+  start = _position(ckpt, start_key, run.steps_per_epoch)
   start_epoch, into_epoch = start.epoch(run.steps_per_epoch)
   if start_key:
     state = backend.from_canonical(restored)
@@ -214,12 +241,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
                  console.count(run.steps_per_epoch, 'step'), dataset.source, dataset.describe())
   if config.ensemble_size < len(devices):
     member_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(backend.abstract_state()))
-    layout = config.get('member_sharding', 'replicated')
+    layout = config.member_sharding
     logging.info('Each member %s-parallel on %d devices, member_sharding=%s: %.2f MB of its state per device '
                  '(replicated: %.2f MB).', 'model' if layout == 'model' else 'data',
                  len(devices) // config.ensemble_size, layout,
                  backends.bytes_per_device(state) / 1e6, member_bytes / config.ensemble_size / 1e6)
-  saves = _SavesInBackground(ckpt, writer, ckpt_meta, start_key, config_lib.checkpoint_unit(config) == 'step')
+  saves = _SavesInBackground(ckpt, writer, ckpt_meta, start_key, config.checkpoint_unit == 'step')
   try:
     state, summary = loop.train(run, state, start=start, hooks=[saves], progress=progress)
   except loop.Diverged as e:
@@ -227,7 +254,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, datas
     raise UsageError(f'{e} and re-run to {resume} (the checkpoints saved so far are kept)') from None
   except KeyboardInterrupt:  # the hooks have closed: the last checkpoint is complete
     saved = saves.saved_epoch
-    if config_lib.checkpoint_unit(config) == 'step':
+    if config.checkpoint_unit == 'step':
       kept = f'the checkpoint of step {saved} is in {ckpt.directory}' if saved else 'no step was saved yet'
       raise Interrupted(f'stopped after step {saved}; {kept}', saved) from None
     where = f'in epoch {saved + 1} of {config.num_epochs}' if saved < config.num_epochs else 'after its last epoch'

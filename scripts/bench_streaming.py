@@ -46,22 +46,27 @@ class _EpochTimes:
 
 def throughput(args):
   os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={args.cpu_devices}'
-  from ensemble import data, defaults, host_memory, loop
+  import jax  # pylint: disable=g-import-not-at-top
+  from ensemble import data, defaults, host_memory, loop, recipe  # pylint: disable=g-import-not-at-top
+
+  def prepared(config, dataset):
+    resolved, devices = recipe.resolve(config, jax.devices(), dataset=dataset)
+    return loop.prepare(resolved, devices, dataset)
 
   host_memory.keep_freed_memory_on_cpu()  # as python -m ensemble.train does
   config = defaults.get_config()
   config.update(num_epochs=args.epochs, eval_every=0)
   warm = defaults.get_config()
   warm.update(num_train_steps=1)
-  run = loop.prepare(warm, data.load(data_dir=args.data_dir, streaming='never'))
+  run = prepared(warm, data.load(data_dir=args.data_dir, streaming='never'))
   loop.train(run, run.init(), progress=False)  # compiles the programs both runs below share
   results = {}
   for streaming in ('never', 'always'):
     dataset = data.load(data_dir=args.data_dir, streaming=streaming)
-    run = loop.prepare(config.copy_and_resolve_references(), dataset)
+    run = prepared(config, dataset)
     timer = _EpochTimes()
     loop.train(run, run.init(), hooks=[timer], progress=False)
-    images = run.steps_per_epoch * run.config.batch_size * run.config.ensemble_size
+    images = run.steps_per_epoch * run.recipe.batch_size * run.recipe.ensemble_size
     results[streaming] = [images / s for s in timer.seconds]
     print(f'streaming={streaming}: ' + ', '.join(f'epoch {i + 1} {r:,.0f}' for i, r in enumerate(results[streaming]))
           + ' member-images/s', flush=True)

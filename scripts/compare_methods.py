@@ -116,10 +116,10 @@ def train(method: str, args, workdir: str) -> float:
 
 def _recorded(workdir: str):
   """(run config, member) of a finished run, as `ensemble.evaluate` reads them."""
-  from ensemble import checkpoint, config as config_lib, evaluation  # pylint: disable=g-import-not-at-top
+  from ensemble import checkpoint, evaluation, members  # pylint: disable=g-import-not-at-top
   config = evaluation.load_run_config(workdir)
   ckpt = checkpoint.Checkpointer(workdir)
-  member = config_lib.member(config, ckpt.meta(ckpt.latest_epoch())['data'])
+  member = members.member(config, ckpt.meta(ckpt.latest_epoch())['data'])
   ckpt.close()
   return config, member
 

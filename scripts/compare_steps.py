@@ -25,7 +25,7 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from ensemble import backends, config as config_lib, data, defaults, host_memory
+from ensemble import backends, data, defaults, host_memory, members, recipe as recipe_lib
 from ensemble.data import bundled, idx
 from ensemble.errors import exit_with_error
 
@@ -53,11 +53,11 @@ def build(overrides: dict[str, str], dataset: data.Dataset):
       config[key] = value.lower() in ('1', 'true') if isinstance(current, bool) else type(current)(value)
     except (TypeError, ValueError):
       exit_with_error(f'{key}={value!r} in --variants: {key} takes {type(current).__name__} values, e.g. {current!r}')
-  config, devices = config_lib.resolve(config, jax.devices(), None)
+  config, devices = recipe_lib.resolve(config, jax.devices())
   num_train = len(dataset.train['label'])
-  info = config_lib.data_info(dataset.image_shape, dataset.num_classes,
-                              *data.input_stats(dataset.train['image'], dataset.inputs), inputs=dataset.inputs)
-  member = config_lib.member(config, info, data.steps_per_epoch(num_train, config.batch_size), None)
+  info = members.data_info(dataset.image_shape, dataset.num_classes,
+                           *data.input_stats(dataset.train['image'], dataset.inputs), inputs=dataset.inputs)
+  member = members.member(config, info, data.steps_per_epoch(num_train, config.batch_size), None)
   backend = backends.create(config.backend, member=member, devices=devices, ensemble_size=config.ensemble_size,
                             member_data=config.member_data, config=config)
   indices = data.train_batch_indices(num_train, config.batch_size, config.seed, 1, config.ensemble_size,

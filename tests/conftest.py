@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from configs import classic
-from ensemble import config as config_lib, steps
+from ensemble import members, recipe as recipe_lib, steps
 
 # The tests' MNIST-shaped members: 28x28x1 pixels scaled to [0, 1] and not standardised (mean 0, std 1),
 # so a member's forward pass is its model's own.
-MNIST_INFO = config_lib.data_info((28, 28, 1), 10, (0.0,), (1.0,))
+MNIST_INFO = members.data_info((28, 28, 1), 10, (0.0,), (1.0,))
 # For tests that compare runs across layouts or processes. XLA's own CPU kernels (the training default,
 # backends.train_program) sum a convolution's weight gradient in an order that depends on how many members share
 # a device (2e-5 apart after two steps), and runs across processes keep YNNPACK's: with YNNPACK's kernels
@@ -117,7 +117,7 @@ def make_member(config=None, data_info=MNIST_INFO, **overrides) -> steps.Member:
   """The member that `config` (default: configs/classic.py, unaugmented and cheap) with `overrides` describes."""
   config = (config or classic.get_config()).copy_and_resolve_references()
   config.update(overrides)
-  return config_lib.member(config, data_info)
+  return members.member(recipe_lib.of(config), data_info)
 
 
 @pytest.fixture
@@ -147,7 +147,7 @@ def checkpoint_state(workdir: str, epoch: int, **overrides) -> dict:
   from ensemble import backends, checkpoint  # pylint: disable=g-import-not-at-top
   config = small_config('', **overrides)
   ckpt = checkpoint.Checkpointer(workdir)
-  member = config_lib.member(config, ckpt.meta(epoch)['data'])
+  member = members.member(recipe_lib.of(config), ckpt.meta(epoch)['data'])
   abstract = backends.abstract_member_state(member, config.ensemble_size, jax.devices())
   state = ckpt.restore(epoch, abstract, {'model': config.model, 'ensemble_size': config.ensemble_size})
   ckpt.close()

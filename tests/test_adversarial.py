@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ensemble
-from ensemble import config as config_lib
+from ensemble import members, recipe as recipe_lib
 from ensemble.errors import UsageError
 from ensemble.methods import adversarial
 
@@ -30,12 +30,12 @@ def _features(n: int = 64, seed: int = 0):
 # (data_info, overrides, inputs as they arrive, labels): uint8 images (standardised per channel on the device), features
 # with per-feature statistics (a restored member standardises them itself), and regression on those features.
 CASES = {
-    'images': (config_lib.data_info((8, 8, 1), 3, (0.3,), (0.2,)), {'model': 'cnn'},
+    'images': (members.data_info((8, 8, 1), 3, (0.3,), (0.2,)), {'model': 'cnn'},
                np.random.default_rng(1).integers(0, 256, (6, 8, 8, 1)).astype(np.uint8), np.array([0, 1, 2, 0, 1, 2])),
-    'features': (config_lib.data_info((3,), 3, (1.0, -2.0, 0.5), (2.0, 0.5, 4.0), inputs='features'),
+    'features': (members.data_info((3,), 3, (1.0, -2.0, 0.5), (2.0, 0.5, 4.0), inputs='features'),
                  {'model': 'mlp'}, np.random.default_rng(2).normal(size=(6, 3)).astype(np.float32),
                  np.array([0, 1, 2, 0, 1, 2])),
-    'regression': (config_lib.data_info((3,), 2, (1.0, -2.0, 0.5), (2.0, 0.5, 4.0), inputs='features'),
+    'regression': (members.data_info((3,), 2, (1.0, -2.0, 0.5), (2.0, 0.5, 4.0), inputs='features'),
                    {'model': 'mlp', 'task': 'regression'},
                    np.random.default_rng(3).normal(size=(6, 3)).astype(np.float32),
                    np.random.default_rng(4).normal(size=(6, 1)).astype(np.float32)),
@@ -103,7 +103,7 @@ def test_a_regression_workdir_trained_adversarially_loads_and_predicts(tmp_path)
 @pytest.mark.parametrize('epsilon', [-0.01, float('nan'), 1.0, 2.0])
 def test_bad_epsilons_are_refused_in_one_line(make_config, epsilon):
   with pytest.raises(UsageError, match=re.escape(f'adversarial_epsilon={epsilon!r} must be a fraction')) as raised:
-    config_lib.resolve(make_config(adversarial_epsilon=epsilon), jax.devices())
+    recipe_lib.resolve(make_config(adversarial_epsilon=epsilon), jax.devices())
   assert '\n' not in str(raised.value)
 
 
@@ -124,4 +124,4 @@ def test_a_mesh_backend_refuses_adversarial_training():
   config.adversarial_epsilon = EPSILON
   with pytest.raises(UsageError, match="backend 'dp' trains one model on plain batches: set "
                                        '--config.adversarial_epsilon=0'):
-    config_lib.resolve(config, jax.devices())
+    recipe_lib.resolve(config, jax.devices())

@@ -340,8 +340,9 @@ def test_examples_run(example, monkeypatch, capsys):
 
 def test_bfloat16_learns_keeps_float32_state_and_pmap_equals_jit(arrays):
   x_train, y_train, x_test, y_test = arrays
+  # Two devices, a member each: jit would spread 2 members over 8 (each data-parallel on 4), another sum order.
   fit = functools.partial(ensemble.fit, user_models.TinyNet(width=32), (x_train, y_train), test=(x_test, y_test),
-                          ensemble_size=2, dtype='bfloat16', **SETTINGS)
+                          ensemble_size=2, num_devices=2, dtype='bfloat16', **SETTINGS)
   pmap, jit = fit(backend='pmap'), fit(backend='jit')
   floats = [leaf for leaf in jax.tree.leaves((pmap.state.params, pmap.state.opt_state, pmap.state.batch_stats))
             if np.issubdtype(leaf.dtype, np.floating)]

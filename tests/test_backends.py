@@ -12,14 +12,14 @@ from jax.sharding import PartitionSpec as P
 import user_models
 from configs import mlp as mlp_config
 from conftest import MNIST_INFO, SAME_SUMS, make_member, small_config, synthetic_mnist
-from ensemble import backends, config as config_lib, models, steps
+from ensemble import backends, members, models, recipe as recipe_lib, steps
 from ensemble.errors import UsageError
 
 
 def _backend(name, ensemble_size=8, num_devices=8, member_data='shared', config=None, **overrides):
   return backends.create(name, member=make_member(**overrides), devices=jax.devices()[:num_devices],
                          ensemble_size=ensemble_size, member_data=member_data,
-                         config=ml_collections.ConfigDict(config) if config else None)
+                         config=recipe_lib.of(config) if config else None)
 
 
 def _batches(num_steps, batch=16, ensemble_size=8, member_data='shared'):
@@ -239,9 +239,18 @@ def test_fewer_members_than_devices_split_each_members_batch_and_reduce_among_it
      'over: set --config.backend=jit'),
     ('pmap', 12, 'ensemble_size=12 cannot be placed on 8 devices: use a multiple of 8 (8, 16, 24, ...), or set'),
 ])
-def test_sizes_that_do_not_fit_the_devices_are_refused_in_one_line(backend, k, message):
+def test_sizes_that_do_not_fit_the_devices_named_are_refused_in_one_line(backend, k, message):
   with pytest.raises(UsageError, match=re.escape(message)):
-    config_lib.resolve(small_config('', backend=backend, ensemble_size=k), jax.devices())
+    recipe_lib.resolve(small_config('', backend=backend, ensemble_size=k, num_devices=8), jax.devices())
+
+
+@pytest.mark.parametrize('backend, k, devices', [('jit', 3, 3), ('jit', 2, 8), ('pmap', 2, 2), ('pmap', 12, 6),
+                                                 ('pmap', 16, 8)])
+def test_without_num_devices_the_members_go_on_as_many_devices_as_take_them(backend, k, devices):
+  """All of them where the backend can place the members there, else as many as K is a multiple of: what the
+  refusals above suggest, and what `fit` does too."""
+  recipe, used = recipe_lib.resolve(small_config('', backend=backend, ensemble_size=k, num_devices=0), jax.devices())
+  assert len(used) == recipe.num_devices == devices
 
 
 def test_fsdp_members_hold_a_quarter_of_their_state_per_device_and_train_the_same():
@@ -305,7 +314,7 @@ def test_model_members_split_their_annotated_weights_over_their_devices_and_trai
 
 
 def test_a_users_model_splits_the_weights_its_own_logical_names_map_onto_model():
-  member = config_lib.member(small_config(''), MNIST_INFO, model=user_models.Annotated())
+  member = members.member(small_config(''), MNIST_INFO, model=user_models.Annotated())
   backend = _spread(member, 'model', logical_axis_rules=(('mlp', 'model'),))
   params = backend.init(0).params
   assert params['Dense_0']['kernel'].value.sharding.spec == P('ensemble', None, 'model')
@@ -325,9 +334,9 @@ def test_model_members_whose_annotations_cannot_split_them_are_refused_in_one_li
 
 def test_model_members_are_refused_where_each_has_one_device_and_keep_their_batch_whole():
   with pytest.raises(UsageError, match=re.escape('member_sharding=model splits a member over the devices it has')):
-    config_lib.resolve(small_config('', backend='jit', ensemble_size=8, member_sharding='model'), jax.devices())
+    recipe_lib.resolve(small_config('', backend='jit', ensemble_size=8, member_sharding='model'), jax.devices())
   # Each of a member's devices computes on its whole batch, so the batch need not split over them.
-  config, _ = config_lib.resolve(small_config('', backend='jit', ensemble_size=2, member_sharding='model',
+  config, _ = recipe_lib.resolve(small_config('', backend='jit', ensemble_size=2, member_sharding='model',
                                               batch_size=30, eval_batch_size=30), jax.devices())
   assert config.member_sharding == 'model'
 

@@ -21,7 +21,7 @@ import pytest
 from flax import serialization
 
 from conftest import checkpoint_state, linked_workdir, make_member, small_config, synthetic_mnist, timeless, write_mnist
-from ensemble import api, backends, checkpoint, config as config_lib, evaluation, loop, steps, trainer, writers
+from ensemble import api, backends, checkpoint, evaluation, loop, members, recipe as recipe_lib, steps, trainer, writers
 from ensemble.errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -258,7 +258,7 @@ _DATA_CHANGES = {
 
 
 def test_every_data_setting_has_a_resume_test():
-  assert set(_DATA_CHANGES) == set(config_lib.RESUME_SETTINGS)
+  assert set(_DATA_CHANGES) == set(recipe_lib.RESUME_SETTINGS)
 
 
 @pytest.mark.parametrize('name', sorted(_DATA_CHANGES))
@@ -270,7 +270,7 @@ def test_a_resume_with_other_data_settings_is_refused_and_writes_nothing(trained
   with pytest.raises(UsageError) as error:
     trainer.train_and_evaluate(_config(trained, num_epochs=3, **{name: value}), run)
   assert str(error.value) == (f'{run}/config.json records {name}={saved[name]!r} (now {value!r}): a resume must keep '
-                              f'the data settings and the method ({", ".join(config_lib.RESUME_SETTINGS)}); set them '
+                              f'the data settings and the method ({", ".join(recipe_lib.RESUME_SETTINGS)}); set them '
                               'as recorded there, or train in a new --workdir')
   after = {path: open(path, 'rb').read() for path in glob.glob(os.path.join(run, '**'), recursive=True)
            if os.path.isfile(path)}
@@ -306,44 +306,44 @@ def test_data_dir_is_recorded_resolved_and_compared_resolved(trained, tmp_path, 
   mnist_dir = trained[0]
   monkeypatch.chdir(os.path.dirname(mnist_dir))
   relative = os.path.basename(mnist_dir)
-  config, _ = config_lib.resolve(_config(trained, data_dir=relative), jax.devices())
+  config, _ = recipe_lib.resolve(_config(trained, data_dir=relative), jax.devices())
   assert config.data_dir == mnist_dir
   os.symlink(mnist_dir, tmp_path / 'link')
   saved = {**config.to_dict(), 'data_dir': relative}  # as versions before this one recorded it
   for data_dir in (relative, mnist_dir, str(tmp_path / 'link'), mnist_dir + '/'):
-    config_lib.check_resume(_config(trained, data_dir=data_dir), saved, 'config.json')
+    recipe_lib.check_resume(_config(trained, data_dir=data_dir), saved, 'config.json')
   with pytest.raises(UsageError, match=r"^config.json records data_dir='mnist' \(now '/elsewhere'\)"):
-    config_lib.check_resume(_config(trained, data_dir='/elsewhere'), saved, 'config.json')
+    recipe_lib.check_resume(_config(trained, data_dir='/elsewhere'), saved, 'config.json')
 
 
 def test_a_snapshot_ensemble_resumes_only_with_its_cycles(trained):
   """Another num_epochs would change the cycles' length mid-run, and later snapshots would overwrite the last slot."""
   config = _config(trained, method='snapshot', snapshot_cycles=2, num_epochs=4)
   saved = config.to_dict()
-  config_lib.check_resume(config, saved, 'config.json')
+  recipe_lib.check_resume(config, saved, 'config.json')
   config.num_epochs = 6
   with pytest.raises(UsageError) as error:
-    config_lib.check_resume(config, saved, 'config.json')
+    recipe_lib.check_resume(config, saved, 'config.json')
   assert str(error.value) == ('config.json records num_epochs=4 (now 6): a snapshot ensemble keeps the length of its '
                               'cycles (num_epochs / snapshot_cycles epochs) for the whole run; resume with '
                               'num_epochs, snapshot_cycles as recorded there, or train in a new --workdir')
   independent = _config(trained, num_epochs=6)  # other methods may train on for more epochs
-  config_lib.check_resume(independent, {**independent.to_dict(), 'num_epochs': 4}, 'config.json')
+  recipe_lib.check_resume(independent, {**independent.to_dict(), 'num_epochs': 4}, 'config.json')
 
 
 def test_a_multiswag_ensemble_resumes_only_with_its_collection_phase(trained):
   """Another swag_start (or length) would move the constant-rate phase mid-run; another swag_rank the moments' shape."""
   config = _config(trained, method='multiswag', num_epochs=4)
   saved = config.to_dict()
-  config_lib.check_resume(config, saved, 'config.json')
+  recipe_lib.check_resume(config, saved, 'config.json')
   for field, value in (('swag_start', 0.5), ('swag_rank', 4), ('num_epochs', 6)):
     with pytest.raises(UsageError) as error:
-      config_lib.check_resume(_config(trained, **{'method': 'multiswag', 'num_epochs': 4, field: value}), saved,
+      recipe_lib.check_resume(_config(trained, **{'method': 'multiswag', 'num_epochs': 4, field: value}), saved,
                               'config.json')
     assert str(error.value).startswith(f'config.json records {field}={saved[field]!r} (now {value!r}): MultiSWAG keeps '
                                        'the steps of its collection phase')
     assert '\n' not in str(error.value)
-  config_lib.check_resume(_config(trained, method='multiswag', num_epochs=4, swag_samples=3), saved, 'config.json')
+  recipe_lib.check_resume(_config(trained, method='multiswag', num_epochs=4, swag_samples=3), saved, 'config.json')
 
 
 def _hold(workdir: str) -> subprocess.Popen:
@@ -443,7 +443,7 @@ def _restored(workdir: str, devices, ensemble_size: int = 2, layout: str = 'repl
   """The epoch-1 checkpoint of `workdir` restored onto `devices` in `layout` (the canonical one), as numpy."""
   config = small_config('', ensemble_size=ensemble_size, **fields)
   ckpt = checkpoint.Checkpointer(workdir)
-  member = config_lib.member(config, ckpt.meta(1)['data'])
+  member = members.member(config, ckpt.meta(1)['data'])
   abstract = backends.abstract_member_state(member, ensemble_size, devices, layout)
   state = ckpt.restore(1, abstract, {'model': config.model, 'ensemble_size': ensemble_size})
   ckpt.close()

@@ -71,7 +71,7 @@ def test_cli_trains_and_resumes(mnist_dir, tmp_path):
 @pytest.mark.parametrize('args, message', [
     (['--config.backend=tpu'],
      "error: unknown backend 'tpu': set --config.backend to one of ['pmap', 'jit', 'sharded', 'dp', 'fsdp']"),
-    (['--config.ensemble_size=3'], 'error: ensemble_size=3 cannot be placed on 2 devices'),
+    (['--config.ensemble_size=3', '--config.num_devices=2'], 'error: ensemble_size=3 cannot be placed on 2 devices'),
     (['--config.data_dir=/nonexistent'], 'error: /nonexistent: no such folder or .npz file'),
     (['--config.augment=mixup'], "error: unknown augment 'mixup': set --config.augment to one of"),
     (['--config.optimizer=lamb'], "error: unknown optimizer 'lamb': set --config.optimizer to one of"),

@@ -8,12 +8,11 @@ import subprocess
 import sys
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 
 from conftest import linked_workdir, run_main, small_config, synthetic_mnist, write_idx, write_mnist
-from ensemble import calibration, data, evaluate, evaluation, predictor, trainer, writers
+from ensemble import calibration, data, evaluate, evaluation, predictor, recipe as recipe_lib, trainer, writers
 from ensemble import report as report_lib
 
 evaluate.define_flags()  # for the command lines run in this process
@@ -183,7 +182,7 @@ def test_cli_refuses_a_folder_that_was_never_trained(tmp_path):
 ])
 def test_the_temperature_is_fitted_on_the_slice_the_trainer_held_out(saved, fit_examples, seen):
   train = {'image': np.zeros((256, 28, 28, 1)), 'label': np.arange(256)}
-  heldout, seen_in_training = evaluation.heldout_split(train, ml_collections.ConfigDict(saved))
+  heldout, seen_in_training = evaluation.heldout_split(train, recipe_lib.from_record(saved))
   assert heldout['label'].tolist() == list(range(256 - fit_examples, 256)) and seen_in_training == seen
 
 

@@ -13,7 +13,7 @@ import pytest
 import ensemble
 import user_models
 from conftest import assert_one_network, assert_same_training, fitted_once, small_config, toy_features
-from ensemble import config as config_lib, data, defaults, export, methods, trainer
+from ensemble import members, recipe as recipe_lib, data, defaults, export, methods, trainer
 from ensemble.errors import UsageError
 from ensemble.methods import mc_dropout
 
@@ -108,10 +108,11 @@ def test_a_model_without_dropout_is_refused_in_one_line(model):
   assert '\n' not in str(raised.value)
 
 
-@pytest.mark.parametrize('rate', [0.0, 1.0, -0.1, float('nan')])
-def test_bad_dropout_rates_are_refused_in_one_line(make_config, rate):
-  with pytest.raises(UsageError, match=re.escape(f'dropout_rate={rate!r} must be in (0, 1)')) as raised:
-    config_lib.resolve(make_config(method='mc_dropout', dropout_rate=rate), jax.devices())
+@pytest.mark.parametrize('rate, rule', [(0.0, '(0, 1) for method mc_dropout'), (1.0, '[0, 1)'), (-0.1, '[0, 1)'),
+                                        (float('nan'), '[0, 1)')])
+def test_bad_dropout_rates_are_refused_in_one_line(make_config, rate, rule):
+  with pytest.raises(UsageError, match=re.escape(f'dropout_rate={rate!r} must be in {rule}')) as raised:
+    recipe_lib.resolve(make_config(method='mc_dropout', dropout_rate=rate), jax.devices())
   assert '\n' not in str(raised.value)
 
 
@@ -121,7 +122,7 @@ def test_only_mc_dropout_gives_the_built_in_models_dropout(model):
   for method, rate in (('independent', 0.0), ('mc_dropout', 0.3)):
     config = defaults.get_config()
     config.update(method=method, dropout_rate=0.3, model=model, resnet_depth=8)
-    member = config_lib.member(config, config_lib.data_info((8, 8, 1), 3, (0.5,), (0.25,)))
+    member = members.member(config, members.data_info((8, 8, 1), 3, (0.5,), (0.25,)))
     assert member.model.dropout_rate == rate
   state, images = member.init(jax.random.key(0)), np.random.default_rng(0).integers(0, 256, (4, 8, 8, 1))
   assert np.abs(member.predict(state, images) - member.logits(state, images)).max() > 1e-4

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ensemble import backends, calibration, config as config_lib, data, evaluation, methods, models, optim, predictor
+from ensemble import backends, calibration, data, evaluation, methods, models, optim, predictor
+from ensemble import recipe as recipe_lib
 from ensemble import steps, trainer
 from ensemble.errors import UsageError
 from ensemble.methods import batchensemble
@@ -72,7 +73,7 @@ def test_bootstrap_resamples_depend_on_the_seed_and_the_member_only():
 
 
 def test_bagging_trains_each_member_on_its_own_resample(make_config):
-  config, _ = config_lib.resolve(make_config(method='bagging'), jax.devices())
+  config, _ = recipe_lib.resolve(make_config(method='bagging'), jax.devices())
   assert config.member_data == 'bootstrap'
 
 
@@ -214,7 +215,7 @@ def test_evaluate_scores_a_batchensemble_workdir_like_any_ensemble(trained):
 ])
 def test_bad_method_options_are_refused_in_one_line(make_config, override, message):
   with pytest.raises(UsageError, match=re.escape(message)) as raised:
-    config_lib.resolve(make_config(**override), jax.devices())
+    recipe_lib.resolve(make_config(**override), jax.devices())
   assert '\n' not in str(raised.value)
 
 
@@ -233,12 +234,12 @@ def test_a_mesh_backend_refuses_an_ensembling_method():
   config = dp.get_config()
   config.method = 'bagging'
   with pytest.raises(UsageError, match="backend 'dp' trains one model, not an ensemble: leave --config.method"):
-    config_lib.resolve(config, jax.devices())
+    recipe_lib.resolve(config, jax.devices())
 
 
 def test_batchensemble_takes_the_plain_mlp_with_rank1_layers(make_config):
   """Feature vectors' built-in member has rank-1 layers too, so --config.model=mlp is not refused."""
-  config, _ = config_lib.resolve(make_config(method='batchensemble', model='mlp'), jax.devices())
+  config, _ = recipe_lib.resolve(make_config(method='batchensemble', model='mlp'), jax.devices())
   model = models.create(config, 10, (4,))
   params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4)))['params']
   assert batchensemble.is_shared(params)['_Rank1_0']['shared']['kernel']

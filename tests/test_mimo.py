@@ -14,7 +14,7 @@ import pytest
 import ensemble
 import user_models
 from conftest import assert_one_network, assert_same_training, fitted_once, small_config, toy_features
-from ensemble import config as config_lib, data, defaults, export, methods, steps, trainer
+from ensemble import members, recipe as recipe_lib, data, defaults, export, methods, steps, trainer
 from ensemble.errors import UsageError
 from ensemble.models import mimo as mimo_models
 from ensemble.tasks.classification import cross_entropy
@@ -50,7 +50,7 @@ def _mlp_member(**overrides):
   """The built-in MLP of method mimo for 5 features and 2 classes, K heads."""
   config = defaults.get_config()
   config.update(method='mimo', model='mlp', ensemble_size=K, **overrides)
-  return config_lib.member(config, config_lib.data_info((5,), 2, (0.0,), (1.0,), inputs='features'))
+  return members.member(config, members.data_info((5,), 2, (0.0,), (1.0,), inputs='features'))
 
 
 def _member_state(states, i):
@@ -166,7 +166,7 @@ def test_a_model_that_is_not_a_k_head_network_is_refused_in_one_line(model, mess
 ])
 def test_bad_settings_are_refused_in_one_line(make_config, overrides, message):
   with pytest.raises(UsageError, match=re.escape(message)) as raised:
-    config_lib.resolve(make_config(**{'method': 'mimo', 'ensemble_size': K, **overrides}), jax.devices())
+    recipe_lib.resolve(make_config(**{'method': 'mimo', 'ensemble_size': K, **overrides}), jax.devices())
   assert '\n' not in str(raised.value)
 
 
@@ -175,5 +175,5 @@ def test_a_mesh_backend_refuses_mimo():
   config = dp.get_config()
   config.update(method='mimo', batch_size=config.batch_size)
   with pytest.raises(UsageError, match="backend 'dp' trains one model, not an ensemble") as raised:
-    config_lib.resolve(config, jax.devices())
+    recipe_lib.resolve(config, jax.devices())
   assert '\n' not in str(raised.value)

@@ -16,7 +16,7 @@ import ensemble
 import user_models
 from configs import default
 from conftest import make_member
-from ensemble import models, steps
+from ensemble import models, recipe as recipe_lib, steps
 from ensemble.errors import UsageError
 from ensemble.models import fused, user
 
@@ -231,7 +231,7 @@ def test_a_member_uses_running_averages_at_test_time_and_batch_statistics_in_tra
 ])
 def test_bad_model_options_are_one_line_errors(overrides, message):
   with pytest.raises(UsageError, match=message) as error:
-    models.create(_config(**overrides), 10, (28, 28, 1))
+    recipe_lib.of(_config(**overrides))
   assert '\n' not in str(error.value)
 
 

@@ -17,7 +17,7 @@ import pytest
 import ensemble
 import user_models
 from conftest import assert_same_training, fitted_once, small_config, toy_features, write_mnist
-from ensemble import config as config_lib, data, export, methods, optim, steps, trainer
+from ensemble import data, export, methods, optim, recipe as recipe_lib, steps, trainer
 from ensemble.errors import UsageError
 from ensemble.methods import multiswag
 
@@ -58,7 +58,7 @@ def _flat(tree) -> np.ndarray:
   return np.concatenate([np.asarray(leaf).ravel() for leaf in jax.tree.leaves(tree)])
 
 
-def test_the_moments_are_the_collected_parameters_mean_square_mean_and_last_deviations():
+def test_the_moments_are_the_collected_parameters_mean_variance_and_last_deviations():
   """Real optimizer steps on a tiny parameter tree; the collections (every 2 steps after step 2, five of them for
   three rows, so that D wraps) against numpy on the parameters at those steps."""
   method = multiswag.MultiSWAG(rank=3, collection_start=2, collection_every=2)
@@ -76,7 +76,7 @@ def test_the_moments_are_the_collected_parameters_mean_square_mean_and_last_devi
   moments, thetas = state.snapshots, np.stack(collected).astype(np.float64)
   assert int(moments['count']) == len(thetas) == 5
   np.testing.assert_allclose(_flat(moments['mean']), thetas.mean(0), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(_flat(moments['sq_mean']), (thetas ** 2).mean(0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(_flat(moments['variance']), thetas.var(0), rtol=1e-4, atol=1e-6)
   deviations = [thetas[i] - thetas[:i + 1].mean(0) for i in range(5)]  # from the running mean after collection i
   rows = [_flat(_one(moments['deviations'], r)) for r in range(3)]
   for i in (2, 3, 4):  # the last three, each in row i % 3
@@ -93,7 +93,7 @@ def test_samples_have_the_swag_mean_and_covariance(count):
   d = np.zeros((3, 3))
   d[:filled] = rng.normal(size=(filled, 3))
   split = lambda v: {'a': jnp.asarray(v[..., :2], jnp.float32), 'b': jnp.asarray(v[..., 2:], jnp.float32)}
-  moments = {'count': jnp.asarray(count, jnp.int32), 'mean': split(mean), 'sq_mean': split(mean ** 2 + var),
+  moments = {'count': jnp.asarray(count, jnp.int32), 'mean': split(mean), 'variance': split(var),
              'deviations': split(d)}
   draws = jax.vmap(multiswag.sample, in_axes=(None, 0))(moments, jax.random.split(jax.random.key(0), 20000))
   draws = np.concatenate([np.asarray(draws['a']), np.asarray(draws['b'])], axis=1).astype(np.float64)
@@ -210,11 +210,11 @@ def test_a_workdir_restores_evaluates_predicts_and_exports(workdir_run):
     ({'swag_start': 1.0}, 'swag_start=1.0 must be in (0, 1)'),
     ({'swag_start': 0.0}, 'swag_start=0.0 must be in (0, 1)'),
     ({'swag_learning_rate': 0.5}, 'swag_learning_rate=0.5 must be in (0, learning_rate=0.05]'),
-    ({'swag_learning_rate': float('nan')}, 'swag_learning_rate=nan must be in (0, learning_rate=0.05]'),
+    ({'swag_learning_rate': float('nan')}, 'swag_learning_rate=nan must be positive'),
     ({'schedule': 'warmup_cosine', 'warmup_epochs': 3, 'num_epochs': 4},
      'warmup_epochs=3 must end before the collection phase starts (epoch 3 of 4)'),
 ])
 def test_bad_fields_are_refused_in_one_line(make_config, changes, message):
   with pytest.raises(UsageError, match=re.escape(message)) as raised:
-    config_lib.resolve(make_config(method='multiswag', **changes), jax.devices())
+    recipe_lib.resolve(make_config(method='multiswag', **changes), jax.devices())
   assert '\n' not in str(raised.value)

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from configs import default
-from ensemble import optim
+from ensemble import optim, recipe as recipe_lib
 from ensemble.errors import UsageError
 
 
@@ -71,5 +71,5 @@ def test_adamw_matches_optax_adamw_on_kernels():
 ])
 def test_bad_optimizer_options_are_one_line_errors(overrides, message):
   with pytest.raises(UsageError, match=message) as error:
-    optim.create(_config(**overrides), 10)
+    recipe_lib.resolve(_config(**overrides), jax.devices())
   assert '\n' not in str(error.value)

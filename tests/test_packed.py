@@ -17,7 +17,7 @@ from flax import nnx
 import ensemble
 import user_models
 from conftest import assert_same_training, fitted_once, small_config, toy_features
-from ensemble import config as config_lib, data, defaults, export, trainer
+from ensemble import members, recipe as recipe_lib, data, defaults, export, trainer
 from ensemble.errors import UsageError
 from ensemble.models import cnn, packed
 
@@ -150,7 +150,7 @@ def _cnn_params(widths, groups, classes=2, pixels=2 * 2):
 def test_the_built_in_cnn_has_the_packed_member_s_parameters(alpha, gamma):
   config = defaults.get_config()
   config.update(method='packed', model='cnn', ensemble_size=K, packed_alpha=alpha, packed_gamma=gamma)
-  member = config_lib.member(config, config_lib.data_info((8, 8, 1), 2, (0.5,), (0.25,)))
+  member = members.member(config, members.data_info((8, 8, 1), 2, (0.5,), (0.25,)))
   widths = tuple(packed.width(f, alpha, K, gamma) for f in cnn.WIDTHS)
   assert (member.model.widths, member.model.groups) == (widths, gamma)
   params = jax.eval_shape(member.init_variables, jax.random.key(0))['params']
@@ -164,7 +164,7 @@ def test_the_built_in_resnet_groups_each_block_s_second_convolution_and_projecti
   """As torch-uncertainty's packed ResNet: the stem, each block's first convolution and the head stay ungrouped."""
   config = defaults.get_config()
   config.update(method='packed', model='resnet', resnet_depth=8, ensemble_size=K, packed_gamma=2)
-  member = config_lib.member(config, config_lib.data_info((8, 8, 1), 2, (0.5,), (0.25,)))
+  member = members.member(config, members.data_info((8, 8, 1), 2, (0.5,), (0.25,)))
   assert member.model.widths == (8, 16, 32)  # 2 x (16, 32, 64) / 4
   params = jax.eval_shape(member.init_variables, jax.random.key(0))['params']
   shape = lambda *path: functools.reduce(lambda tree, key: tree[key], path, params)['kernel'].shape
@@ -233,13 +233,13 @@ def test_a_model_without_packed_layers_is_refused_in_one_line(model):
 ])
 def test_bad_options_are_refused_in_one_line(make_config, field, value, message):
   with pytest.raises(UsageError, match=re.escape(message)) as raised:
-    config_lib.resolve(make_config(method='packed', **{field: value}), jax.devices())
+    recipe_lib.resolve(make_config(method='packed', **{field: value}), jax.devices())
   assert '\n' not in str(raised.value)
 
 
 def test_the_other_methods_keep_the_built_in_models():
   config = defaults.get_config()
-  member = config_lib.member(config, config_lib.data_info((8, 8, 1), 3, (0.5,), (0.25,)))
+  member = members.member(config, members.data_info((8, 8, 1), 3, (0.5,), (0.25,)))
   assert (member.model.widths, member.model.groups) == (cnn.WIDTHS, 1)
   params = jax.eval_shape(member.init_variables, jax.random.key(0))['params']
   assert sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params)) == _cnn_params(cnn.WIDTHS, 1, classes=3)

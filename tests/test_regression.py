@@ -278,7 +278,7 @@ def test_the_cli_trains_on_npz_and_csv(data, tmp_path):
   assert ens.task.name == 'regression' and ens.predict(x_test)['mean'].shape == (len(x_test),)
   recipe = ens.config  # configs/regression.py is fit's regression recipe
   as_read = lambda value: tuple(value) if isinstance(value, (list, tuple)) else value  # config.json keeps lists
-  assert {key: as_read(recipe[key]) for key in defaults.REGRESSION} == defaults.REGRESSION
+  assert {key: as_read(getattr(recipe, key)) for key in defaults.REGRESSION} == defaults.REGRESSION
   assert recipe.augment == 'none'
   _the_programs_read_a_regression_workdir(str(tmp_path / 'npz'), x_test, tmp_path)
   rows = ['a,label,y'] + [f'{v:.6f},{i % 3},{t:.6f}' for i, (v, t) in enumerate(zip(x[:, 0], y))]

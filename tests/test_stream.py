@@ -14,7 +14,7 @@ import pytest
 
 import ensemble
 from conftest import small_config, synthetic_mnist, timeless, write_mnist
-from ensemble import checkpoint, data, distributed, loop, optim, trainer, writers
+from ensemble import checkpoint, data, distributed, loop, optim, recipe as recipe_lib, trainer, writers
 from ensemble.data import array_record, convert, stream
 from ensemble.errors import UsageError
 
@@ -108,10 +108,13 @@ def test_a_mid_epoch_resume_equals_an_uninterrupted_run(folder, tmp_path, stream
 
 
 def test_num_train_steps_sets_the_epochs_and_the_schedule_spans_them(folder):
-  run = loop.prepare(_config(folder, num_train_steps=7, num_epochs=50, schedule='cosine'), data.load(data_dir=folder))
-  assert (run.steps_per_epoch, run.config.num_epochs) == (4, 2)
-  rate = optim.schedule(run.config, run.steps_per_epoch)
-  assert float(rate(0)) == pytest.approx(run.config.learning_rate) and float(rate(7)) == pytest.approx(0.0)
+  dataset = data.load(data_dir=folder)
+  recipe, devices = recipe_lib.resolve(_config(folder, num_train_steps=7, num_epochs=50, schedule='cosine'),
+                                       jax.devices(), dataset=dataset)
+  run = loop.prepare(recipe, devices, dataset)
+  assert (run.steps_per_epoch, run.recipe.num_epochs) == (4, 2)
+  rate = optim.schedule(run.recipe, run.steps_per_epoch)
+  assert float(rate(0)) == pytest.approx(run.recipe.learning_rate) and float(rate(7)) == pytest.approx(0.0)
 
 
 _TWO_PROCESSES = [types.SimpleNamespace(process_index=p) for p in (0, 0, 1, 1, 0, 0, 1, 1)]
@@ -207,4 +210,5 @@ def test_auto_streams_a_folder_beyond_a_quarter_of_the_memory(folder, monkeypatc
 
 def test_a_streamed_set_refuses_the_resident_fast_path(folder):
   with pytest.raises(UsageError, match='steps_per_dispatch=4 keeps the training set on the devices'):
-    loop.prepare(_config(folder, steps_per_dispatch=4), data.load(data_dir=folder, streaming='always'))
+    recipe_lib.resolve(_config(folder, steps_per_dispatch=4), jax.devices(),
+                       dataset=data.load(data_dir=folder, streaming='always'))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-from ensemble import backends, checkpoint, config as config_lib, data, loop, trainer, writers
+from ensemble import backends, checkpoint, data, loop, members as members_lib, recipe as recipe_lib, trainer, writers
 from ensemble.errors import UsageError
 
 from conftest import MNIST_INFO, timeless
@@ -137,23 +137,23 @@ def test_a_resume_names_only_what_changed_and_a_finished_run_says_nothing_was_le
 
 
 @pytest.mark.parametrize('backend', ['pmap', 'jit'])
-@pytest.mark.parametrize('num_devices, members', [(1, config_lib.ONE_DEVICE_MEMBERS), (2, 2), (8, 8)])
+@pytest.mark.parametrize('num_devices, members', [(1, recipe_lib.ONE_DEVICE_MEMBERS), (2, 2), (8, 8)])
 def test_the_default_ensemble_size_is_a_member_per_device_or_several_on_one(make_config, backend, num_devices,
                                                                              members):
   """Issue 56: ensemble_size=0 meant one member per device, which on one device is no ensemble."""
-  config, devices = config_lib.resolve(make_config(ensemble_size=0, backend=backend, num_devices=num_devices),
+  config, devices = recipe_lib.resolve(make_config(ensemble_size=0, backend=backend, num_devices=num_devices),
                                        jax.devices())
   assert config.ensemble_size == members > 1 and len(devices) == num_devices
-  backend = backends.create(backend, member=config_lib.member(config, MNIST_INFO), devices=devices,
+  backend = backends.create(backend, member=members_lib.member(config, MNIST_INFO), devices=devices,
                             ensemble_size=config.ensemble_size, member_data=config.member_data, config=config)
   assert jax.tree.leaves(backend.abstract_state())[0].shape[0] == members  # placed: the canonical (K, ...) state
 
 
 def _restore_and_evaluate(config, workdir, backend_name, num_devices):
   """Restores the latest checkpoint onto `num_devices` devices and evaluates it there."""
-  config, devices = config_lib.resolve(config.copy_and_resolve_references(), jax.devices()[:num_devices])
+  config, devices = recipe_lib.resolve(config.copy_and_resolve_references(), jax.devices()[:num_devices])
   ckpt = checkpoint.Checkpointer(workdir)
-  member = config_lib.member(config, ckpt.meta(ckpt.latest_epoch())['data'])
+  member = members_lib.member(config, ckpt.meta(ckpt.latest_epoch())['data'])
   backend = backends.create(backend_name, member=member, devices=devices, ensemble_size=8, member_data='shared')
   state = ckpt.restore(ckpt.latest_epoch(), backend.abstract_state(), {'model': config.model, 'ensemble_size': 8})
   test = loop.evaluate(backend, backend.from_canonical(state), data.load(data_dir=config.data_dir).test,
@@ -207,7 +207,7 @@ def test_a_checkpoint_that_does_not_fit_is_refused_and_nothing_is_overwritten(
 
 @pytest.mark.parametrize('override, message', [
     ({'backend': 'tpu'}, "unknown backend 'tpu'"),
-    ({'ensemble_size': 12}, 'ensemble_size=12 cannot be placed on 8 devices: use a multiple of 8'),
+    ({'ensemble_size': 12, 'num_devices': 8}, 'ensemble_size=12 cannot be placed on 8 devices: use a multiple of 8'),
     ({'num_devices': 9}, 'num_devices=9 but 8 devices are available'),
     ({'member_data': 'bagged'}, "unknown member_data 'bagged'"),
     ({'batch_size': 10_000}, 'batch_size=10000 exceeds the 256 training examples'),

@@ -7,7 +7,6 @@ axis named 'ensemble'. Checkpoints store that layout, so they do not know
 which backend wrote them.
 """
 
-import dataclasses
 import functools
 from typing import Any, Protocol, Sequence
 
@@ -200,7 +199,7 @@ def train_program(fn, devices: Sequence[jax.Device], config=None, member: steps.
   without, where `CompiledWith`'s Python dispatch costs more than the kernels).
   """
   if (devices[0].platform != 'cpu' or distributed.spans_processes(devices)
-      or (config is not None and config.get('xla_cpu_ynnpack', False))
+      or (config is not None and config.xla_cpu_ynnpack)
       or (member is not None and not has_convolutions(member))):
     return fn
   return CompiledWith(fn, {'xla_cpu_experimental_ynn_fusion_type': ''})
@@ -355,24 +354,6 @@ def evaluate_members(member: steps.Member, devices: Sequence[jax.Device], ensemb
   outputs = jax.vmap(functools.partial(member.task.eval_outputs, axis_name=axis_name),
                      in_axes=(0, None), axis_name=MEMBER_AXIS)
   return lambda state, images, labels: outputs(predict(state, images), labels)
-
-
-class ForTask:
-  """A program built from a member for the backend's current `task`, rebuilt when the task changes.
-
-  The test pass scores in the data's units (a regression task's target
-  statistics), which change from run to run while the training programs,
-  which never see them, are kept (ensemble/loop.py).
-  """
-
-  def __init__(self, member: steps.Member, build):
-    self._member, self._build = member, build
-    self._task, self._program = None, None
-
-  def __call__(self, task, *args):
-    if self._program is None or task != self._task:
-      self._task, self._program = task, self._build(dataclasses.replace(self._member, task=task))
-    return self._program(*args)
 
 
 def train_chunk(backend, state, split: Any, resident, chunk: np.ndarray,

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
-from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, MODEL_AXIS, ForTask, abstract_member_state,
+from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, MODEL_AXIS, abstract_member_state,
                                devices_per_member, ensemble_mesh, evaluate_members, gathering_batches, init_members,
                                train_functions, train_program)
 from ensemble.methods import batchensemble
@@ -42,9 +42,9 @@ class JitBackend:
                member_data: str, config=None):
     self.devices = list(devices)
     self.ensemble_size = ensemble_size
-    layout = config.get('member_sharding', 'replicated') if config is not None else 'replicated'
-    rules = logical.check_rules(config.get('logical_axis_rules', logical.DEFAULT_RULES) if config is not None
-                                else logical.DEFAULT_RULES, logical_axes=None)
+    layout = config.member_sharding if config is not None else 'replicated'
+    rules = logical.check_rules(config.logical_axis_rules if config is not None else logical.DEFAULT_RULES,
+                                logical_axes=None)
     mesh = ensemble_mesh(self.devices, ensemble_size, layout)
     self._mesh, self._rules = mesh, rules if MODEL_AXIS in mesh.axis_names else None
     self._abstract_state = functools.partial(abstract_member_state, member, ensemble_size, devices, layout, rules)
@@ -115,10 +115,9 @@ class JitBackend:
     self._train_steps = train_program(compile_mapped(
         many, (members, whole, whole, index_spec), (members, members), donate=0, batches=1, split=index_rows),
         devices, config, member)
-    self.task = member.task  # what the test pass scores (`backends.ForTask`)
-    self._eval = ForTask(member, lambda member: compile_mapped(
-        gather(evaluate_members(member, self.devices, ensemble_axis)),
-        (members, batch_spec, batch_spec), members, batches=2, state_out=False, split=shared_rows))
+    self._eval = compile_mapped(gather(evaluate_members(member, self.devices, ensemble_axis)),
+                                (members, batch_spec, batch_spec), members, batches=2, state_out=False,
+                                split=shared_rows)
 
   def _context(self):
     """Where a member's annotations find the mesh and the logical rules while traced (member_sharding=model)."""
@@ -159,7 +158,7 @@ class JitBackend:
 
   def eval_step(self, state, images: np.ndarray, labels: np.ndarray) -> steps.Metrics:
     with self._context():
-      return self._eval(self.task, state, *jax.make_array_from_process_local_data(self._batches, (images, labels)))
+      return self._eval(state, *jax.make_array_from_process_local_data(self._batches, (images, labels)))
 
   def to_host(self, tree):
     return distributed.to_numpy(tree)

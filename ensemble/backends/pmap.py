@@ -19,7 +19,7 @@ from flax import jax_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
-from ensemble.backends import (ENSEMBLE_AXIS, ForTask, abstract_member_state, evaluate_members, gathering_batches,
+from ensemble.backends import (ENSEMBLE_AXIS, abstract_member_state, evaluate_members, gathering_batches,
                                init_members, member_sharding, train_functions, train_program)
 from ensemble.methods import batchensemble
 
@@ -48,8 +48,7 @@ class PmapBackend:
     self._train = train_program(pmap(whole(train) if self._shared_data else train, donate_argnums=0), devices,
                                 config, member)
     self._train_steps = train_program(pmap(many, donate_argnums=0), devices, config, member)
-    self.task = member.task  # what the test pass scores (`backends.ForTask`)
-    self._eval = ForTask(member, lambda member: pmap(whole(evaluate_members(member, self.devices))))
+    self._eval = pmap(whole(evaluate_members(member, self.devices)))
 
   def _by_device(self, x: np.ndarray) -> np.ndarray:
     """This process's rows -> (its devices, rows per device, ...)."""
@@ -93,7 +92,7 @@ class PmapBackend:
     return self._train_steps(state, *dataset, indices)
 
   def eval_step(self, state, images: np.ndarray, labels: np.ndarray) -> steps.Metrics:
-    return self._eval(self.task, state, *self._shared_batch(images, labels))
+    return self._eval(state, *self._shared_batch(images, labels))
 
   def to_host(self, tree):
     """Device outputs of all processes as numpy arrays with the member axis first, (K, ...).

@@ -33,23 +33,9 @@ from ensemble.parallel import DATA_AXIS, MESH_AXES, fsdp, logical
 
 
 def make_mesh(mesh_shape: Sequence[int], devices: Sequence[jax.Device]) -> Mesh:
-  """The ('data', 'model') mesh; one entry of `mesh_shape` may be -1: whatever the devices leave."""
-  n = len(devices)
-  fix = (f'set --config.mesh_shape to a (data, model) pair whose product is {n}, e.g. ({n}, 1) or '
-         f'(-1, 1), or use --config.num_devices')
-  shape = tuple(mesh_shape) if isinstance(mesh_shape, (tuple, list)) else (mesh_shape,)
-  if (len(shape) != 2 or not all(isinstance(s, int) for s in shape)
-      or not all(s > 0 or s == -1 for s in shape) or shape == (-1, -1)):
-    raise UsageError(f'mesh_shape={mesh_shape!r} is not a (data, model) pair of positive sizes; {fix}')
-  if -1 in shape:
-    known = max(shape)
-    if n % known:
-      raise UsageError(f'mesh_shape={mesh_shape!r}: {known} does not divide the {n} devices in use; {fix}')
-    shape = tuple(n // known if s == -1 else s for s in shape)
-  if math.prod(shape) != n:
-    raise UsageError(f'mesh_shape={tuple(mesh_shape)} has {math.prod(shape)} devices but {n} are in use; '
-                     f'{fix}')
-  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+  """The ('data', 'model') mesh of a recipe's resolved `mesh_shape` (ensemble/recipe.py checked it against the
+  devices)."""
+  return Mesh(np.asarray(devices).reshape(tuple(mesh_shape)), MESH_AXES)
 
 
 def bytes_on_device(tree: Any, device: jax.Device) -> int:
@@ -84,14 +70,9 @@ class _MeshBackend:
   """What the mesh backends share: the mesh, batches split over 'data', the trainer's interface."""
 
   def __init__(self, *, devices: Sequence[jax.Device], config, ensemble_size: int, member_data: str):
-    del ensemble_size, member_data  # one model, shared batches, no augmentation: config.resolve checked
+    del ensemble_size, member_data  # one model, shared batches, no augmentation: ensemble/recipe.py checked
     self.devices = list(devices)
     self.mesh = make_mesh(config.mesh_shape, devices)
-    data = self.mesh.shape[DATA_AXIS]
-    for name in ('batch_size', 'eval_batch_size'):
-      if config[name] % data:
-        raise UsageError(f'{name}={config[name]} cannot be split over the {data} devices of the data axis; '
-                         f'set --config.{name} to a multiple of {data}')
     self._batch = NamedSharding(self.mesh, P(DATA_AXIS))
     self._replicated = NamedSharding(self.mesh, P())
     # Examples on the second axis: (member, example) outputs, (step, example) batch indices.
@@ -191,14 +172,6 @@ class ShardMapBackend(_MeshBackend):
 
   def __init__(self, *, member: steps.Member, devices, config, shard_params: bool, **kwargs):
     super().__init__(devices=devices, config=config, **kwargs)
-    if self.mesh.shape[DATA_AXIS] != len(devices):
-      raise UsageError(f'mesh_shape={tuple(config.mesh_shape)}: dp and fsdp split over the data axis only; '
-                       f'set --config.mesh_shape=({len(devices)}, 1)')
-    per_device = config.batch_size // self.mesh.shape[DATA_AXIS]
-    if config.num_minibatches < 1 or per_device % config.num_minibatches:
-      raise UsageError(f'num_minibatches={config.num_minibatches} does not divide the {per_device} examples '
-                       f'each device gets per step; set --config.num_minibatches to a divisor of '
-                       f'{per_device}')
     if shard_params:
       member = dataclasses.replace(
           member, model=member.model.clone(fsdp_axis=DATA_AXIS, min_weight_size=config.min_weight_size))

@@ -163,7 +163,7 @@ class FolderSource(stream.Source):
   shared across threads), and checked against dataset.json as it is read."""
 
   def __init__(self, folder: str, info: dict[str, Any], split: str):
-    self._info, self.name = info, f'{folder} {split}'
+    self._info, self.name, self.inputs = info, f'{folder} {split}', info['inputs']
     files = info['splits'][split]['files']
     self._paths = [f'{folder}/{f["name"]}' for f in files]
     self._ends = np.cumsum([f['examples'] for f in files])

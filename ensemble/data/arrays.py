@@ -111,6 +111,10 @@ def regression_dataset(train: base.Split, test: base.Split, source: str, names: 
 def feature_stats(features: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
   """Per-feature mean and standard deviation (flattened, float64 sums), a constant feature's std taken as 1."""
   flat = features.reshape(len(features), -1).astype(np.float64)
-  mean, std = flat.mean(0), flat.std(0)
+  with np.errstate(over='ignore', invalid='ignore'):
+    mean, std = flat.mean(0), flat.std(0)
+  if not (np.isfinite(mean).all() and np.isfinite(std).all()):
+    raise base.DataError(f'features reach {np.abs(flat).max():.3g}: their mean and standard deviation overflow even '
+                         'float64, and standardised they would all be 0; rescale them')
   std = np.where(std > 0, std, 1.0)
   return tuple(float(m) for m in mean), tuple(float(s) for s in std)

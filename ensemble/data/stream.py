@@ -70,6 +70,7 @@ class Source:
   name: str
   image: Spec
   label: Spec
+  inputs: str = 'images'  # what the inputs are: steps.INPUTS
   rows_read: int = 0
   _counting = threading.Lock()
 
@@ -238,14 +239,30 @@ def stream_position(iterator: Iterator, steps_done: int) -> dict[str, Any]:
 
 class RandomAccessSource(Source):
   """Any object with `len()` and indexing whose examples are (input, label) pairs or {'image', 'label'} dicts:
-  a `grain.MapDataset`, a `tfds.data_source`, a list. `__getitems__`, where it has one, reads a batch at once."""
+  a `grain.MapDataset`, a `tfds.data_source`, a list. `__getitems__`, where it has one, reads a batch at once.
 
-  def __init__(self, source: Any, name: str, task: str = 'classification'):
-    self._source, self.name, self._pixels = source, name, False
+  Every batch read is what `fit`'s arrays of the same examples become (`arrays.from_arrays`), checked alike:
+  images as uint8 (N, H, W, C) (greyscale (H, W) examples gain their channel, floats in [0, 1] are rounded to
+  pixels), token ids as int32, features and targets as host floats; so a source trains the members its arrays
+  train. `inputs` is what the examples are ('auto': told from the first, as for arrays).
+  """
+
+  def __init__(self, source: Any, name: str, task: str = 'classification', inputs: str = 'auto'):
+    from ensemble.data import arrays  # pylint: disable=g-import-not-at-top  # arrays imports what imports this
+    self._source, self.name, self._task = source, name, task
     if not len(source):
       raise base.DataError(f'{name}: no examples; give a source that holds some')
     image, label = self._pair(source[0])
-    self.image = Spec(image.shape, image.dtype)
+    self._example_shape = image.shape
+    self.inputs = arrays.kind_of(np.empty((1, *image.shape), image.dtype)) if inputs == 'auto' else inputs
+    if self.inputs == 'images':
+      shape = (*image.shape, 1) if image.ndim == 2 else image.shape
+      if len(shape) != 3:
+        raise base.DataError(f'{name}: example 0 is an image of shape {image.shape}; give (H, W) or (H, W, C) images')
+      self.image = Spec(shape, np.dtype(np.uint8))
+    else:
+      dtype = np.int32 if self.inputs == 'tokens' else base.host_float(np.empty(0, image.dtype)).dtype
+      self.image = Spec(image.shape, np.dtype(dtype))
     # What every other source gives: int32 classes; float targets (D,) per example.
     if task == 'regression':
       self.label = Spec(label.shape or (1,), base.host_float(label).dtype)
@@ -258,12 +275,6 @@ class RandomAccessSource(Source):
   def __len__(self) -> int:
     return len(self._source)
 
-  def read_as_pixels(self):
-    """Float images in [0, 1] are read as uint8 pixels, as `fit`'s image arrays become (`base.as_images`): the
-    members see the same pixels whichever way the data came, and the steps take uint8 images."""
-    if np.issubdtype(self.image.dtype, np.floating):
-      self._pixels, self.image = True, Spec(self.image.shape, np.dtype(np.uint8))
-
   def _pair(self, example: Any) -> tuple[np.ndarray, np.ndarray]:
     if isinstance(example, dict) and {'image', 'label'} <= set(example):
       example = example['image'], example['label']
@@ -273,18 +284,24 @@ class RandomAccessSource(Source):
     return np.asarray(example[0]), np.asarray(example[1])
 
   def read(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    from ensemble.data import arrays  # pylint: disable=g-import-not-at-top
     indices = rows.tolist()
     getitems = getattr(self._source, '__getitems__', None)
     examples = getitems(indices) if getitems else [self._source[i] for i in indices]
     pairs = [self._pair(example) for example in examples]
     for i, (image, label) in zip(indices, pairs):
-      if image.shape != self.image.shape or label.size != math.prod(self.label.shape):
+      if image.shape != self._example_shape or label.size != math.prod(self.label.shape):
         raise base.DataError(f'{self.name}: example {i} is {image.shape} with label {label.shape}, but example 0 '
-                             f'is {self.image.shape} with {self.label.shape}; give examples of one shape')
-    empty = (0,)
-    images = np.stack([p[0] for p in pairs]) if pairs else np.empty(empty + self.image.shape, self.image.dtype)
-    labels = np.stack([p[1] for p in pairs]) if pairs else np.empty(empty + self.label.shape, self.label.dtype)
-    labels = labels.reshape(len(labels), *self.label.shape)
+                             f'is {self._example_shape} with {self.label.shape}; give examples of one shape')
     self._count(len(rows))
-    images = base.float_to_uint8(images, self.name) if self._pixels else images.astype(self.image.dtype, copy=False)
-    return images, labels.astype(self.label.dtype, copy=False)
+    if not pairs:
+      return (np.empty((0, *self.image.shape), self.image.dtype), np.empty((0, *self.label.shape), self.label.dtype))
+    images, labels = np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+    labels = labels.reshape(len(labels), *self.label.shape)
+    if self.inputs == 'images':
+      images = base.as_images(images, self.name)
+    else:
+      images = arrays.as_inputs(images, self.inputs, self.name)
+    if self._task == 'regression':
+      return images, base.as_targets(labels, self.name).astype(self.label.dtype, copy=False)
+    return images, base.as_labels(labels, self.name)

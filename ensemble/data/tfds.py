@@ -188,7 +188,8 @@ def _streamed(tfds, builder, name: str, splits: dict[str, str], streaming: str) 
   records = {}
   for role, split in splits.items():
     source = f'tfds {name} {split}'
-    records[role] = stream.Records(stream.RandomAccessSource(builder.as_data_source(split=split), source))
+    records[role] = stream.Records(stream.RandomAccessSource(builder.as_data_source(split=split), source,
+                                                             inputs='images'))
   return base.Dataset(records['train'], records['test'], f'tfds {name}, streamed',
                       builder.info.features['label'].num_classes)
 

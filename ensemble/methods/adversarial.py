@@ -18,12 +18,9 @@ is 2.55 in uint8 units); for features `FEATURE_RANGE_IN_STDS` standard
 deviations of the training split.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 
-from ensemble.errors import UsageError
 
 # A feature's range, in standard deviations of the training split: the range rule of thumb (std ~ range / 4). The
 # data's description (`config.data_info`) keeps each feature's mean and standard deviation, not its minimum and
@@ -41,25 +38,3 @@ def fgsm(inputs: jnp.ndarray, input_grads: jnp.ndarray, step) -> jnp.ndarray:
 def mean_of(grads, perturbed_grads):
   """The update of Algorithm 1: the mean of the clean and the adversarial loss's gradients."""
   return jax.tree.map(lambda clean, perturbed: (clean + perturbed) / 2, grads, perturbed_grads)
-
-
-def check(config):
-  """Refuses an `adversarial_epsilon` that is not a fraction of the range in [0, 1)."""
-  epsilon = config.get('adversarial_epsilon', 0.0)
-  if not (isinstance(epsilon, (int, float)) and not isinstance(epsilon, bool) and math.isfinite(epsilon)
-          and 0 <= epsilon < 1):
-    raise UsageError(f'adversarial_epsilon={epsilon!r} must be a fraction of each input\'s range in [0, 1), e.g. '
-                     '--config.adversarial_epsilon=0.01 (the paper\'s), or 0 for no adversarial training')
-
-
-def check_inputs(config, inputs: str):
-  """Refuses adversarial training where the inputs have no range to take a fraction of: token ids (no gradient), and
-  features that are not standardised (their scale is unknown to the members)."""
-  if not config.get('adversarial_epsilon', 0.0):
-    return
-  if inputs == 'tokens':
-    raise UsageError('adversarial_epsilon perturbs inputs along their gradient, and token ids have none: set '
-                     '--config.adversarial_epsilon=0')
-  if inputs == 'features' and not config.get('standardize_features', False):
-    raise UsageError('adversarial_epsilon is a fraction of each feature\'s range, taken from its standard deviation, '
-                     'which the members know only for standardised features: set --config.standardize_features=True')

@@ -9,11 +9,9 @@ import jax
 class Independent:
   """Members differ by their initialisation, their data order and their augmentation, nothing else.
 
-  `member_data` overrides `config.member_data` when set: bagging is this
-  method on bootstrap resamples ('bootstrap', see `data.batches`).
+  Bagging is this method on bootstrap resamples (the recipe's member_data 'bootstrap', see `data.batches`).
   """
   name: str = 'independent'
-  member_data: str | None = None
   shares_weights = False  # BatchEnsemble's members do; the backends then average their shared gradients
 
   def init(self, member, state, key: jax.Array):
@@ -42,6 +40,15 @@ class Independent:
   def loss(self, task, outputs, labels):
     """(loss, metrics) of the model's outputs for `training_batch`: the task's. MIMO sums its heads' losses."""
     return task.loss(outputs, labels)
+
+  def params_of(self, state):
+    """What a member's predictions are a function of, as `Ensemble.params` and `Ensemble.apply` take it: its
+    parameters. A method that predicts with what it kept (snapshots, SWAG's moments) adds those."""
+    return state.params
+
+  def with_params(self, state, params):
+    """`state` predicting with `params` (what `params_of` gave, changed)."""
+    return state.replace(params=params)
 
   def num_params(self, params, ensemble_size: int) -> int:
     """Distinct trained parameters of the whole ensemble, from one member's `params` (arrays or shapes)."""

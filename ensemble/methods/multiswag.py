@@ -12,12 +12,14 @@ spaced steps, the SWAG moments of its parameters into `TrainState.snapshots`
 
   count        collections so far
   mean         running mean of the collected parameters (the SWA solution)
-  sq_mean      running mean of their squares (the diagonal second moment)
+  variance     their variance, each weight's (the diagonal), kept by Welford's update: computed as
+               mean(x^2) - mean(x)^2 in float32, it cancels to noise for a weight that moves little, and a sample's
+               spread would depend on how XLA fused that subtraction
   deviations   the last `swag_rank` of theta_i - mean_i (mean_i: the mean after collection i), a ring buffer,
                the rows of Maddox et al.'s deviation matrix D
 
 At prediction a member draws `swag_samples` parameter sets (Maddox et al. eq. 1-2, with scale 1/2)
-  theta = mean + sqrt(var / 2) * z1 + D^T z2 / sqrt(2 (R - 1)),   var = max(sq_mean - mean^2, 0),
+  theta = mean + sqrt(variance / 2) * z1 + D^T z2 / sqrt(2 (R - 1)),
 R the filled rows of D, under keys fixed by the member's key, and combines their outputs as the task combines
 snapshots (`combine_snapshots`): classification the log of their mean probability, regression each sample a
 mixture component. The ensemble's mean over K members is then the mean over all K x S samples. Before two
@@ -28,45 +30,18 @@ training data, so every sample uses the member's running averages at the end of 
 """
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ensemble import optim
-from ensemble.errors import UsageError
 from ensemble.methods.independent import Independent
 
+# What a member's samples are drawn from, besides the count of collections.
+MOMENTS = ('mean', 'variance', 'deviations')
 # fold_in tag of a member's sampling key: its training steps fold the step number into the same key.
 SAMPLE_KEY = 0x5357_4147
-
-
-def _whole(value) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check(config):
-  """Refuses MultiSWAG fields that cannot work, in one line each, before anything runs."""
-  samples, rank, start, rate = config.swag_samples, config.swag_rank, config.swag_start, config.swag_learning_rate
-  if not (_whole(samples) and samples >= 1):
-    raise UsageError(f'swag_samples={samples!r} must be a whole number >= 1, the parameter samples each member '
-                     'predicts with: set e.g. --config.swag_samples=10')
-  if not (_whole(rank) and rank >= 2):
-    raise UsageError(f'swag_rank={rank!r} must be a whole number >= 2, the deviations each member keeps for its '
-                     'low-rank covariance: set e.g. --config.swag_rank=10')
-  if not (isinstance(start, (int, float)) and not isinstance(start, bool) and 0 < start < 1):
-    raise UsageError(f'swag_start={start!r} must be in (0, 1), the fraction of the run before the moments are '
-                     'collected: set e.g. --config.swag_start=0.5')
-  if not (isinstance(rate, (int, float)) and not isinstance(rate, bool) and math.isfinite(rate)
-          and 0 < rate <= config.learning_rate):
-    raise UsageError(f'swag_learning_rate={rate!r} must be in (0, learning_rate={config.learning_rate}], the '
-                     'constant rate of the collection phase: set e.g. '
-                     f'--config.swag_learning_rate={config.learning_rate / 10:g}')
-  if not config.get('num_train_steps', 0) and config.warmup_epochs >= start * config.num_epochs:
-    raise UsageError(f'warmup_epochs={config.warmup_epochs} must end before the collection phase starts (epoch '
-                     f'{start * config.num_epochs:g} of {config.num_epochs}): lower --config.warmup_epochs or '
-                     'raise --config.swag_start')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +64,7 @@ class MultiSWAG(Independent):
     zeros = lambda shape: (lambda x: jnp.zeros((*shape, *x.shape), x.dtype))
     return state.replace(snapshots={
         'count': jnp.zeros((), jnp.int32), 'mean': jax.tree.map(zeros(()), state.params),
-        'sq_mean': jax.tree.map(zeros(()), state.params),
+        'variance': jax.tree.map(zeros(()), state.params),
         'deviations': jax.tree.map(zeros((self.rank,)), state.params)})
 
   def after_update(self, state):
@@ -103,6 +78,17 @@ class MultiSWAG(Independent):
     return state.replace(snapshots=jax.lax.cond(collects, lambda moments: collect(moments, state.params),
                                                 lambda moments: moments, state.snapshots))
 
+  def params_of(self, state):
+    """The current parameters and the SWAG moments the samples are drawn from (their mean, variance and
+    deviations): a member predicts with the samples once two collections are in, with the current parameters
+    before."""
+    moments = state.snapshots
+    return {'params': state.params, **{name: moments[name] for name in MOMENTS}}
+
+  def with_params(self, state, params):
+    return state.replace(params=params['params'], snapshots={
+        **state.snapshots, **{name: params[name] for name in MOMENTS}})
+
   def predict(self, member, state, images):
     """The `samples` draws' outputs combined as the task combines snapshots; the current parameters' before the
     moments hold two collections."""
@@ -115,20 +101,21 @@ class MultiSWAG(Independent):
 
 
 def collect(moments, params):
-  """The moments with `params` collected: running means updated, then the deviation from the new mean written
-  over the oldest row of D (Maddox et al.'s `collect_model`)."""
+  """The moments with `params` collected: the running mean and variance updated (Welford: the variance from the
+  products of deviations from the old and the new mean, which never cancel), then the deviation from the new mean
+  written over the oldest row of D (Maddox et al.'s `collect_model`)."""
   count = moments['count']
   weight = 1.0 / (count + 1).astype(jnp.float32)
-  running = lambda average, x: average + (x - average) * weight
-  mean = jax.tree.map(running, moments['mean'], params)
-  sq_mean = jax.tree.map(lambda average, x: running(average, x * x), moments['sq_mean'], params)
+  mean = jax.tree.map(lambda average, x: average + (x - average) * weight, moments['mean'], params)
+  variance = jax.tree.map(lambda variance, x, old, new: variance + ((x - old) * (x - new) - variance) * weight,
+                          moments['variance'], params, moments['mean'], mean)
   row = count % jax.tree.leaves(moments['deviations'])[0].shape[0]
   deviations = jax.tree.map(lambda rows, x, m: rows.at[row].set(x - m), moments['deviations'], params, mean)
-  return {'count': count + 1, 'mean': mean, 'sq_mean': sq_mean, 'deviations': deviations}
+  return {'count': count + 1, 'mean': mean, 'variance': variance, 'deviations': deviations}
 
 
 def sample(moments, key: jax.Array):
-  """One parameter set from the SWAG Gaussian N(mean, var / 2 + D^T D / (2 (R - 1))), R = the filled rows of D
+  """One parameter set from the SWAG Gaussian N(mean, variance / 2 + D^T D / (2 (R - 1))), R = the filled rows of D
   (the unfilled rows are zeros, and add nothing).
 
   One normal draw for the whole tree, sliced into its leaves: a draw per leaf compiled 20x slower on CPU (the CNN's
@@ -142,8 +129,12 @@ def sample(moments, key: jax.Array):
   filled = jnp.minimum(moments['count'], rank)
   low_rank_scale = jax.lax.rsqrt(2.0 * jnp.maximum(filled - 1, 1).astype(jnp.float32))
 
-  def leaf(mean, sq_mean, deviations, z):
-    std = jnp.sqrt(jnp.maximum(sq_mean - mean * mean, 0.0) / 2)
+  def leaf(mean, variance, deviations, z):
+    # sqrt's derivative is infinite at 0, where a weight that never moved has its variance: 0 there, so that a
+    # gradient with respect to the moments (`Ensemble.apply`) stays finite.
+    half = jnp.maximum(variance, 0.0) / 2
+    std = jnp.where(half > 0, jnp.sqrt(jnp.where(half > 0, half, 1.0)), 0.0)
     low_rank = jnp.tensordot(z2, deviations, axes=1) * low_rank_scale
     return (mean + std * z + low_rank).astype(mean.dtype)
-  return jax.tree.map(leaf, moments['mean'], moments['sq_mean'], moments['deviations'], jax.tree.unflatten(treedef, z1))
+  return jax.tree.map(leaf, moments['mean'], moments['variance'], moments['deviations'],
+                      jax.tree.unflatten(treedef, z1))

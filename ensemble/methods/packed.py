@@ -13,30 +13,11 @@ rule; a model of your own uses them).
 """
 
 import dataclasses
-import math
 
-from ensemble.errors import UsageError
 from ensemble.methods.independent import Independent
 
 # The built-in models that have a packed member (models/__init__.py); the mesh MLP and the classifier do not.
 MODELS = ('cnn', 'resnet', 'mlp')
-
-
-def check(config):
-  """Refuses alpha, gamma or a model that cannot make packed members, in one line, before any data is read."""
-  alpha, gamma = config.packed_alpha, config.packed_gamma
-  if not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and math.isfinite(alpha) and alpha > 0):
-    raise UsageError(f'packed_alpha={alpha!r} must be a positive number, the width of the packed ensemble as a '
-                     'multiple of one network\'s (each member has alpha / ensemble_size of it): set e.g. '
-                     '--config.packed_alpha=2')
-  if not (isinstance(gamma, int) and not isinstance(gamma, bool) and gamma >= 1):
-    raise UsageError(f'packed_gamma={gamma!r} must be a positive whole number, the groups of each member\'s inner '
-                     'layers: set e.g. --config.packed_gamma=1')
-  model = config.model
-  if ':' not in model and (model not in MODELS or (model == 'mlp' and 'num_layers' in config)):
-    raise UsageError(f'method packed has packed members of models {list(MODELS)} (the plain mlp), not of '
-                     f'{model!r}{" with the mesh fields" if model == "mlp" else ""}: set --config.model=cnn, or '
-                     'build a model of your own with ensemble.models.packed')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,14 @@ class Snapshot(Independent):
     cycle_ends = state.step % self.cycle_steps == 0
     return state.replace(snapshots=jax.lax.cond(cycle_ends, keep, lambda kept: kept, state.snapshots))
 
+  def params_of(self, state):
+    """The current parameters and the kept snapshots' (each leaf (C, ...)): a member predicts with the snapshots
+    once the first cycle has ended, with the current parameters before."""
+    return {'params': state.params, 'snapshots': state.snapshots['params']}
+
+  def with_params(self, state, params):
+    return state.replace(params=params['params'], snapshots={**state.snapshots, 'params': params['snapshots']})
+
   def predict(self, member, state, images):
     """The kept snapshots combined as the task combines them (classification: log of their mean probability; the
     current parameters' logits before the first); regression: each snapshot a mixture component."""

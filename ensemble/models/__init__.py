@@ -16,44 +16,34 @@ from ensemble.models import classifier, cnn, mimo, mlp, packed, resnet, user
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-  build: Callable[..., nn.Module]  # (config, num_classes) -> module
-  check: Callable[..., None] = lambda config: None  # refuses bad options before any data is read
+  build: Callable[..., nn.Module]  # (recipe, num_classes) -> module
   min_image_size: int = 0  # smallest height and width of the images it takes; 0: any inputs, flattened
   why: str = ''
 
 
 def _rank1(config) -> bool:
   """BatchEnsemble members are the model with rank-1 layers (models/rank1.py)."""
-  return config.get('method') == 'batchensemble'
+  return config.method == 'batchensemble'
 
 
 def _dropout_rate(config) -> float:
   """The built-in models' dropout: method mc_dropout's `dropout_rate`, none for the other methods."""
-  return config.dropout_rate if config.get('method') == 'mc_dropout' else 0.0
+  return config.dropout_rate if config.method == 'mc_dropout' else 0.0
 
 
 def _packed(config, widths) -> dict:
   """Method packed's member: the model at packed_alpha / K of each of its layers' `widths`, packed_gamma groups in
   its inner layers (models/packed.py); no options for the other methods."""
-  if config.get('method') != 'packed':
+  if config.method != 'packed':
     return {}
   width = lambda features: packed.width(features, config.packed_alpha, config.ensemble_size, config.packed_gamma)
   return {'widths': tuple(width(features) for features in widths), 'groups': config.packed_gamma}
 
 
-def _check_resnet(config):
-  depth = config.resnet_depth
-  if depth < 8 or (depth - 2) % 6:
-    raise UsageError(f'resnet_depth={depth} is not 6n+2 with n >= 1: set --config.resnet_depth to 8, 14, 20, '
-                     '32, 44, 56 or 110')
-  if config.resnet_width < 1:
-    raise UsageError(f'resnet_width={config.resnet_width} must be a positive width multiplier (1, 2, 4, ...)')
-
-
 def _mlp(config, num_classes: int) -> nn.Module:
   """The mesh MLP where the config has its fields (configs/mlp.py: num_layers, depth, ...), whose blocks split over
   'model'; else the plain one, which is what a config without them (the default, on feature vectors) means."""
-  if 'num_layers' not in config:
+  if not config.num_layers:
     return mlp.Plain(num_classes=num_classes, rank1=_rank1(config), dropout_rate=_dropout_rate(config),
                      **_packed(config, mlp.Plain.widths))
   return mlp.MLP(config.num_layers, config.depth, use_scan=config.use_scan, logical=config.logical,
@@ -69,7 +59,7 @@ MODELS = {
         config.resnet_depth, config.resnet_width, num_classes, rank1=_rank1(config),
         dropout_rate=_dropout_rate(config),
         **_packed(config, tuple(filters * config.resnet_width for filters in resnet.STAGE_FILTERS))),
-                    check=_check_resnet, min_image_size=1),
+                    min_image_size=1),
     'mlp': Entry(_mlp),
     'classifier': Entry(lambda config, num_classes: classifier.Classifier(
         config.num_layers, config.depth, dropout_rate=config.dropout_rate, num_classes=num_classes)),
@@ -86,26 +76,21 @@ def _imported(config):
     raise UsageError(f'model {config.model!r} was defined in the script that trained it, so no other program can '
                      'build it: move it into an importable module, or load the workdir from Python with '
                      'ensemble.load(workdir, model=...)')
-  if config.get('model_kwargs', {}).get('unrecorded'):
+  if dict(config.model_kwargs).get('unrecorded'):
     raise UsageError(f'model {config.model!r} was trained with arguments that config.json cannot record: load the '
                      'workdir from Python with ensemble.load(workdir, model=...)')
   return user.import_object(config.model)
 
 
 def _wrap_imported(config, num_classes: int | None = None):
-  kwargs = config.model_kwargs.to_dict() if config.get('model_kwargs') else {}
+  kwargs = config.model_kwargs.to_dict()
   return user.wrap(_imported(config), kwargs, num_classes, name=config.model)
 
 
 def check(config):
-  """Refuses an unknown model or bad model options; what does not depend on the data."""
-  if user.is_import_path(config.model):
-    _wrap_imported(config)
-    return
-  if config.model not in MODELS:
-    raise UsageError(f'unknown model {config.model!r}: set --config.model to one of {sorted(MODELS)}, or name a '
-                     'model of your own as package.module:Name')
-  MODELS[config.model].check(config)
+  """Refuses a model named by import path whose module does not import or whose arguments do not build it: what
+  ensemble/recipe.py asks before any data is read."""
+  _wrap_imported(config)
 
 
 def create(config, num_classes: int, image_shape: tuple[int, ...], model=None):
@@ -117,7 +102,6 @@ def create(config, num_classes: int, image_shape: tuple[int, ...], model=None):
     return user.wrap(model)
   if user.is_import_path(config.model):
     return _wrap_imported(config, num_classes)
-  check(config)
   entry = MODELS[config.model]
   if entry.min_image_size:
     if len(image_shape) != 3:
@@ -128,7 +112,7 @@ def create(config, num_classes: int, image_shape: tuple[int, ...], model=None):
     if min(height, width) < entry.min_image_size:
       raise UsageError(f'model {config.model!r} does not fit {height}x{width} images: {entry.why}; '
                        'choose another --config.model, e.g. resnet')
-  if config.get('method') == 'mimo':  # one network of M inputs and M heads, each head the outputs of one member
+  if config.method == 'mimo':  # one network of M inputs and M heads, each head the outputs of one member
     heads = config.ensemble_size
     return mimo.MIMO(entry.build(config, num_classes * heads), heads=heads)
   return entry.build(config, num_classes)

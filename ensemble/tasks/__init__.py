@@ -10,32 +10,19 @@ Steps, the trainer, evaluation and prediction ask the task; they do not look at 
 
 from typing import Any
 
-from ensemble.errors import UsageError
 from ensemble.tasks import classification, regression
 
 NAMES = ('classification', 'regression')
 
 
-def name(config) -> str:
-  """`config.task`; runs saved before tasks existed were classifiers."""
-  return config.get('task', 'classification')
-
-
 def create(config, data_info: dict[str, Any] | None = None):
-  """The task `config` names, for data described by `data_info` (its target statistics, for regression)."""
-  check(config)
-  if name(config) == 'classification':
-    return classification.Classification(temperature=float(config.get('distill_temperature', 1.0)))
-  data_info = data_info or {}
-  return regression.Regression(loss_name=config.get('loss', 'nll'), beta=float(config.get('beta', 0.5)),
-                               target_mean=tuple(data_info.get('target_mean', (0.0,))),
-                               target_std=tuple(data_info.get('target_std', (1.0,))))
-
-
-def check(config):
-  """Refuses an unknown task or loss before any data is read."""
-  task = name(config)
-  if task not in NAMES:
-    raise UsageError(f'unknown task {task!r}: set --config.task to one of {list(NAMES)}')
-  if task == 'regression':
-    regression.check(config)
+  """The task a recipe names, for data described by `data_info`: a regression's targets in their units (its
+  `target_mean` and `target_std`), or, where `data_info` leaves them out (what the programs are built for, so that
+  they do not change when the data does), in standardised units, D = num_classes / 2 of them."""
+  if config.task == 'classification':
+    return classification.Classification(temperature=config.distill_temperature)
+  info = data_info or {}
+  targets = len(info['target_std']) if 'target_std' in info else max(info.get('num_classes', 2) // 2, 1)
+  return regression.Regression(loss_name=config.loss, beta=config.beta,
+                               target_mean=tuple(info.get('target_mean', (0.0,) * targets)),
+                               target_std=tuple(info.get('target_std', (1.0,) * targets)))

@@ -89,10 +89,20 @@ class Classification:
     mean = jax.nn.logsumexp(jnp.where(kept_mask, log_probs, -jnp.inf), axis=0) - jnp.log(jnp.maximum(count, 1))
     return jnp.where(count > 0, mean, current)
 
-  def summary(self, train, test) -> dict[str, float]:
-    """The task's part of metrics.jsonl's line for an epoch."""
-    summary = {'train_loss': train['loss'], 'train_accuracy': train['accuracy'],
-               'test_loss': test['loss'], 'test_accuracy': test['accuracy']}
+  # What the progress bar shows as the running loss: the train steps' 'loss' as it is.
+  reported_loss = ('loss', 0.0)
+
+  def in_data_units(self, outputs: dict) -> dict:
+    """The test pass's outputs as the data's units have them: a class is a class."""
+    return outputs
+
+  def summary(self, train, test=None) -> dict[str, float]:
+    """The task's part of metrics.jsonl's line for an epoch: the training metrics, and the test set's scores when
+    it was scored."""
+    summary = {'train_loss': train['loss'], 'train_accuracy': train['accuracy']}
+    if test is None:
+      return summary
+    summary.update(test_loss=test['loss'], test_accuracy=test['accuracy'])
     for i, (loss, accuracy) in enumerate(zip(test['member_loss'], test['member_accuracy'])):
       summary[f'member_test_loss/{i}'] = loss
       summary[f'member_test_accuracy/{i}'] = accuracy

@@ -42,14 +42,6 @@ _LOG_2PI = float(np.log(2 * np.pi))
 _SQRT_2PI = float(np.sqrt(2 * np.pi))
 
 
-def check(config):
-  if config.get('loss', 'nll') not in LOSSES:
-    raise UsageError(f'unknown loss {config.loss!r} for regression: set --config.loss to one of {list(LOSSES)}')
-  beta = config.get('beta', 0.5)
-  if not (isinstance(beta, (int, float)) and 0 <= beta <= 1):
-    raise UsageError(f'beta={beta!r} must lie in [0, 1] (0: the Gaussian NLL, 1: gradients of the mean as MSE)')
-
-
 def split_outputs(outputs, targets: int, xp=jnp):
   """Raw outputs (..., N, M 2 D) -> (means, variances), each (..., M, N, D), standardised units.
 
@@ -95,40 +87,63 @@ class Regression:
     return outputs
 
   def loss(self, outputs: jnp.ndarray, labels: jnp.ndarray) -> tuple[jnp.ndarray, Metrics]:
-    """(the batch's mean loss, the step's metrics); `labels` are standardised targets (N, D)."""
+    """(the batch's mean loss, the step's metrics); `labels` are standardised targets (N, D). The metrics hold the
+    loss trained and, whichever it is, the Gaussian NLL ('nll', standardised units), which the summary reports in
+    the targets' units beside the test set's."""
     mean, variance = split_outputs(outputs, self.targets)
     mean, variance = mean[0], variance[0]
+    nll = gaussian_nll(mean, variance, labels)
     if self.loss_name == 'mse':
       per_target = 0.5 * (labels - mean) ** 2
+    elif self.loss_name == 'beta_nll':
+      per_target = nll * jax.lax.stop_gradient(variance) ** self.beta
     else:
-      per_target = gaussian_nll(mean, variance, labels)
-      if self.loss_name == 'beta_nll':
-        per_target = per_target * jax.lax.stop_gradient(variance) ** self.beta
+      per_target = nll
     loss = per_target.sum(-1).mean()
-    return loss, {'loss': loss}
+    return loss, {'loss': loss, 'nll': nll.sum(-1).mean()}
 
   def eval_outputs(self, outputs: jnp.ndarray, labels: jnp.ndarray, *, axis_name: AxisName) -> Metrics:
-    """Per input: the member's and the mixture's NLL (exact mixture density) and squared error, original units.
+    """Per input: the member's and the mixture's NLL (exact mixture density) and squared error per target, all in
+    standardised units (`labels` standardised): the programs do not change with the data's statistics, and
+    `in_data_units` converts on the host.
 
     A member with several components (snapshots) is their mixture; the
     ensemble's log-density is log mean_k p_k(y), computed in log space over the
     members (`classification.log_mean_exp`).
     """
     from ensemble.tasks import classification  # pylint: disable=g-import-not-at-top
-    std = jnp.asarray(self.target_std)
     means, variances = split_outputs(outputs, self.targets)  # (M, N, D)
     component = -gaussian_nll(means, variances, labels).sum(-1)  # (M, N)
     member_log_density = jax.nn.logsumexp(component, axis=0) - jnp.log(component.shape[0])
-    log_jacobian = jnp.log(std).sum()  # densities in original units: p(y) = p(z) / prod std
     member_mean = means.mean(0)
     ensemble_mean = jax.lax.pmean(member_mean, axis_name)
-    squared_error = lambda mean: (((mean - labels) * std) ** 2).mean(-1)
     return {
-        'member_loss': -member_log_density + log_jacobian,
-        'member_squared_error': squared_error(member_mean),
-        'ensemble_loss': -classification.log_mean_exp(member_log_density, axis_name) + log_jacobian,
-        'ensemble_squared_error': squared_error(ensemble_mean),
+        'member_loss': -member_log_density,
+        'member_squared_error': (member_mean - labels) ** 2,
+        'ensemble_loss': -classification.log_mean_exp(member_log_density, axis_name),
+        'ensemble_squared_error': (ensemble_mean - labels) ** 2,
     }
+
+  @property
+  def log_jacobian(self) -> float:
+    """log prod_d std_d: a density in the targets' units is the standardised one divided by prod_d std_d, so an NLL
+    in their units is the standardised NLL plus this."""
+    return float(np.log(np.asarray(self.target_std, np.float64)).sum())
+
+  @property
+  def reported_loss(self) -> tuple[str, float]:
+    """What the progress bar shows as the running loss: the NLL in the targets' units, as the summary reports it."""
+    return 'nll', self.log_jacobian
+
+  def in_data_units(self, outputs: dict) -> dict:
+    """The test pass's outputs (standardised, `eval_outputs`) in the targets' units: NLLs shifted by the log-Jacobian,
+    squared errors per target scaled by the target's variance and averaged over the targets."""
+    variance = np.asarray(self.target_std, np.float64) ** 2
+    converted = {}
+    for name, values in outputs.items():
+      values = np.asarray(values, np.float64)
+      converted[name] = (values * variance).mean(-1) if name.endswith('squared_error') else values + self.log_jacobian
+    return converted
 
   def combine_snapshots(self, outputs: jnp.ndarray, count: jnp.ndarray, current: jnp.ndarray) -> jnp.ndarray:
     """The C snapshots' outputs (C, N, 2D) side by side, (N, C 2D): each a mixture component.
@@ -142,9 +157,13 @@ class Regression:
     outputs = jnp.where(kept, outputs, current[None])
     return jnp.moveaxis(outputs, 0, 1).reshape(outputs.shape[1], -1)
 
-  def summary(self, train, test) -> dict[str, float]:
-    summary = {'train_loss': train['loss'], 'test_loss': test['loss'],
-               'test_rmse': np.sqrt(test['squared_error'])}
+  def summary(self, train, test=None) -> dict[str, float]:
+    """The task's part of metrics.jsonl's line for an epoch, every loss an NLL in the targets' units (nats per input):
+    the training steps' NLL (whatever loss trains) beside the test set's, and the test set's RMSE."""
+    summary = {'train_loss': train['nll'] + self.log_jacobian}
+    if test is None:
+      return summary
+    summary.update(test_loss=test['loss'], test_rmse=np.sqrt(test['squared_error']))
     for i, (loss, squared_error) in enumerate(zip(test['member_loss'], test['member_squared_error'])):
       summary[f'member_test_loss/{i}'] = loss
       summary[f'member_test_rmse/{i}'] = np.sqrt(squared_error)
@@ -256,19 +275,46 @@ def mixture_interval(means: np.ndarray, variances: np.ndarray, level: float,
   return low, high
 
 
+def level_name(level: float) -> str:
+  """How an interval's level names it in `predictive`'s keys: its percent, with the decimals it needs (0.9 is
+  '90', 0.904 '90.4')."""
+  return f'{round(100 * level, 6):g}'
+
+
+def checked_levels(levels) -> tuple[float, ...]:
+  """`levels` as a tuple of interval levels, each a probability in (0, 1), each named apart from the others
+  (`level_name`); anything else is one UsageError."""
+  if isinstance(levels, (str, bytes)) or not hasattr(levels, '__iter__'):
+    raise UsageError(f'levels={levels!r} must be a sequence of probabilities in (0, 1), e.g. (0.5, 0.9), or () for '
+                     'none')
+  levels = tuple(levels)
+  for level in levels:
+    if isinstance(level, bool) or not isinstance(level, (int, float, np.floating, np.integer)) or not 0 < level < 1:
+      percent = isinstance(level, (int, float)) and 1 < level < 100
+      hint = f' (for a {level:g}% interval give {level / 100:g})' if percent else ''
+      raise UsageError(f'levels={levels!r}: each level is the probability an interval holds, in (0, 1), not '
+                       f'{level!r}{hint}')
+  names = [level_name(level) for level in levels]
+  if len(set(names)) != len(names):
+    raise UsageError(f'levels={levels!r} names an interval twice ({sorted(n for n in names if names.count(n) > 1)[0]}%'
+                     '); give each level once')
+  return tuple(float(level) for level in levels)
+
+
 def predictive(means: np.ndarray, variances: np.ndarray, levels: Sequence[float] = LEVELS,
                xp=np) -> dict[str, np.ndarray]:
   """What a regression ensemble predicts per input, (N, D) each: `mixture_moments` and the central intervals
-  'lower_P', 'upper_P' holding P% of the mixture at each of `levels`, bisected together. `Ensemble.predict` and
-  `ensemble.export` both return this, so a served artifact's intervals are predict's."""
+  'lower_P', 'upper_P' holding P% of the mixture at each of `levels` (P as `level_name` writes it), bisected
+  together. `Ensemble.predict` and `ensemble.export` both return this, so a served artifact's intervals are
+  predict's."""
   result = mixture_moments(means, variances)
   if not levels:
     return result
   bounds = [p for level in levels for p in ((1 - level) / 2, (1 + level) / 2)]
   quantiles = mixture_quantile(means, variances, bounds, xp=xp)
   for i, level in enumerate(levels):
-    percent = round(100 * level)
-    result[f'lower_{percent}'], result[f'upper_{percent}'] = quantiles[2 * i], quantiles[2 * i + 1]
+    name = level_name(level)
+    result[f'lower_{name}'], result[f'upper_{name}'] = quantiles[2 * i], quantiles[2 * i + 1]
   return result
 
 
@@ -301,7 +347,7 @@ def score(means: np.ndarray, variances: np.ndarray, y: np.ndarray, levels: Seque
             'crps': float(mixture_crps(means, variances, y).mean())}
   for level in levels:
     low, high = mixture_interval(means, variances, level)
-    result[f'coverage_{round(level * 100)}'] = float(((low <= y) & (y <= high)).mean())
+    result[f'coverage_{level_name(level)}'] = float(((low <= y) & (y <= high)).mean())
   return result
 
 

@@ -1,0 +1,596 @@
+"""The settings resolved once, at the boundary: every rule, every refusal, one immutable `Recipe`.
+
+  recipe, devices = resolve(config, jax.devices(), model=model, dataset=dataset)   # the command line, `fit`
+  recipe = from_record(config_json)                                                # `load`, evaluate, predict
+
+A setting travels one way: the command line's config file and `--config.FIELD`
+overrides, `fit`'s keywords, or a workdir's config.json, become a `Recipe`
+here (ensemble/defaults.py lists its fields); the loop, the trainer, the
+backends, the tasks and the methods read it and never check or change it.
+Each field is checked alone (`of`: its type and range), then with the others,
+the devices and the data (`resolve`); a broken rule is one `UsageError` that
+names the field and the fix, in the command line's terms (`--config.FIELD`;
+`fit` rewrites them as `FIELD=`). What needs the model traced (its outputs
+against the data's, its annotated shapes against the mesh) is checked where
+the model is built, once per program (ensemble/members.py).
+"""
+
+import difflib
+import json
+import math
+import numbers
+import os
+from typing import Any, Mapping, Sequence
+
+import jax
+
+from ensemble import backends, data, methods, models, optim, steps
+from ensemble.data import augment, stream
+from ensemble.defaults import FIELDS, Kwargs, Recipe, frozen
+from ensemble.errors import UsageError
+from ensemble.methods import packed as packed_method
+from ensemble.models import user
+from ensemble.tasks import regression
+
+__all__ = ['Recipe', 'of', 'resolve', 'from_record']
+
+MEMBER_DATA = ('shared', 'shuffled', 'bootstrap')
+TASKS = ('classification', 'regression')
+DTYPES = ('float32', 'bfloat16')
+MAX_SEED = 2**32 - 1  # jax.random.key folds larger seeds onto the same keys
+# The members of `ensemble_size=0` on a single device (a laptop's CPU, one GPU): several on the device, as 0 means one
+# per device only where there are several devices; an ensemble of one would be no ensemble.
+ONE_DEVICE_MEMBERS = 8
+# What decides which examples each member trains on, in which order, and which are held out for
+# `ensemble.evaluate`: a resume must keep these as the workdir was started with them.
+DATA_SETTINGS = ('dataset', 'train_split', 'test_split', 'data_dir', 'heldout_fraction', 'seed', 'batch_size',
+                 'member_data', 'inputs', 'standardize_features', 'target')
+# What else a resume must keep: another method's or another task's members have another state, and checkpoints
+# are numbered by epoch, or by step where they are saved every checkpoint_every_steps steps.
+RESUME_SETTINGS = DATA_SETTINGS + ('method', 'task', 'checkpoint_every_steps')
+# What a method's run must keep besides, and why: a snapshot ensemble's cycles span num_epochs / snapshot_cycles
+# epochs (another length would end a cycle mid-schedule and write the next snapshots over the last slot); MultiSWAG's
+# collection phase starts at swag_start of the run, and its members keep swag_rank deviations.
+METHOD_SETTINGS = {
+    'snapshot': (('num_epochs', 'snapshot_cycles'), 'a snapshot ensemble keeps the length of its cycles '
+                 '(num_epochs / snapshot_cycles epochs) for the whole run'),
+    'multiswag': (('num_epochs', 'num_train_steps', 'swag_start', 'swag_rank'),
+                  'MultiSWAG keeps the steps of its collection phase (swag_start of the run) and the shape of its '
+                  'moments (swag_rank) for the whole run'),
+}
+# What every run's config.json holds, whatever its version: how a workdir's record is told from another file.
+RECORD_KEYS = ('model', 'ensemble_size', 'learning_rate', 'momentum', 'eval_batch_size', 'data_dir')
+# What a run recorded before a field existed ran as, where that is not the field's default today: nothing was
+# streamed, and nothing held out.
+LEGACY = {'streaming': 'never', 'heldout_fraction': 0.0}
+# The methods whose members are K independent networks of one architecture: a warm start from one of them into
+# another keeps each member's network. The others' members share weights or are built for their method.
+MEMBERWISE = ('independent', 'bagging', 'hyper', 'snapshot', 'multiswag')
+# Values each field takes, where they are names: checked alone, before anything is read.
+CHOICES = {
+    'backend': backends.NAMES, 'member_sharding': backends.MEMBER_SHARDINGS, 'method': methods.NAMES,
+    'task': TASKS, 'loss': regression.LOSSES, 'member_data': MEMBER_DATA, 'streaming': stream.MODES,
+    'inputs': ('auto', *steps.INPUTS), 'augment': tuple(augment.AUGMENTATIONS), 'optimizer': tuple(optim.OPTIMIZERS),
+    'schedule': tuple(optim.SCHEDULES), 'dtype': DTYPES,
+}
+
+
+def _require(ok: bool, message: str):
+  if not ok:
+    raise UsageError(message)
+
+
+# --- each field alone --------------------------------------------------------------------------------------------
+
+_DEFAULTS = Recipe()
+
+
+def _typed(name: str, value: Any) -> Any:
+  """`value` as field `name`'s type (that of its default), or a UsageError saying what the field takes."""
+  default = getattr(_DEFAULTS, name)
+  if isinstance(default, bool):
+    _require(isinstance(value, bool) or type(value).__name__ == 'bool_', f'{name}={value!r} must be True or False')
+    return bool(value)
+  if isinstance(default, int):
+    _require(isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != 'bool_',
+             f'{name}={value!r} must be a whole number')
+    return int(value)
+  if isinstance(default, float):
+    _require(isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != 'bool_',
+             f'{name}={value!r} must be a number')
+    return float(value)
+  if isinstance(default, str):
+    _require(isinstance(value, str), f'{name}={value!r} must be a string')
+    return value
+  if isinstance(default, Kwargs):
+    if isinstance(value, Kwargs):
+      return value
+    _require(isinstance(value, Mapping) or hasattr(value, 'to_dict'),
+             f'{name}={value!r} must be a dict of the model\'s arguments')
+    try:
+      kwargs = frozen(value)
+      hash(kwargs)
+    except TypeError:
+      raise UsageError(f'{name}={value!r}: its values must be numbers, strings, lists or dicts of them') from None
+    return kwargs
+  # A tuple: hyper's ranges, the logical axis rules, the mesh's shape.
+  _require(isinstance(value, (tuple, list)), f'{name}={value!r} must be a tuple, e.g. {default!r}')
+  try:
+    value = frozen(value)
+    hash(value)
+  except TypeError:
+    raise UsageError(f'{name}={value!r} must be a tuple of numbers or names, e.g. {default!r}') from None
+  return value
+
+
+def _positive(value: float) -> bool:
+  return math.isfinite(value) and value > 0
+
+
+def _range(low, high, value, *, open_low=False, open_high=True) -> bool:
+  above = value > low if open_low else value >= low
+  below = value < high if open_high else value <= high
+  return math.isfinite(value) and above and below
+
+
+def _check_field(name: str, value: Any):
+  """The rules of one field alone: a name among its choices, a number in its range."""
+  if name in CHOICES:
+    _require(value in CHOICES[name], f'unknown {name} {value!r}: set --config.{name} to one of {list(CHOICES[name])}')
+  one_of = lambda ok, what: _require(ok, f'{name}={value!r} must be {what}')
+  rules = {
+      'num_epochs': (lambda v: v > 0, 'positive'), 'batch_size': (lambda v: v > 0, 'positive'),
+      'eval_batch_size': (lambda v: v > 0, 'positive'), 'checkpoints_to_keep': (lambda v: v > 0, 'positive'),
+      'num_train_steps': (lambda v: v >= 0, 'a whole number of steps, or 0 for none'),
+      'checkpoint_every_steps': (lambda v: v >= 0, 'a whole number of steps, or 0 for none'),
+      'ensemble_size': (lambda v: v >= 0, f'positive (0: one member per device, {ONE_DEVICE_MEMBERS} on a single '
+                                          'device)'),
+      'num_devices': (lambda v: v >= 0, 'a number of devices, or 0 for all of them'),
+      'learning_rate': (_positive, 'positive and finite'),
+      'momentum': (lambda v: _range(0, 1, v), 'in [0, 1)'),
+      'weight_decay': (lambda v: _range(0, math.inf, v), '0 or positive, and finite'),
+      'warmup_epochs': (lambda v: v >= 0, '0 or a positive number of epochs'),
+      'seed': (lambda v: 0 <= v <= MAX_SEED, f'in [0, {MAX_SEED}]: set --config.seed'),
+      'heldout_fraction': (lambda v: _range(0, 1, v), 'in [0, 1)'),
+      'eval_every': (lambda v: v >= 0, '0 (a test pass after the last epoch only) or a positive number of epochs'),
+      'steps_per_dispatch': (lambda v: v >= -2, '0 (plain path), positive (fast path), -1 (a whole epoch per '
+                                               'dispatch) or -2 (-1 for a small training set, else 0)'),
+      'dropout_rate': (lambda v: _range(0, 1, v), 'in [0, 1), the probability that a unit is dropped'),
+      'adversarial_epsilon': (lambda v: _range(0, 1, v), "a fraction of each input's range in [0, 1), e.g. "
+                                                         "--config.adversarial_epsilon=0.01 (the paper's), or 0 for "
+                                                         'no adversarial training'),
+      'beta': (lambda v: _range(0, 1, v, open_high=False), 'in [0, 1] (0: the Gaussian NLL, 1: gradients of the '
+                                                           'mean as MSE)'),
+      'distill_temperature': (_positive, 'positive'),
+      'snapshot_cycles': (lambda v: v >= 1, 'a positive number of cycles'),
+      'packed_alpha': (_positive, "a positive number, the width of the packed ensemble as a multiple of one "
+                                  "network's (each member has alpha / ensemble_size of it): set e.g. "
+                                  '--config.packed_alpha=2'),
+      'packed_gamma': (lambda v: v >= 1, 'a positive whole number, the groups of each member\'s inner layers: set '
+                                         'e.g. --config.packed_gamma=1'),
+      'swag_samples': (lambda v: v >= 1, 'a whole number >= 1, the parameter samples each member predicts with: '
+                                         'set e.g. --config.swag_samples=10'),
+      'swag_rank': (lambda v: v >= 2, 'a whole number >= 2, the deviations each member keeps for its low-rank '
+                                      'covariance: set e.g. --config.swag_rank=10'),
+      'swag_start': (lambda v: _range(0, 1, v, open_low=True), 'in (0, 1), the fraction of the run before the '
+                                                               'moments are collected: set e.g. '
+                                                               '--config.swag_start=0.5'),
+      'swag_learning_rate': (_positive, 'positive, the constant rate of the collection phase'),
+      'resnet_width': (lambda v: v >= 1, 'a positive width multiplier (1, 2, 4, ...)'),
+      'num_minibatches': (lambda v: v >= 1, 'a positive number of chunks'),
+  }
+  if name in rules:
+    ok, what = rules[name]
+    one_of(ok(value), what)
+  elif name == 'resnet_depth':
+    _require(value >= 8 and (value - 2) % 6 == 0, f'resnet_depth={value} is not 6n+2 with n >= 1: set '
+             '--config.resnet_depth to 8, 14, 20, 32, 44, 56 or 110')
+  elif name in ('hyper_learning_rate', 'hyper_weight_decay'):
+    _require(len(value) == 2 and all(isinstance(v, numbers.Real) and not isinstance(v, bool) and _positive(v)
+                                     for v in value) and value[0] <= value[1],
+             f'{name}={value!r} must be a range (low, high) of positive numbers with low <= high, '
+             f"e.g. --config.{name}='(0.05, 0.2)'")
+  elif name == 'model':
+    _require(value in models.MODELS or user.is_import_path(value),
+             f'unknown model {value!r}: set --config.model to one of {sorted(models.MODELS)}, or name a model of '
+             'your own as package.module:Name')
+  elif name == 'mesh_shape':
+    _require(len(value) in (0, 2) and all(isinstance(s, int) and (s > 0 or s == -1) for s in value)
+             and value != (-1, -1), f'mesh_shape={value!r} is not a (data, model) pair of positive sizes (one of '
+             'them may be -1: whatever the devices leave)')
+
+
+def of(fields: Any, base: Recipe | None = None, *, ranges: bool = True) -> Recipe:
+  """`base` (default: ensemble/defaults.py's recipe) with `fields` (a dict, an ml_collections ConfigDict or a
+  Recipe), each field checked alone: its type and (unless not `ranges`) its range. An unknown field is refused
+  with the closest names."""
+  if isinstance(fields, Recipe):
+    return fields
+  if hasattr(fields, 'to_dict'):  # a ConfigDict
+    fields = fields.to_dict()
+  _require(isinstance(fields, Mapping), f'config={fields!r} must be an ml_collections ConfigDict or a dict of '
+                                        'fields (ensemble/defaults.py)')
+  unknown = [key for key in fields if key not in FIELDS]
+  if unknown:
+    close = difflib.get_close_matches(unknown[0], FIELDS, n=3)
+    hint = f' (did you mean {", ".join(close)}?)' if close else ''
+    raise UsageError(f'unknown field {unknown[0]!r}{hint}; the fields are those of ensemble/defaults.py')
+  typed = {}
+  for name, value in fields.items():
+    typed[name] = value = _typed(name, value)
+    if ranges:
+      _check_field(name, value)
+  return (base or _DEFAULTS).replace(**typed)
+
+
+# --- the fields together, the devices, the data ------------------------------------------------------------------
+
+def data_location(data_dir: str) -> str:
+  """`data_dir` as a run records it and compares it: the absolute path with links resolved ('' stays '': no
+  folder, tensorflow-datasets or the bundled copy), so that neither depends on the folder a command runs in."""
+  return os.path.realpath(os.path.expanduser(data_dir)) if data_dir else ''
+
+
+def default_ensemble_size(num_devices: int) -> int:
+  """What `ensemble_size=0` means on `num_devices` devices: one member each, or several on a single one."""
+  return num_devices if num_devices > 1 else ONE_DEVICE_MEMBERS
+
+
+def devices_for(k: int, available: Sequence[jax.Device], backend: str = 'pmap') -> list[jax.Device]:
+  """The devices `k` members go on when num_devices is 0: all of them where the backend can place the members on
+  them (k a multiple of their number, or on jit a divisor), else the most that k is a multiple of. The command
+  line, `fit` and `load` place alike."""
+  n = len(available)
+  if not k or k % n == 0 or (backend == 'jit' and n % k == 0):
+    return list(available)
+  return list(available[:max(d for d in range(1, n + 1) if k % d == 0)])
+
+
+def _check_placement(backend: str, k: int, num_devices: int):
+  """K members go on D devices when K is a multiple of D (K/D a device) or, on jit, a divisor (D/K devices each)."""
+  if k % num_devices == 0:
+    return
+  _require(backend == 'jit' or k > num_devices,
+           f'ensemble_size={k} is fewer members than the {num_devices} devices, which backend {backend!r} cannot '
+           'spread a member over: set --config.backend=jit, or --config.num_devices to a divisor of '
+           f'{k}')
+  divisors = [str(d) for d in range(1, num_devices) if num_devices % d == 0]
+  _require(backend == 'jit' and num_devices % k == 0,
+           f'ensemble_size={k} cannot be placed on {num_devices} devices: use a multiple of {num_devices} '
+           f'({num_devices}, {2 * num_devices}, {3 * num_devices}, ...)'
+           + (f" or a divisor ({', '.join(divisors)})" if backend == 'jit' else '')
+           + f', or set --config.num_devices to a divisor of {k}')
+
+
+def _single_model(r: Recipe, devices: Sequence[jax.Device]) -> dict[str, Any]:
+  """A mesh backend splits one model over all the devices: an ensemble of one, the model its placement is written
+  for, on plain batches; its mesh's shape resolved."""
+  backend, model = r.backend, backends.MESH_MODELS[r.backend]
+  example = f"configs/{'mlp' if backend == 'sharded' else backend}.py"
+  _require(r.mesh_shape and r.num_layers, f'backend {backend!r} needs the mesh fields (mesh_shape, ...) '
+           f'of {example}: run with --config={example}')
+  _require(r.model == model, f'backend {backend!r} trains model {model!r}, not {r.model!r}: set --config.model={model}')
+  _require(r.ensemble_size in (0, 1), f'backend {backend!r} trains one model, not an ensemble: set '
+           '--config.ensemble_size=1, or use backend pmap or jit for ensembles')
+  _require(r.method == 'independent', f'backend {backend!r} trains one model, not an ensemble: leave --config.method '
+           'at independent, or use backend pmap or jit for the ensembling methods')
+  _require(r.member_data == 'shared', f"backend {backend!r} trains one model: set --config.member_data=shared")
+  _require(r.task == 'classification',
+           f'backend {backend!r} trains one classifier: use backend pmap or jit for --config.task=regression')
+  _require(r.augment == 'none', f'backend {backend!r} trains one model on plain batches: set --config.augment=none, '
+           'or use backend pmap or jit for augmented training')
+  _require(not r.adversarial_epsilon, f'backend {backend!r} trains one model on plain batches: set '
+           '--config.adversarial_epsilon=0, or use backend pmap or jit for adversarial training')
+  _require(jax.process_count() == 1,
+           f'backend {backend!r} runs in a single process; use backend pmap or jit across processes')
+  n = len(devices)
+  fix = f'set --config.mesh_shape to a (data, model) pair whose product is {n}, e.g. ({n}, 1) or (-1, 1)'
+  shape = r.mesh_shape
+  if -1 in shape:
+    known = max(shape)
+    _require(n % known == 0, f'mesh_shape={shape!r}: {known} does not divide the {n} devices in use; {fix}')
+    shape = tuple(n // known if s == -1 else s for s in shape)
+  _require(math.prod(shape) == n, f'mesh_shape={r.mesh_shape} has {math.prod(shape)} devices but {n} are in use; '
+           f'{fix}, or use --config.num_devices')
+  for name in ('batch_size', 'eval_batch_size'):
+    _require(getattr(r, name) % shape[0] == 0, f'{name}={getattr(r, name)} cannot be split over the {shape[0]} '
+             f'devices of the data axis; set --config.{name} to a multiple of {shape[0]}')
+  if backend in ('dp', 'fsdp'):
+    _require(shape == (n, 1), f'mesh_shape={r.mesh_shape}: dp and fsdp split over the data axis only; set '
+             f'--config.mesh_shape=({n}, 1)')
+    per_device = r.batch_size // n
+    _require(per_device % r.num_minibatches == 0, f'num_minibatches={r.num_minibatches} does not divide the '
+             f'{per_device} examples each device gets per step; set --config.num_minibatches to a divisor of '
+             f'{per_device}')
+  return {'ensemble_size': 1, 'mesh_shape': shape}
+
+
+def _check_method(r: Recipe):
+  """The rules between a method and the other fields."""
+  method, k = r.method, r.ensemble_size
+  if method == 'hyper':
+    (low, high), rate = r.hyper_learning_rate, r.learning_rate
+    _require(low <= rate <= high,  # else the rate set would be silently replaced by draws far from it
+             f'method hyper draws each member its learning rate from hyper_learning_rate=({low:g}, {high:g}) in '
+             f'place of learning_rate={rate:g}, which that range leaves out: set one around it, e.g. '
+             f"--config.hyper_learning_rate='({0.4 * rate:.3g}, {1.2 * rate:.3g})'")
+  if method == 'snapshot':
+    cycles, epochs = r.snapshot_cycles, r.num_epochs
+    _require(not r.num_train_steps, 'method snapshot counts its cycles in epochs: set --config.num_epochs (a '
+             'multiple of snapshot_cycles) and leave --config.num_train_steps at 0')
+    _require(epochs % cycles == 0, f'snapshot_cycles={cycles} must be a positive divisor of num_epochs={epochs}: '
+             f'each cycle spans whole epochs; set --config.snapshot_cycles to one of '
+             f'{[c for c in range(1, epochs + 1) if epochs % c == 0]}')
+    _require(r.warmup_epochs < epochs // cycles, f'warmup_epochs={r.warmup_epochs} must be shorter than a snapshot '
+             f'cycle ({epochs // cycles} epochs): lower --config.warmup_epochs or --config.snapshot_cycles')
+    _require(r.schedule != 'constant', 'method snapshot restarts the learning-rate schedule each cycle, and a '
+             'constant rate has nothing to restart: set --config.schedule=cosine')
+  if method == 'batchensemble':  # a user's model (an import path) is checked for rank-1 layers once it is built
+    _require(r.model in methods.RANK1_MODELS or user.is_import_path(r.model),
+             f'method batchensemble needs a model with rank-1 layers, one of {list(methods.RANK1_MODELS)}, not '
+             f'{r.model!r}: set --config.model=cnn, or build a model of your own with ensemble.models.rank1')
+  if method == 'mc_dropout':
+    _require(r.dropout_rate > 0, f'dropout_rate={r.dropout_rate!r} must be in (0, 1) for method mc_dropout, the '
+             'probability that a unit is dropped: set e.g. --config.dropout_rate=0.1')
+  if method == 'multiswag':
+    _require(r.swag_learning_rate <= r.learning_rate,
+             f'swag_learning_rate={r.swag_learning_rate!r} must be in (0, learning_rate={r.learning_rate}], the '
+             f'constant rate of the collection phase: set e.g. --config.swag_learning_rate={r.learning_rate / 10:g}')
+    _require(r.num_train_steps or r.warmup_epochs < r.swag_start * r.num_epochs,
+             f'warmup_epochs={r.warmup_epochs} must end before the collection phase starts (epoch '
+             f'{r.swag_start * r.num_epochs:g} of {r.num_epochs}): lower --config.warmup_epochs or raise '
+             '--config.swag_start')
+  if method == 'mimo':
+    _require(k != 1, 'method mimo trains one network of M = ensemble_size heads, and 1 head is a single network: '
+             'set e.g. --config.ensemble_size=4')
+    _require(r.batch_size % k == 0,
+             f'batch_size={r.batch_size} must be a multiple of ensemble_size={k} for method mimo, which groups each '
+             f"member's batch into examples of {k} inputs: set e.g. "
+             f'--config.batch_size={max(k, r.batch_size // k * k)}')
+  if method == 'packed':
+    model = r.model
+    _require(user.is_import_path(model) or (model in packed_method.MODELS and not (model == 'mlp' and r.num_layers)),
+             f'method packed has packed members of models {list(packed_method.MODELS)} (the plain mlp), not of '
+             f'{model!r}{" with the mesh fields" if model == "mlp" else ""}: set --config.model=cnn, or build a '
+             'model of your own with ensemble.models.packed')
+  _require(r.member_data != 'bootstrap' or method == 'bagging',
+           "member_data='bootstrap' is what method bagging sets: run with --config.method=bagging instead")
+
+
+def _check_optimizer(r: Recipe):
+  _require(r.warmup_epochs < r.num_epochs,
+           f'warmup_epochs={r.warmup_epochs} must be in [0, num_epochs={r.num_epochs})')
+  _require(not r.warmup_epochs or r.schedule == 'warmup_cosine',
+           f'warmup_epochs={r.warmup_epochs} needs --config.schedule=warmup_cosine (schedule is {r.schedule!r})')
+
+
+def _check_processes(r: Recipe, devices: Sequence[jax.Device]):
+  """Refuses, on every process alike, a run that the processes could not share out evenly."""
+  if jax.process_count() == 1:
+    return
+  per_process = {}
+  for device in devices:
+    per_process[device.process_index] = per_process.get(device.process_index, 0) + 1
+  _require(len(per_process) == jax.process_count() and len(set(per_process.values())) == 1,
+           f'the {jax.process_count()} processes would train on {per_process} of their devices; give every process '
+           'the same number of devices (--cpu_devices on CPU) and leave --config.num_devices at 0')
+  num_processes, local = len(per_process), len(devices) // len(per_process)
+  # Batches that all members share are split over all devices and gathered back on each: every eval batch, and the
+  # train batches of the plain path (the fast path gathers on device).
+  split = ['eval_batch_size'] + (['batch_size'] if r.member_data == 'shared' and not r.steps_per_dispatch else [])
+  for name in split:
+    value = getattr(r, name)
+    _require(value % len(devices) == 0, f'{name}={value} gives each of the {num_processes} processes '
+             f'{value / num_processes:g} examples per step, which its {local} devices cannot split evenly; set '
+             f'--config.{name} to a multiple of {len(devices)}')
+
+
+def _fit_to_data(r: Recipe, dataset: data.Dataset, model: Any) -> dict[str, Any]:
+  """What the data decides: the inputs and the task it holds; only images augmented; the default CNN giving way to
+  the plain MLP on feature vectors; a batch no larger than the training split; a test batch no larger than the test
+  split; the epochs that hold num_train_steps; streamed data fed a batch at a time."""
+  changes = {}
+  _require(r.inputs in ('auto', dataset.inputs), f'{dataset.source} holds {dataset.inputs}, not {r.inputs}: set '
+           '--config.inputs=auto')
+  _require(dataset.task == r.task, f'{dataset.source} holds {dataset.task} data but task={r.task!r}: set '
+           f'--config.task={dataset.task}')
+  if r.adversarial_epsilon:
+    _require(dataset.inputs != 'tokens', 'adversarial_epsilon perturbs inputs along their gradient, and token ids '
+             'have none: set --config.adversarial_epsilon=0')
+    _require(dataset.inputs != 'features' or r.standardize_features,
+             "adversarial_epsilon is a fraction of each feature's range, taken from its standard deviation, which the "
+             'members know only for standardised features: set --config.standardize_features=True')
+  if dataset.inputs != 'images':
+    changes['augment'] = 'none'
+    if model is None and dataset.inputs == 'features' and r.model == _DEFAULTS.model:
+      changes['model'] = models.FEATURES_MODEL
+  rows = len(dataset.train['label'])
+  heldout = data.heldout_count(rows, r.heldout_fraction)
+  if r.heldout_fraction and rows and not heldout:
+    raise UsageError(f'heldout_fraction={r.heldout_fraction} of the {rows} training examples holds out none; set '
+                     f'--config.heldout_fraction to at least {1 / rows:.2g}, or to 0 to hold out nothing')
+  if rows and heldout == rows:
+    most = math.floor(100 * (rows - 1) / rows) / 100
+    raise UsageError(f'heldout_fraction={r.heldout_fraction} of the {rows} training examples holds out all of them, '
+                     'leaving none to train on; lower it: --config.heldout_fraction='
+                     + (f'{most:g} or less, or 0 to hold out nothing' if most else '0, to hold out nothing'))
+  num_train = rows - heldout
+  _require(r.batch_size <= num_train, f'batch_size={r.batch_size} exceeds the {num_train} training examples; lower '
+           '--config.batch_size')
+  if dataset.test is not None:  # one batch of the whole test set, not one padded to many times its size
+    fitting = -(-len(dataset.test['label']) // r.num_devices) * r.num_devices
+    if r.eval_batch_size > fitting:
+      changes['eval_batch_size'] = fitting
+  if r.num_train_steps:  # the epochs that hold them, the last one cut short
+    changes['num_epochs'] = -(-r.num_train_steps // data.steps_per_epoch(num_train, r.batch_size))
+  if stream.is_streamed(dataset.train):
+    _require(r.steps_per_dispatch in (0, -2), f'steps_per_dispatch={r.steps_per_dispatch} keeps the training set on '
+             f'the devices, and {dataset.source} is read a batch at a time: set --config.steps_per_dispatch=0, or '
+             '--config.streaming=never to read it whole')
+  return changes
+
+
+def resolve(fields: Any, available: Sequence[jax.Device], *, model: Any = None,
+            dataset: data.Dataset | None = None) -> tuple[Recipe, list[jax.Device]]:
+  """The recipe `fields` describe (a config, a dict, a Recipe), checked against each other, the devices and the
+  data, with what they leave open filled in (ensemble_size 0, the devices, a user's model by its import path); and
+  the devices to use. `model` is a user's model object (`ensemble.fit`), which `fields`' model then only records.
+  Without `dataset`, what the data decides is left as it is (a resume is checked before the data is read)."""
+  r = of(fields)
+  changes: dict[str, Any] = {'data_dir': data_location(r.data_dir)}
+  if model is not None:
+    user.wrap(model)  # refuses what is no model before anything runs
+    name, kwargs = user.describe(model)
+    changes.update(model=name, model_kwargs=frozen(kwargs))
+  elif user.is_import_path(r.model):
+    models.check(r)  # the module imports, and the arguments build the model
+  if r.method in methods.MEMBER_DATA:
+    changes['member_data'] = methods.MEMBER_DATA[r.method]
+  r = r.replace(**changes)
+  _require(r.num_devices <= len(available),
+           f'num_devices={r.num_devices} but {len(available)} devices are available; set --config.num_devices '
+           f'between 1 and {len(available)} (0 uses all), or run with --cpu_devices=N to simulate N CPU devices')
+  single_model = r.backend in backends.MESH_MODELS
+  k = r.ensemble_size
+  if r.num_devices:
+    devices = list(available[:r.num_devices])
+  elif single_model:
+    devices = list(available)
+  else:
+    devices = devices_for(k, available, r.backend)
+  if single_model:
+    r = r.replace(**_single_model(r, devices))
+  elif not k:
+    r = r.replace(ensemble_size=default_ensemble_size(len(devices)))
+  k, num_devices = r.ensemble_size, len(devices)
+  r = r.replace(num_devices=num_devices)
+  if not single_model:
+    _check_placement(r.backend, k, num_devices)
+  _require(r.member_sharding == 'replicated' or (r.backend == 'jit' and k < num_devices),
+           f'member_sharding={r.member_sharding} splits a member over the devices it has when there are fewer '
+           f'members than devices, on backend jit; here each member has one: set --config.backend=jit and '
+           f'--config.ensemble_size to a divisor of {num_devices} below it, or leave --config.member_sharding at '
+           'replicated')
+  # A member's batch is split over its devices, except under member_sharding=model: there each holds it whole.
+  per_member = 1 if single_model or r.member_sharding == 'model' else backends.devices_per_member(k, num_devices)
+  for name in ('batch_size', 'eval_batch_size'):
+    value = getattr(r, name)
+    _require(value % per_member == 0, f"{name}={value} cannot be split over each member's {per_member} devices: set "
+             f'--config.{name} to a multiple of {per_member}')
+  _check_method(r)
+  _check_optimizer(r)
+  _check_processes(r, devices)
+  if dataset is not None:
+    r = r.replace(**_fit_to_data(r, dataset, model))
+  return r, devices
+
+
+# --- what the programs depend on -------------------------------------------------------------------------------
+
+# Fields that change nothing the programs compute: the data's name and order (the seed only enters as the members'
+# keys, an argument), checkpointing, evaluation's batch and the dispatch plan (each its own program, as jit keys
+# them by shape).
+NOT_IN_PROGRAMS = ('seed', 'dataset', 'data_dir', 'train_split', 'test_split', 'heldout_fraction', 'target',
+                   'checkpoints_to_keep', 'compilation_cache', 'eval_every', 'data_fingerprint', 'inputs',
+                   'standardize_features', 'eval_batch_size', 'steps_per_dispatch', 'streaming',
+                   'checkpoint_every_steps', 'num_devices')
+_MESH_FIELDS = ('mesh_shape', 'num_layers', 'depth', 'use_scan', 'logical', 'num_minibatches', 'min_weight_size')
+# Fields that only some recipes read, and which: another recipe's programs do not depend on them.
+_READ_BY = {
+    **dict.fromkeys(('hyper_learning_rate', 'hyper_weight_decay'), lambda r: r.method == 'hyper'),
+    'snapshot_cycles': lambda r: r.method == 'snapshot',
+    **dict.fromkeys(('packed_alpha', 'packed_gamma'), lambda r: r.method == 'packed'),
+    **dict.fromkeys(('swag_samples', 'swag_rank', 'swag_start', 'swag_learning_rate'),
+                    lambda r: r.method == 'multiswag'),
+    **dict.fromkeys(('loss', 'beta'), lambda r: r.task == 'regression'),
+    'distill_temperature': lambda r: r.task == 'classification',
+    # The built-in models' dropout is method mc_dropout's (and the mesh classifier's); a user's model keeps its own.
+    'dropout_rate': lambda r: r.method == 'mc_dropout' or r.model == 'classifier',
+    **dict.fromkeys(('resnet_depth', 'resnet_width'), lambda r: r.model == 'resnet'),
+    'member_sharding': lambda r: r.backend == 'jit',
+    'logical_axis_rules': lambda r: r.backend != 'pmap',
+    **dict.fromkeys(_MESH_FIELDS, lambda r: r.backend in backends.MESH_MODELS or bool(r.num_layers)),
+}
+
+
+def for_programs(r: Recipe) -> Recipe:
+  """`r` with what its programs do not depend on set to the defaults (`NOT_IN_PROGRAMS`, and the fields only
+  other recipes read): the key under which a loop of fits shares its compiled programs (ensemble/loop.py). The
+  methods whose shared weights are drawn from the seed keep it."""
+  unread = {name: getattr(_DEFAULTS, name) for name, read in _READ_BY.items() if not read(r)}
+  kept = {name: getattr(_DEFAULTS, name) for name in NOT_IN_PROGRAMS
+          if not (name == 'seed' and r.method in methods.SEEDED)}
+  # The programs know only whether the members share their batches; which rows each draws is the host's.
+  data = {'member_data': 'shared' if r.member_data == 'shared' else 'shuffled'}
+  # Bagging is the deep ensemble on other rows: the same programs.
+  method = {'method': 'independent'} if r.method == 'bagging' else {}
+  return r.replace(**unread, **kept, **data, **method)
+
+
+# --- a run's record ----------------------------------------------------------------------------------------------
+
+def read_record(path: str, fix: str) -> dict[str, Any]:
+  """The config.json that a run wrote beside its checkpoints; `fix` ends the UsageError that a missing or
+  unreadable one raises."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      saved = json.load(f)
+  except FileNotFoundError:
+    raise UsageError(f'{path}: missing; {fix}') from None
+  except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+    lines = str(e).strip().splitlines()
+    raise UsageError(f'{path}: cannot be read ({lines[0] if lines else type(e).__name__}); {fix}') from None
+  if not isinstance(saved, dict):
+    raise UsageError(f'{path}: holds a JSON {type(saved).__name__}, not the object of a config; {fix}')
+  return saved
+
+
+def from_record(saved: Mapping[str, Any]) -> Recipe:
+  """The recipe a run recorded (its config.json, of this version or an older one): the fields it lacks as older
+  versions ran them (`LEGACY`), fields this version no longer knows left out. Its values are taken as the run
+  resolved them, types checked but not ranges: a field the run never read may hold what today's rules refuse."""
+  known = {key: value for key, value in saved.items() if key in FIELDS}
+  return of({**{key: value for key, value in LEGACY.items() if key not in saved}, **known}, ranges=False)
+
+
+def check_resume(r: Recipe, saved: Mapping[str, Any], path: str):
+  """Refuses to resume a workdir with other data settings or another method than `saved` (its config.json) records,
+  or a method's own settings changed (`METHOD_SETTINGS`: a snapshot ensemble's cycles, MultiSWAG's collection phase).
+
+  Other members' data, or a held-out slice the members were trained on, would make the checkpoints and the
+  evaluation describe a run that never happened. A workdir trained on arrays in memory knows them by their
+  fingerprint, which must match.
+  """
+  recorded = from_record(saved)
+  location = lambda key, value: data_location(value) if key == 'data_dir' else value
+  changed = lambda keys: [f'{key}={getattr(recorded, key)!r} (now {getattr(r, key)!r})' for key in keys
+                          if location(key, getattr(recorded, key)) != location(key, getattr(r, key))]
+  data_changes = changed(RESUME_SETTINGS)
+  _require(not data_changes,
+           f'{path} records {", ".join(data_changes)}: a resume must keep the data settings and the method '
+           f'({", ".join(RESUME_SETTINGS)}); set them as recorded there, or train in a new --workdir')
+  if recorded.dataset == data.ARRAYS or r.dataset == data.ARRAYS:
+    fingerprint = recorded.data_fingerprint
+    _require(fingerprint and fingerprint == r.data_fingerprint,
+             f'{os.path.dirname(path)} was trained on other arrays ({fingerprint or "none recorded"}; now '
+             f'{r.data_fingerprint or "none recorded"}): fit into a new --workdir, or give it the arrays it was '
+             'trained on to resume')
+  settings, why = METHOD_SETTINGS.get(r.method, ((), ''))
+  method_changes = changed(settings)
+  _require(not method_changes,
+           f'{path} records {", ".join(method_changes)}: {why}; resume with {", ".join(settings)} as recorded there, '
+           'or train in a new --workdir')
+
+
+def check_warm_start(r: Recipe, started: Recipe, keep_optimizer: bool):
+  """`init=` trains on from another ensemble's members where both are the same method, or both K independent
+  networks (`MEMBERWISE`: each member's network carried over); a warm start into or out of a method whose members
+  share weights or are built for it is refused. A kept optimizer needs the same optimizer and method."""
+  same = r.method == started.method
+  _require(same or (r.method in MEMBERWISE and started.method in MEMBERWISE),
+           f'init= is an ensemble of method {started.method}, and this fit trains method {r.method}: '
+           f'{"their members share weights or are built for their method" if not same else ""}, so no member carries '
+           f'over; start from an ensemble of method {r.method}, or leave init= out')
+  _require(not keep_optimizer or (same and r.optimizer == started.optimizer),
+           f'keep_optimizer=True keeps the optimizer state of an ensemble of method {started.method} with optimizer '
+           f'{started.optimizer}, and this fit trains method {r.method} with {r.optimizer}: set keep_optimizer=False')

@@ -1,0 +1,189 @@
+"""The invariants every cell of the matrix keeps: each a function of (cell, lab) that raises when the cell breaks it.
+
+A check says what a user relies on, in its name and docstring, and compares what the cell gives with what the same
+ensemble gives by another path (in memory, on arrays, with pmap): they must agree to float32's tolerance.
+"""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ensemble
+from lab import (STEPS_PER_EPOCH, TARGET_SCALES, WORKDIR_FIELDS, Cell, Lab, assert_same_members, assert_same_summary,
+                 compiles, cut, folder_digest, leaves, problem, timeless, train_folder)
+
+# The methods whose members are K independent networks of one architecture: a warm start from one of them into
+# another keeps each member's network (converted, as docs/python-api.md says). The other methods' members share
+# weights or are built otherwise, and a warm start into or out of them is refused.
+MEMBERWISE = ('independent', 'bagging', 'hyper', 'snapshot', 'multiswag', 'adversarial')
+
+
+def same_members_as_in_memory(cell: Cell, lab: Lab):
+  """Streamed, from a converted folder, in a workdir or on the jit backend: the members, their outputs and the
+  summary are those of the same fit in memory on arrays with pmap."""
+  got, want = lab.ensemble(cell), lab.ensemble(cell._replace(path='arrays', backend='pmap'))
+  # Another backend's programs sum in another order, and Adam's steps make a weight with gradients near 0 move by
+  # their sign: a few weights of 8 steps differ by 3e-5.
+  tolerance = {'rtol': 1e-3, 'atol': 1e-4} if cell.backend != 'pmap' else {}
+  assert_same_members(got, want, **tolerance)
+  assert_same_summary(got.summary, want.summary, rtol=tolerance.get('rtol', 1e-4))
+
+
+def summary_is_finite_in_one_unit(cell: Cell, lab: Lab):
+  """Every figure of the summary is finite; a regression's losses are all in the targets' units: with the targets
+  in a unit 1000 times smaller (the same members, standardised), every NLL grows by D log 1000, train and test."""
+  summary = lab.ensemble(cell).summary
+  assert summary and all(math.isfinite(v) for v in summary.values()), summary
+  if cell.task != 'regression':
+    return
+  scaled = lab.ensemble(cell, scale=1000.0).summary
+  shift = len(TARGET_SCALES) * math.log(1000.0)
+  losses = [key for key in summary if key.endswith('_loss') or '_loss/' in key]
+  assert 'train_loss' in losses and 'test_loss' in losses, sorted(summary)
+  for key in losses:
+    np.testing.assert_allclose(scaled[key] - summary[key], shift, rtol=1e-3, err_msg=key)
+
+
+def apply_is_a_function_of_params(cell: Cell, lab: Lab):
+  """`apply(params, x)` gives the members' outputs that `predict` uses, and depends on `params`: a change of them
+  changes it, and its gradient with respect to them is not zero."""
+  ens = lab.ensemble(cell)
+  x = problem(cell.task)[1][0][:5]
+
+  def total(params):
+    outputs = ens.apply(params, x)
+    return sum(jnp.sum(leaf) for leaf in jax.tree.leaves(outputs)), outputs
+  (value, outputs), grads = jax.jit(jax.value_and_grad(total, has_aux=True))(ens.params)
+  if cell.task == 'regression':
+    means, variances = ens.components(x)
+    np.testing.assert_allclose(np.asarray(outputs[0]), means, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(outputs[1]), variances, rtol=1e-4, atol=1e-3)
+  else:
+    np.testing.assert_allclose(np.exp(np.asarray(outputs)), ens.member_probs(x), rtol=1e-4, atol=1e-6)
+  assert any(np.abs(leaf).max() > 0 for leaf in leaves(grads)), 'the gradient with respect to params is zero'
+  nudged = jax.tree.map(lambda p: p * 1.05 + 0.01 if jnp.issubdtype(p.dtype, jnp.floating) else p, ens.params)
+  (nudged_value, _), _ = jax.jit(jax.value_and_grad(total, has_aux=True))(nudged)
+  assert not np.allclose(nudged_value, value), 'apply ignores its params'
+
+
+def _moved(before, after) -> float:
+  return max(float(np.abs(a - b).max()) for a, b in zip(leaves(before), leaves(after)))
+
+
+def warm_start_continues(cell: Cell, lab: Lab):
+  """`init=ens` trains on from the members, with and without the kept optimizer: the parameters move as a fresh
+  fit's do, and the training loss goes on from where the first fit left it."""
+  ens = lab.ensemble(cell)
+  train, test = problem(cell.task)
+  for keep in (False, True):
+    again = ensemble.fit('mlp', train, test=test, init=ens, keep_optimizer=keep, progress=False, **cell.fields())
+    moved = _moved(ens.params, again.params)
+    assert moved > 1e-4, f'keep_optimizer={keep}: the parameters moved by {moved:.2g}'
+    assert math.isfinite(again.summary['train_loss'])
+    assert again.summary['train_loss'] < ens.summary['train_loss'] + 0.5, (keep, again.summary, ens.summary)
+
+
+def warm_start_under_every_schedule(cell: Cell, lab: Lab):
+  """Every schedule, both `keep_optimizer` values: a warm start moves the parameters (a kept optimizer does not
+  carry the schedule's end into the new fit)."""
+  train, test = problem(cell.task)
+  for schedule in ('constant', 'cosine', 'warmup_cosine'):
+    fields = cell.fields(schedule=schedule, warmup_epochs=1 if schedule == 'warmup_cosine' else 0)
+    first = ensemble.fit('mlp', train, test=test, progress=False, **fields)
+    for keep in (False, True):
+      again = ensemble.fit('mlp', train, test=test, init=first, keep_optimizer=keep, progress=False, **fields)
+      moved = _moved(first.params, again.params)
+      assert moved > 1e-4, f'schedule={schedule}, keep_optimizer={keep}: the parameters moved by {moved:.2g}'
+
+
+def warm_start_across_methods(cell: Cell, lab: Lab):
+  """From a deep ensemble into this method: trained on, member by member, where both are K independent networks;
+  else refused in one line that names both methods."""
+  deep = lab.ensemble(cell._replace(method='independent'))
+  train, test = problem(cell.task)
+  if cell.method in MEMBERWISE:
+    again = ensemble.fit('mlp', train, test=test, init=deep, progress=False, **cell.fields())
+    assert again.config.method == cell.fields().get('method', 'independent')
+    assert _moved(deep.params, again.params) > 1e-4
+    return
+  with pytest.raises(ensemble.UsageError) as refused:
+    ensemble.fit('mlp', train, test=test, init=deep, progress=False, **cell.fields())
+  message = str(refused.value)
+  assert '\n' not in message and cell.method in message and 'independent' in message, message
+
+
+def save_load_predicts_the_same(cell: Cell, lab: Lab, cells: list[Cell]):
+  """`save` then `load` (a workdir run's: `load`): the same state and summary here, and for what `save` wrote, the
+  same members' outputs in a new process."""
+  ens = lab.ensemble(cell)
+  loaded = ensemble.load(lab.saved(cell))
+  for a, b in zip(leaves(loaded.state), leaves(ens.state), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert_same_summary(loaded.summary, ens.summary)
+  if cell in cells:
+    fresh = lab.fresh_predictions(cells)[cell.id]
+    x = problem(cell.task)[1][0]
+    np.testing.assert_allclose(fresh, ens.member_outputs(x), rtol=1e-6, atol=1e-6)
+
+
+def refit_compiles_nothing(cell: Cell, lab: Lab):
+  """A loop of fits on other data of the same shapes, each with a test set and predictions: after the first, they
+  compile nothing."""
+  data_of = (lambda split: split) if cell.path == 'arrays' else (lambda split: [(a, b) for a, b in zip(*split)])
+
+  def fit_and_predict(seed):
+    (x, y), (x_test, y_test) = problem(cell.task, seed=seed)
+    ens = ensemble.fit('mlp', data_of((x, y)), test=data_of((x_test, y_test)), progress=False, **cell.fields())
+    ens.predict(x_test)
+  fit_and_predict(1)
+  with compiles() as counts:
+    fit_and_predict(2)
+  assert not counts, f'{sum(counts.values())} programs compiled'
+
+
+def resume_equals_uninterrupted(cell: Cell, lab: Lab):
+  """A run stopped at an epoch's end or mid-epoch, and run again, ends with the members and the metrics.jsonl of
+  the run that was never stopped."""
+  whole = lab.ensemble(cell)
+  lines = _lines(whole.workdir)
+  # Mid-epoch, and (where the data is not streamed: a streamed epoch's start is its own first read) epoch 1's end.
+  for step in (STEPS_PER_EPOCH // 2,) + ((STEPS_PER_EPOCH,) if cell.path != 'folder' else ()):
+    copy = cut(whole.workdir, lab.workdir(cell, f'resumed-{step}'), step)
+    if cell.path == 'folder':
+      train_folder(cell, lab.folder(cell.task), copy, **WORKDIR_FIELDS)
+      resumed = ensemble.load(copy)
+    else:
+      train, test = problem(cell.task)
+      resumed = ensemble.fit('mlp', train, test=test, workdir=copy, progress=False,
+                             **cell.fields(**WORKDIR_FIELDS))
+    assert_same_members(resumed, whole)
+    assert [timeless(line) for line in _lines(copy)] == [timeless(line) for line in lines]
+
+
+def _lines(workdir: str) -> list[dict]:
+  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def workdir_knows_its_data(cell: Cell, lab: Lab):
+  """A workdir (a run's, or `save`'s) trained on some arrays refuses a fit on others in one line, and is left
+  byte-for-byte as it was."""
+  path = lab.saved(cell)
+  before = folder_digest(path)
+  train, test = problem(cell.task, seed=2)
+  with pytest.raises(ensemble.UsageError) as refused:
+    ensemble.fit('mlp', train, test=test, workdir=path, progress=False,
+                 **cell.fields(**(WORKDIR_FIELDS if cell.path == 'workdir' else {})))
+  assert '\n' not in str(refused.value) and 'other' in str(refused.value), refused.value
+  assert folder_digest(path) == before
+
+
+ALL = {check.__name__: check for check in (
+    same_members_as_in_memory, summary_is_finite_in_one_unit, apply_is_a_function_of_params, warm_start_continues,
+    warm_start_under_every_schedule, warm_start_across_methods, save_load_predicts_the_same, refit_compiles_nothing,
+    resume_equals_uninterrupted, workdir_knows_its_data)}

@@ -1,0 +1,259 @@
+"""The contract's tiny problem and its fits: each made once per test session and shared by every check that asks.
+
+One problem serves every cell: 64 rows of 3 features on very different scales (standardising them matters), 3
+classes, or 2 regression targets on very different scales and far from 0 (standardising them matters too), and 16
+rows to test on. Every method trains 2 members of the built-in MLP for 2 epochs of 4 steps, so that a cell costs a
+fraction of a second once its programs are compiled; the programs are shared by every cell that computes the same
+(a streamed source's and a converted folder's, a fit's and its refits').
+"""
+
+import collections
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+import ensemble
+from ensemble import data
+from ensemble.data import arrays as data_arrays, convert
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(TESTS)
+
+TRAIN_ROWS, TEST_ROWS = 64, 16
+TARGET_SCALES, TARGET_OFFSETS = np.array([1.0, 1000.0]), np.array([0.5, 5000.0])
+# What every cell trains with; a cell's method adds its own fields (`METHODS`).
+COMMON = {'ensemble_size': 2, 'epochs': 2, 'batch_size': 16, 'optimizer': 'adamw', 'learning_rate': 0.01,
+          'weight_decay': 0.0, 'standardize_features': True}
+STEPS_PER_EPOCH = TRAIN_ROWS // COMMON['batch_size']
+# Per method, what makes it train on the tiny problem. 'adversarial' is the deep ensemble with FGSM examples
+# (adversarial training goes with any method; the deep ensemble stands for them).
+METHODS = {
+    'independent': {},
+    'bagging': {'method': 'bagging'},
+    'hyper': {'method': 'hyper', 'hyper_learning_rate': (0.005, 0.02)},
+    'snapshot': {'method': 'snapshot', 'snapshot_cycles': 2},
+    'batchensemble': {'method': 'batchensemble'},
+    'mc_dropout': {'method': 'mc_dropout'},
+    'mimo': {'method': 'mimo'},
+    'packed': {'method': 'packed'},
+    'multiswag': {'method': 'multiswag', 'swag_start': 0.5, 'swag_rank': 2, 'swag_samples': 2,
+                  'swag_learning_rate': 0.005},
+    'adversarial': {'adversarial_epsilon': 0.01},
+}
+# Every program this process obtains, compiled by XLA or read from JAX's persistent cache, reports this event once.
+COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'
+# What a workdir run checkpoints: every 2 steps, mid-epoch and at each epoch's end (steps 2, 4, 6, 8).
+WORKDIR_FIELDS = {'checkpoint_every_steps': 2, 'checkpoints_to_keep': 10}
+
+
+class Cell(NamedTuple):
+  """One cell of the matrix: a method, a task, how the data reaches the trainer, and the backend."""
+  method: str
+  task: str
+  path: str
+  backend: str = 'pmap'
+
+  @property
+  def id(self) -> str:
+    return '-'.join(self)
+
+  def fields(self, **more) -> dict[str, Any]:
+    """`fit`'s keywords for this cell."""
+    return {**COMMON, **METHODS[self.method], 'task': self.task, 'backend': self.backend, **more}
+
+
+def problem(task: str, seed: int = 0, scale: float = 1.0, features: int = 3):
+  """((x, y), (x_test, y_test)) of the tiny problem; `scale` multiplies the regression targets (their unit)."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(TRAIN_ROWS + TEST_ROWS, features)) * np.array([1.0, 100.0, 0.01][:features])
+  signal = np.stack([np.sin(x[:, 0]) + x[:, -1] * 30, x[:, min(1, features - 1)] / 100 - x[:, 0]], 1)
+  if task == 'regression':
+    y = (signal + 0.1 * rng.normal(size=signal.shape)) * TARGET_SCALES + TARGET_OFFSETS
+    y = (y * scale).astype(np.float32)
+  else:
+    y = np.digitize(signal[:, 0], [-0.5, 0.5]).astype(np.int32)
+  x = x.astype(np.float32)
+  return (x[:TRAIN_ROWS], y[:TRAIN_ROWS]), (x[TRAIN_ROWS:], y[TRAIN_ROWS:])
+
+
+def as_source(split):
+  """A pair of arrays as a random-access source: a list of (input, label) pairs, what `fit` streams."""
+  x, y = split
+  return [(x[i], y[i]) for i in range(len(x))]
+
+
+@contextlib.contextmanager
+def compiles():
+  """Counts the programs compiled (or read from the persistent cache) in the block."""
+  counts = collections.Counter()
+
+  def duration(event, _seconds, **_):
+    if event == COMPILE_EVENT:
+      counts[event] += 1
+
+  jax.monitoring.register_event_duration_secs_listener(duration)
+  try:
+    yield counts
+  finally:
+    jax.monitoring.unregister_event_duration_listener(duration)
+
+
+def folder_digest(path: str) -> str:
+  """A hash of every file's path, mode and bytes under `path`: 'left byte-for-byte untouched' is this unchanged."""
+  digest = hashlib.sha256()
+  for root, dirs, files in sorted(os.walk(path)):
+    dirs.sort()
+    for name in sorted(files) + dirs:
+      full = os.path.join(root, name)
+      digest.update(os.path.relpath(full, path).encode())
+      digest.update(str(os.stat(full).st_mode).encode())
+      if os.path.isfile(full):
+        with open(full, 'rb') as f:
+          digest.update(f.read())
+  return digest.hexdigest()
+
+
+def timeless(summary: dict[str, Any]) -> dict[str, Any]:
+  """A summary or metrics line without its timings: what two runs of the same steps agree on."""
+  return {k: v for k, v in summary.items() if not k.endswith('_seconds')}
+
+
+class Lab:
+  """The session's fits, keyed by what they are: each cell's ensemble, made by its data path, once."""
+
+  def __init__(self, root: str):
+    self.root = root
+    self._made: dict[Any, Any] = {}
+    self._fresh = None
+
+  def _once(self, key, make):
+    if key not in self._made:
+      self._made[key] = make()
+    return self._made[key]
+
+  def folder(self, task: str) -> str:
+    """The tiny problem converted to a folder of ArrayRecord files (python -m ensemble.data.convert's output)."""
+    def make():
+      train, test = problem(task)
+      path = os.path.join(self.root, f'folder-{task}')
+      convert.write(data_arrays.from_arrays(train, test, 'features', task), path, examples_per_file=20)
+      return path
+    return self._once(('folder', task), make)
+
+  def workdir(self, cell: Cell, name: str = 'run') -> str:
+    return os.path.join(self.root, cell.id, name)
+
+  def ensemble(self, cell: Cell, scale: float = 1.0) -> "ensemble.Ensemble":
+    """The cell's ensemble, trained by its data path: in memory on arrays, on a streamed source, from a converted
+    folder by the command line's trainer, or in a workdir."""
+    return self._once(('ensemble', cell, scale), lambda: self._fit(cell, scale))
+
+  def _fit(self, cell: Cell, scale: float) -> "ensemble.Ensemble":
+    train, test = problem(cell.task, scale=scale)
+    suffix = '' if scale == 1.0 else f'-x{scale:g}'
+    if cell.path == 'arrays':
+      return ensemble.fit('mlp', train, test=test, progress=False, **cell.fields())
+    if cell.path == 'source':
+      return ensemble.fit('mlp', as_source(train), test=as_source(test), progress=False, **cell.fields())
+    if cell.path == 'workdir':
+      return ensemble.fit('mlp', train, test=test, workdir=self.workdir(cell, 'run' + suffix), progress=False,
+                          **cell.fields(**WORKDIR_FIELDS))
+    if cell.path == 'folder':  # python -m ensemble.train --config.data_dir=FOLDER --config.streaming=always
+      assert scale == 1.0, 'the folder holds the problem in its own units'
+      workdir = self.workdir(cell)
+      train_folder(cell, self.folder(cell.task), workdir, **WORKDIR_FIELDS)
+      return ensemble.load(workdir)
+    raise ValueError(cell.path)
+
+  def saved(self, cell: Cell) -> str:
+    """Where the cell's ensemble is a workdir: its own, or `save`'s copy of one trained in memory."""
+    def make():
+      ens = self.ensemble(cell)
+      if ens.workdir is None:
+        path = self.workdir(cell, 'saved')
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        ens.save(path)
+      return ens.workdir
+    return self._once(('saved', cell), make)
+
+  def fresh_predictions(self, cells: list[Cell]) -> dict[str, np.ndarray]:
+    """Every cell's saved ensemble loaded and asked in one new process, which compiled and imported nothing
+    before: {cell id: its member outputs}."""
+    if self._fresh is None:
+      paths = {cell.id: self.saved(cell) for cell in cells}
+      _, test = problem('classification')
+      inputs = os.path.join(self.root, 'fresh-inputs.npy')
+      np.save(inputs, test[0])
+      out = os.path.join(self.root, 'fresh.npz')
+      code = ('import ensemble, json, sys, numpy as np; ensemble.cpu_devices(8); '
+              'paths = json.loads(sys.argv[1]); x = np.load(sys.argv[2]); '
+              'np.savez(sys.argv[3], **{k: ensemble.load(p).member_outputs(x) for k, p in paths.items()})')
+      env = {**os.environ, 'PYTHONPATH': os.pathsep.join([TESTS, REPO])}
+      result = subprocess.run([sys.executable, '-c', code, json.dumps(paths), inputs, out], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=600)
+      assert result.returncode == 0, result.stderr[-3000:]
+      with np.load(out) as loaded:
+        self._fresh = dict(loaded)
+    return self._fresh
+
+
+def train_folder(cell: Cell, folder: str, workdir: str, **more):
+  """The command line's run on a converted folder, streamed, with the cell's fields as --config overrides."""
+  from ensemble import defaults, trainer  # pylint: disable=g-import-not-at-top
+  config = defaults.get_config()
+  fields = cell.fields(**more)
+  fields['num_epochs'] = fields.pop('epochs')
+  config.update({**fields, 'model': 'mlp', 'data_dir': folder, 'streaming': 'always', 'heldout_fraction': 0.0,
+                 'eval_every': 0, 'compilation_cache': '', 'augment': 'none'})
+  for key in ('hyper_learning_rate',):
+    if key in fields:
+      config[key] = tuple(fields[key])
+  return trainer.train_and_evaluate(config, workdir, progress=False)
+
+
+def leaves(tree) -> list[np.ndarray]:
+  return [np.asarray(leaf) for leaf in jax.tree.leaves(tree)]
+
+
+def assert_same_members(got, want, rtol: float = 1e-4, atol: float = 1e-5, inputs=None):
+  """The same members: every parameter, and every member's outputs on `inputs` (the problem's test inputs), to
+  float32's tolerance."""
+  got_leaves, want_leaves = leaves(got.state.params), leaves(want.state.params)
+  assert len(got_leaves) == len(want_leaves)
+  for a, b in zip(got_leaves, want_leaves):
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+  x = problem(got.task.name)[1][0] if inputs is None else inputs
+  np.testing.assert_allclose(got.member_outputs(x), want.member_outputs(x), rtol=rtol * 10, atol=atol * 10)
+
+
+def assert_same_summary(got: dict, want: dict, rtol: float = 1e-4):
+  got, want = timeless(got), timeless(want)
+  assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+  for key in want:
+    np.testing.assert_allclose(got[key], want[key], rtol=rtol, atol=1e-6, err_msg=key)
+
+
+@functools.lru_cache(maxsize=None)
+def mnist_train(rows: int = 64):
+  """The bundled MNIST's first `rows` training examples, as `data.load` gives them ({'image', 'label'})."""
+  train = data.load('mnist').train
+  return {key: value[:rows] for key, value in train.items()}
+
+
+def cut(workdir: str, copy: str, after_step: int) -> str:
+  """A copy of `workdir` without its checkpoints after `after_step`: a run that stopped there."""
+  shutil.copytree(workdir, copy)
+  checkpoints = os.path.join(copy, 'checkpoints')
+  for name in os.listdir(checkpoints):
+    if name.isdigit() and int(name) > after_step:
+      shutil.rmtree(os.path.join(checkpoints, name))
+  return copy

@@ -1,0 +1,56 @@
+"""The contract's matrix: which cells there are, and which invariants each must keep.
+
+A cell is (method, task, data path, backend). `cases()` yields every cell with every check its path runs: a new
+method or task joins `lab.METHODS` / `TASKS` and inherits them all; a new data path or entry point adds a row to
+`CHECKS`. Where a combination cannot hold a check, `UNSUPPORTED` says why, and the case is reported as skipped with
+that reason rather than left out.
+"""
+
+import pytest
+
+from lab import METHODS, Cell
+
+TASKS = ('classification', 'regression')
+# The data paths: arrays in memory; a random-access source, streamed; a converted folder of ArrayRecord files
+# trained by the command line's trainer, streamed; `fit(workdir=...)`. And the jit backend, on arrays: where it
+# differs from pmap is placement, which every other check leaves to pmap (what an ensemble answers, `apply` and
+# `save` among it, is computed where the members are, whichever backend trained them).
+PATHS = (('arrays', 'pmap'), ('arrays', 'jit'), ('source', 'pmap'), ('folder', 'pmap'), ('workdir', 'pmap'))
+# Which checks each path runs.
+CHECKS = {
+    ('arrays', 'pmap'): ('summary_is_finite_in_one_unit', 'apply_is_a_function_of_params', 'warm_start_continues',
+                         'warm_start_across_methods', 'save_load_predicts_the_same', 'refit_compiles_nothing',
+                         'workdir_knows_its_data', 'warm_start_under_every_schedule'),
+    ('arrays', 'jit'): ('same_members_as_in_memory',),
+    # Each path's summary is the in-memory one's (same_members_as_in_memory): its unit is checked there.
+    ('source', 'pmap'): ('same_members_as_in_memory', 'refit_compiles_nothing'),
+    ('folder', 'pmap'): ('same_members_as_in_memory', 'resume_equals_uninterrupted'),
+    ('workdir', 'pmap'): ('same_members_as_in_memory', 'save_load_predicts_the_same', 'resume_equals_uninterrupted',
+                          'workdir_knows_its_data'),
+}
+# (check, method or None for any) -> why the combination does not hold it.
+UNSUPPORTED = {
+    ('warm_start_under_every_schedule', None): 'the deep ensemble stands for every method: a schedule is the '
+                                               "optimizer's, which no method changes but snapshot and multiswag, "
+                                               'whose own checks run under their schedules',
+}
+
+
+def _unsupported(check: str, cell: Cell) -> str | None:
+  if check == 'warm_start_under_every_schedule' and cell.method != 'independent':
+    return UNSUPPORTED[check, None]
+  return UNSUPPORTED.get((check, cell.method))
+
+
+def cells() -> list[Cell]:
+  """Every cell, a method's and task's paths one after another: they share their compiled programs."""
+  return [Cell(method, task, path, backend) for method in METHODS for task in TASKS for path, backend in PATHS]
+
+
+def cases():
+  """pytest params (check name, cell), one per check a cell runs, with ids 'check[method-task-path-backend]'."""
+  for cell in cells():
+    for check in CHECKS[cell.path, cell.backend]:
+      why = _unsupported(check, cell)
+      marks = [pytest.mark.skip(reason=why)] if why else []
+      yield pytest.param(check, cell, id=f'{check}[{cell.id}]', marks=marks)

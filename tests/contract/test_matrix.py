@@ -1,0 +1,25 @@
+"""Every cell of the contract's matrix (matrix.py) keeps every invariant its data path promises (checks.py).
+
+  python -m pytest tests/contract -k 'snapshot and regression'      # one method's cells
+  python -m pytest tests/contract -k 'resume_equals_uninterrupted'  # one invariant everywhere
+"""
+
+import pytest
+
+import checks
+import matrix
+from lab import Lab
+
+
+@pytest.fixture(scope='session')
+def lab(tmp_path_factory) -> Lab:
+  return Lab(str(tmp_path_factory.mktemp('contract')))
+
+
+@pytest.mark.parametrize('check, cell', list(matrix.cases()))
+def test_cell_keeps_the_contract(check, cell, lab):
+  if check == 'save_load_predicts_the_same':  # one new process loads every ensemble that `save` wrote
+    saved = [c for c in matrix.cells() if c.path == 'arrays' and check in matrix.CHECKS[c.path, c.backend]]
+    checks.ALL[check](cell, lab, saved)
+  else:
+    checks.ALL[check](cell, lab)
