@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
-from ensemble import backends, data, methods, models, optim, steps
+from ensemble import backends, data, methods, models, optim, predictor, steps
 from ensemble.data import augment, stream
 from ensemble.defaults import FIELDS, Kwargs, Recipe, frozen
 from ensemble.errors import UsageError
@@ -243,7 +243,7 @@ def devices_for(k: int, available: Sequence[jax.Device], backend: str = 'pmap') 
   n = len(available)
   if not k or k % n == 0 or (backend == 'jit' and n % k == 0):
     return list(available)
-  return list(available[:max(d for d in range(1, n + 1) if k % d == 0)])
+  return predictor.evaluation_devices(k, available)
 
 
 def _check_placement(backend: str, k: int, num_devices: int):
@@ -404,6 +404,8 @@ def _fit_to_data(r: Recipe, dataset: data.Dataset, model: Any) -> dict[str, Any]
     changes['augment'] = 'none'
     if model is None and dataset.inputs == 'features' and r.model == _DEFAULTS.model:
       changes['model'] = models.FEATURES_MODEL
+  if model is None:
+    models.check_inputs(changes.get('model', r.model), dataset.image_shape)
   rows = len(dataset.train['label'])
   heldout = data.heldout_count(rows, r.heldout_fraction)
   if r.heldout_fraction and rows and not heldout:

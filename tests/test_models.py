@@ -237,4 +237,4 @@ def test_bad_model_options_are_one_line_errors(overrides, message):
 
 def test_a_model_that_does_not_fit_the_image_size_is_refused():
   with pytest.raises(UsageError, match="model 'cnn' does not fit 3x3 images: .* at least 4x4"):
-    models.create(_config(), 10, (3, 3, 1))
+    models.check_inputs('cnn', (3, 3, 1))

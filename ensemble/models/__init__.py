@@ -93,6 +93,21 @@ def check(config):
   _wrap_imported(config)
 
 
+def check_inputs(name: str, image_shape: tuple[int, ...]):
+  """Refuses a built-in model for inputs it cannot take (ensemble/recipe.py asks, once the data is known)."""
+  entry = MODELS.get(name)
+  if entry is None or not entry.min_image_size:
+    return
+  if len(image_shape) != 3:
+    raise UsageError(f'model {name!r} takes images (height, width, channels), not inputs of shape '
+                     f'{tuple(image_shape)}: set --config.model={FEATURES_MODEL}, or name a model of your own as '
+                     'package.module:Name')
+  height, width = image_shape[:2]
+  if min(height, width) < entry.min_image_size:
+    raise UsageError(f'model {name!r} does not fit {height}x{width} images: {entry.why}; choose another '
+                     '--config.model, e.g. resnet')
+
+
 def create(config, num_classes: int, image_shape: tuple[int, ...], model=None):
   """The model `config.model` (or the user's `model` object) for inputs of `image_shape` and `num_classes` classes.
 
@@ -103,15 +118,6 @@ def create(config, num_classes: int, image_shape: tuple[int, ...], model=None):
   if user.is_import_path(config.model):
     return _wrap_imported(config, num_classes)
   entry = MODELS[config.model]
-  if entry.min_image_size:
-    if len(image_shape) != 3:
-      raise UsageError(f'model {config.model!r} takes images (height, width, channels), not inputs of shape '
-                       f'{tuple(image_shape)}: set --config.model={FEATURES_MODEL}, or name a model of your own as '
-                       'package.module:Name')
-    height, width = image_shape[:2]
-    if min(height, width) < entry.min_image_size:
-      raise UsageError(f'model {config.model!r} does not fit {height}x{width} images: {entry.why}; '
-                       'choose another --config.model, e.g. resnet')
   if config.method == 'mimo':  # one network of M inputs and M heads, each head the outputs of one member
     heads = config.ensemble_size
     return mimo.MIMO(entry.build(config, num_classes * heads), heads=heads)
