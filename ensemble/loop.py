@@ -22,10 +22,8 @@ import dataclasses
 import functools
 import json
 import time
-import types
 from typing import Any, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +33,7 @@ from ensemble import backends, console, data, devices as devices_lib, distribute
 from ensemble import recipe as recipe_lib
 from ensemble.defaults import Recipe
 from ensemble.errors import UsageError
+from ensemble.models import user
 
 # A training set up to this size (its inputs and labels, one copy per device) goes to the devices once, and a whole
 # epoch runs as one program (steps_per_dispatch = -1), unless the steps must be unrolled (convolutions on CPU,
@@ -113,50 +112,8 @@ def _program_key(recipe: Recipe, program_info: dict, model: Any, devices: Sequen
                  steps_per_epoch: int) -> Any:
   """What the programs depend on: the recipe but what they do not read (`recipe.for_programs`), the data's shapes,
   the model, the devices."""
-  return (recipe_lib.for_programs(recipe), json.dumps(program_info, sort_keys=True), model_key(model),
+  return (recipe_lib.for_programs(recipe), json.dumps(program_info, sort_keys=True), user.key(model),
           tuple(d.id for d in devices), steps_per_epoch)
-
-
-def model_key(model: Any) -> Any:
-  """A user's model object as what it computes: equal models share their programs, though each fit is given its
-  own object (a fresh `functools.partial` of the same class and arguments, a lambda of the same code and closure,
-  a linen Module with the same fields, lists among them). What cannot be told apart is keyed by identity (the
-  programs' cache keeps the object alive, so its id stays its own)."""
-  if model is None or isinstance(model, (str, int, float, bool, bytes)):
-    return model
-  if isinstance(model, nn.Module):
-    fields = [(f.name, model_key(getattr(model, f.name))) for f in dataclasses.fields(model)
-              if f.name not in ('parent', 'name')]
-    return ('linen', type(model), tuple(fields))
-  if isinstance(model, functools.partial):
-    return ('partial', model_key(model.func), model_key(model.args), model_key(sorted(model.keywords.items())))
-  if isinstance(model, types.FunctionType):
-    code = model.__code__
-    closure = tuple(model_key(cell.cell_contents) for cell in model.__closure__ or ())
-    names = _global_names(code)
-    referenced = tuple((name, model_key(model.__globals__[name]) if not callable(model.__globals__[name])
-                        else model.__globals__[name]) for name in sorted(names) if name in model.__globals__)
-    return ('function', code, closure, model_key(model.__defaults__), model_key(model.__kwdefaults__), referenced)
-  if isinstance(model, (list, tuple)):
-    return ('sequence', type(model).__name__, tuple(model_key(item) for item in model))
-  if isinstance(model, dict):
-    return ('dict', tuple(sorted((repr(k), model_key(v)) for k, v in model.items())))
-  if isinstance(model, np.ndarray):
-    return ('array', model.shape, str(model.dtype), model.tobytes())
-  try:
-    hash(model)
-    return model
-  except TypeError:
-    return ('id', id(model))
-
-
-def _global_names(code: types.CodeType) -> set[str]:
-  """The global names a function's code reads, its nested functions' (a comprehension's, a lambda's) included."""
-  names = set(code.co_names)
-  for const in code.co_consts:
-    if isinstance(const, types.CodeType):
-      names |= _global_names(const)
-  return names
 
 
 def _programs(recipe: Recipe, program_info: dict, model: Any, devices, steps_per_epoch: int) -> Programs:

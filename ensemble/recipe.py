@@ -23,6 +23,7 @@ import os
 from typing import Any, Mapping, Sequence
 
 import jax
+from absl import logging
 
 from ensemble import backends, data, methods, models, optim, predictor, steps
 from ensemble.data import augment, stream
@@ -103,23 +104,21 @@ def _typed(name: str, value: Any) -> Any:
     _require(isinstance(value, str), f'{name}={value!r} must be a string')
     return value
   if isinstance(default, Kwargs):
-    if isinstance(value, Kwargs):
-      return value
     _require(isinstance(value, Mapping) or hasattr(value, 'to_dict'),
              f'{name}={value!r} must be a dict of the model\'s arguments')
-    try:
-      kwargs = frozen(value)
-      hash(kwargs)
-    except TypeError:
-      raise UsageError(f'{name}={value!r}: its values must be numbers, strings, lists or dicts of them') from None
-    return kwargs
+    return _frozen(name, value, 'its values must be numbers, strings, lists or dicts of them')
   # A tuple: hyper's ranges, the logical axis rules, the mesh's shape.
   _require(isinstance(value, (tuple, list)), f'{name}={value!r} must be a tuple, e.g. {default!r}')
+  return _frozen(name, value, f'it must be a tuple of numbers or names, e.g. {default!r}')
+
+
+def _frozen(name: str, value: Any, what: str) -> Any:
+  """`value` made hashable (`defaults.frozen`), or a UsageError saying `what` the field holds."""
   try:
     value = frozen(value)
     hash(value)
   except TypeError:
-    raise UsageError(f'{name}={value!r} must be a tuple of numbers or names, e.g. {default!r}') from None
+    raise UsageError(f'{name}={value!r}: {what}') from None
   return value
 
 
@@ -420,8 +419,11 @@ def _fit_to_data(r: Recipe, dataset: data.Dataset, model: Any) -> dict[str, Any]
   _require(r.batch_size <= num_train, f'batch_size={r.batch_size} exceeds the {num_train} training examples; lower '
            '--config.batch_size')
   if dataset.test is not None:  # one batch of the whole test set, not one padded to many times its size
-    fitting = -(-len(dataset.test['label']) // r.num_devices) * r.num_devices
+    num_test = len(dataset.test['label'])
+    fitting = -(-num_test // r.num_devices) * r.num_devices
     if r.eval_batch_size > fitting:
+      logging.info('Evaluating in batches of %d, the %d test examples, not of eval_batch_size=%d.', fitting, num_test,
+                   r.eval_batch_size)
       changes['eval_batch_size'] = fitting
   if r.num_train_steps:  # the epochs that hold them, the last one cut short
     changes['num_epochs'] = -(-r.num_train_steps // data.steps_per_epoch(num_train, r.batch_size))

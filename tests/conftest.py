@@ -10,7 +10,9 @@ from ensemble import host_memory  # pylint: disable=g-import-not-at-top,g-bad-im
 
 host_memory.keep_freed_memory()  # as `ensemble.train` does on CPU: steps stop page-faulting
 
-import gzip  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import collections  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import contextlib
+import gzip
 import inspect
 import json
 import struct
@@ -160,6 +162,28 @@ def toy_features(n: int = 64, seed: int = 0, dims: int = 5):
   """`n` rows of `dims` standard-normal features, labelled by whether the first two sum above 0."""
   x = np.random.default_rng(seed).normal(size=(n, dims)).astype(np.float32)
   return x, (x[:, 0] + x[:, 1] > 0).astype(np.int32)
+
+
+# Every program this process obtains, compiled by XLA or read from JAX's persistent cache (which earlier tests turn
+# on), reports this event once (jax/_src/dispatch.py's BACKEND_COMPILE_EVENT); a cache hit reports a cache_hits event
+# besides, so counting both would count it twice.
+COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'
+
+
+@contextlib.contextmanager
+def compiles():
+  """Counts the programs compiled (or read from the persistent cache) in the block, by event name."""
+  counts = collections.Counter()
+
+  def duration(event, _seconds, **_):
+    if event == COMPILE_EVENT:
+      counts[event] += 1
+
+  jax.monitoring.register_event_duration_secs_listener(duration)
+  try:
+    yield counts
+  finally:
+    jax.monitoring.unregister_event_duration_listener(duration)
 
 
 def fitted_once(fit):

@@ -2,8 +2,6 @@
 workdir's run, save/load across processes, no test set, no new compiles in a loop of fits, warm starts, `apply` under
 JAX's transformations, the caller's logging and JAX settings left alone, and messages in fit's terms."""
 
-import collections
-import contextlib
 import copy
 import functools
 import json
@@ -19,6 +17,7 @@ from flax import serialization
 
 import ensemble
 import user_models
+from conftest import compiles
 from ensemble import data as data_lib, loop, recipe as recipe_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,12 +26,6 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = {'ensemble_size': 4, 'epochs': 2, 'batch_size': 32, 'learning_rate': 0.01, 'optimizer': 'adamw',
             'weight_decay': 0.0, 'schedule': 'constant', 'progress': False}
 REGRESSION = {**SETTINGS, 'task': 'regression', 'standardize_features': True}
-# Every program this process obtains, compiled by XLA or read from JAX's persistent cache (which earlier tests turn
-# on), reports this event once (jax/_src/dispatch.py's BACKEND_COMPILE_EVENT); a cache hit reports a cache_hits event
-# besides, so counting both would count it twice.
-COMPILE_EVENTS = ('/jax/core/compile/backend_compile_duration',)
-
-
 def _model(width: int = 16, num_classes: int = 2):
   return user_models.Regressor(width=width, num_classes=num_classes)
 
@@ -88,25 +81,9 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess:
                         timeout=300)
 
 
-@contextlib.contextmanager
-def _compiles():
-  """Counts the programs XLA compiles (or reads from the persistent cache) in the block, by event name."""
-  counts = collections.Counter()
-
-  def duration(event, _seconds, **_):
-    if event in COMPILE_EVENTS:
-      counts[event] += 1
-
-  jax.monitoring.register_event_duration_secs_listener(duration)
-  try:
-    yield counts
-  finally:
-    jax.monitoring.unregister_event_duration_listener(duration)
-
-
 def test_the_compile_event_is_this_jaxs():
   """What `_compiles` counts is what this JAX reports: a fresh program is one backend compile."""
-  with _compiles() as counts:
+  with compiles() as counts:
     jax.jit(lambda v: v * 3.0 + 0.5).lower(np.arange(7.0, dtype=np.float32)).compile()
   assert sum(counts.values()) == 1, counts
 
@@ -208,7 +185,7 @@ def test_a_loop_of_fits_on_a_growing_training_set_compiles_nothing_new(pool, dat
   ens.predict(candidates)
   compiled = {}
   for rows in range(101, 105):
-    with _compiles() as counts:
+    with compiles() as counts:
       grown = _growing_fit(x, y, rows, init=ens)
       grown.predict(candidates)
     compiled[rows] = dict(counts)
@@ -217,7 +194,7 @@ def test_a_loop_of_fits_on_a_growing_training_set_compiles_nothing_new(pool, dat
     assert kernel(grown).shape == kernel(ens).shape and not np.allclose(kernel(grown), kernel(ens))  # it trained
     ens = grown
   # The same data again, from scratch: nothing new, and the same members.
-  with _compiles() as counts:
+  with compiles() as counts:
     again = _growing_fit(x, y, 100)
   assert not counts, dict(counts)
   _assert_same_members(start, again, rtol=0.0)

@@ -12,13 +12,16 @@ own.
 
 import dataclasses
 import functools
+import hashlib
 import importlib
 import inspect
 import json
+import types
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
+import numpy as np
 
 from ensemble.errors import UsageError
 from ensemble.methods import mc_dropout
@@ -227,3 +230,62 @@ def describe(model: Any) -> tuple[str, dict[str, Any]]:
   except TypeError:
     kwargs = {'unrecorded': True}
   return path, kwargs
+
+
+def key(model: Any) -> Any:
+  """A user's model object as what it computes, hashable: what `ensemble.loop` keys its compiled programs by, so
+  that equal models share them though each fit is given an object of its own (a fresh `functools.partial` of the
+  same class and arguments, a lambda of the same code, closure and globals, a linen Module with the same fields,
+  lists among them). Objects are keyed by their contents (a ConfigDict's `to_dict()`, an object's attributes),
+  so that one changed between fits keys other programs; classes, modules and what cannot be looked into, by
+  identity (the programs' cache keeps the object alive, so its id stays its own)."""
+  return _key(model, set())
+
+
+def _key(value: Any, seen: set[int]) -> Any:
+  if value is None or isinstance(value, (str, int, float, bool, bytes, complex, type, types.ModuleType)):
+    return value
+  if id(value) in seen:  # a cycle: its contents are keyed where it was first met
+    return ('seen', id(value))
+  seen = seen | {id(value)}
+  contents = lambda item: _key(item, seen)
+  if isinstance(value, nn.Module):
+    return ('linen', type(value), tuple((f.name, contents(getattr(value, f.name))) for f in dataclasses.fields(value)
+                                        if f.name not in ('parent', 'name')))
+  if isinstance(value, functools.partial):
+    return ('partial', contents(value.func), contents(value.args), contents(sorted(value.keywords.items())))
+  if isinstance(value, types.FunctionType):
+    globals_ = value.__globals__
+    referenced = tuple((name, contents(globals_[name])) for name in sorted(_global_names(value.__code__))
+                       if name in globals_)
+    closure = tuple(contents(cell.cell_contents) for cell in value.__closure__ or ())
+    return ('function', value.__code__, closure, contents(value.__defaults__), contents(value.__kwdefaults__),
+            referenced)
+  if isinstance(value, (list, tuple)):
+    return (type(value).__name__, tuple(contents(item) for item in value))
+  if isinstance(value, dict):
+    return ('dict', tuple(sorted((repr(k), contents(v)) for k, v in value.items())))
+  if isinstance(value, np.ndarray) or isinstance(value, jax.Array):
+    array = np.ascontiguousarray(value)
+    return ('array', array.shape, str(array.dtype), hashlib.sha256(memoryview(array).cast('B')).hexdigest())
+  if dataclasses.is_dataclass(value):
+    return ('dataclass', type(value), tuple((f.name, contents(getattr(value, f.name)))
+                                            for f in dataclasses.fields(value)))
+  if hasattr(value, 'to_dict') and callable(value.to_dict):
+    return ('to_dict', type(value), contents(value.to_dict()))
+  if hasattr(value, '__dict__') and not callable(value):
+    return ('object', type(value), contents(vars(value)))
+  try:
+    hash(value)
+    return value
+  except TypeError:
+    return ('id', id(value))
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+  """The global names a function's code reads, its nested functions' (a comprehension's, a lambda's) included."""
+  names = set(code.co_names)
+  for const in code.co_consts:
+    if isinstance(const, types.CodeType):
+      names |= _global_names(const)
+  return names

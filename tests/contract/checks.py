@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import ensemble
+from conftest import compiles
 from lab import (STEPS_PER_EPOCH, TARGET_SCALES, WORKDIR_FIELDS, Cell, Lab, assert_same_members, assert_same_summary,
-                 compiles, cut, folder_digest, leaves, problem, timeless, train_folder)
+                 cut, folder_digest, leaves, problem, timeless, train_folder)
 
 # The methods whose members are K independent networks of one architecture: a warm start from one of them into
 # another keeps each member's network (converted, as docs/python-api.md says). The other methods' members share

@@ -7,8 +7,6 @@ fraction of a second once its programs are compiled; the programs are shared by 
 (a streamed source's and a converted folder's, a fit's and its refits').
 """
 
-import collections
-import contextlib
 import functools
 import hashlib
 import json
@@ -49,8 +47,6 @@ METHODS = {
                   'swag_learning_rate': 0.005},
     'adversarial': {'adversarial_epsilon': 0.01},
 }
-# Every program this process obtains, compiled by XLA or read from JAX's persistent cache, reports this event once.
-COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'
 # What a workdir run checkpoints: every 2 steps, mid-epoch and at each epoch's end (steps 2, 4, 6, 8).
 WORKDIR_FIELDS = {'checkpoint_every_steps': 2, 'checkpoints_to_keep': 10}
 
@@ -89,22 +85,6 @@ def as_source(split):
   """A pair of arrays as a random-access source: a list of (input, label) pairs, what `fit` streams."""
   x, y = split
   return [(x[i], y[i]) for i in range(len(x))]
-
-
-@contextlib.contextmanager
-def compiles():
-  """Counts the programs compiled (or read from the persistent cache) in the block."""
-  counts = collections.Counter()
-
-  def duration(event, _seconds, **_):
-    if event == COMPILE_EVENT:
-      counts[event] += 1
-
-  jax.monitoring.register_event_duration_secs_listener(duration)
-  try:
-    yield counts
-  finally:
-    jax.monitoring.unregister_event_duration_listener(duration)
 
 
 def folder_digest(path: str) -> str:

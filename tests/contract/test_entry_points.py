@@ -16,8 +16,8 @@ from flax import nnx
 import ensemble
 from ensemble import data, defaults
 from ensemble.data import arrays as data_arrays, convert
-from lab import (COMMON, TRAIN_ROWS, as_source, assert_same_members, compiles, folder_digest, mnist_train,
-                 problem)
+from conftest import compiles
+from lab import COMMON, TRAIN_ROWS, as_source, assert_same_members, folder_digest, mnist_train, problem
 
 FIT = {**COMMON, 'progress': False}
 
