@@ -69,6 +69,15 @@ def write_mnist(directory: str, num_train: int = 256, num_test: int = 100, gz: b
   return directory
 
 
+@pytest.fixture(autouse=True, scope='module')
+def _compiled_programs_released():
+  """A test module's compiled programs are let go when it ends. XLA:CPU maps several memory regions for each
+  executable, and a session that kept all of them (thousands) ran past the kernel's limit of 65,530 maps and
+  crashed in a later module."""
+  yield
+  jax.clear_caches()
+
+
 @pytest.fixture
 def mnist_dir(tmp_path) -> str:
   return write_mnist(str(tmp_path / 'mnist'))

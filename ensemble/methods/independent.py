@@ -28,7 +28,7 @@ class Independent:
     return member.logits(state, images)
 
   def model_input(self, inputs):
-    """The model's input for a batch of inputs outside training (its initialisation, `config.check_model`): as
+    """The model's input for a batch of inputs outside training (its initialisation, `members.check_model`): as
     they are. MIMO's model takes each input once per head."""
     return inputs
 

@@ -25,7 +25,7 @@ The built-in models get a dropout layer before their dense layers
 (`dropout_rate`); a user's model keeps its own `nn.Dropout` (linen) or
 `nnx.Dropout` (NNX) layers and rates, switched on here at prediction whatever
 `train` or `.eval()` says (`dropout_kept_on`). A model with none is refused
-(`config.check_model`).
+(`members.check_model`).
 """
 
 import contextlib

@@ -66,7 +66,7 @@ MODELS = {
 }
 
 
-# What the default config's CNN gives way to on feature vectors (`config.fit_to_data`).
+# What the default config's CNN gives way to on feature vectors (`recipe.resolve`, once the data is known).
 FEATURES_MODEL = 'mlp'
 
 

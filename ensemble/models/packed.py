@@ -11,7 +11,7 @@ A model of your own, for `method='packed'`, sizes each layer with
 `width(features, alpha, members, gamma)` and uses `Dense` / `Conv` (linen) or
 `NNXDense` / `NNXConv` (NNX) with `groups=gamma` for its inner layers; its
 first layer (the whole input) and its last (the outputs) stay ordinary ones.
-Their weights are named `packed_kernel`, which is how `config.check_model`
+Their weights are named `packed_kernel`, which is how `members.check_model`
 tells a packed model from one that would silently ignore alpha and gamma.
 """
 
