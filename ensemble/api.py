@@ -66,7 +66,7 @@ def bucket(n: int, batch_size: int) -> int:
   Each bucket compiles once, so any number of images costs at most
   log2(batch_size) + 1 programs, and padding at most doubles the work of a small batch.
   """
-  return min(batch_size, loop.bucket_rows(n))
+  return min(batch_size, data.bucket_rows(n))
 
 
 def _fitted_temperature(workdir: str, config: recipe_lib.Recipe, epoch: int) -> float | None:

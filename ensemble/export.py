@@ -46,13 +46,13 @@ def forward(model: api.Ensemble) -> Callable[[jnp.ndarray], dict[str, jnp.ndarra
   (K, N, C), 'probs': (N, C)} on one device.
 
   Each member's forward pass is `steps.Member.predict`, as in training and
-  evaluation; the members run one after another on CPU and vmapped elsewhere
-  (`backends.map_members`), the state fetched to the host so that it becomes
-  the program's constants.
+  evaluation, mapped over the members as `backends.predict_members` maps
+  them, the state fetched to the host so that it becomes the program's
+  constants.
   """
   state = jax.device_get(model.state.replace(opt_state=None))
   output = lambda state, images: model.task.member_output(model.member.predict(state, images))
-  members = backends.map_members(output, (0, None), jax.devices()[:1])
+  members = backends.predict_members(output, model.member, jax.devices()[:1])
   if model.task.name == 'regression':
     return _regression_forward(model, state, members)
 

@@ -389,6 +389,9 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
   the losses waits, and lets a diverged member stop the run at once.
   """
   config, backend, per_epoch = run.recipe, run.backend, run.steps_per_epoch
+  show = progress is not False and (progress or logging.level_info())
+  if _at_once(run, start, hooks, show):
+    return _train_at_once(run, state)
   per_dispatch = run.steps_per_dispatch
   resident = None
   if per_dispatch:
@@ -398,7 +401,6 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
   step, summary, canonical = start.step, {}, None
   streamed = data.stream.is_streamed(run.train)
   rows_read = run.train.source.rows_read if streamed else 0
-  show = progress is not False and (progress or logging.level_info())
   try:
     for epoch, indices in _epoch_indices(run, start.epoch(per_epoch)[0]):
       first = (epoch - 1) * per_epoch
@@ -459,6 +461,50 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
   return backend.to_canonical(state) if canonical is None else canonical, summary
 
 
+def _at_once(run: Run, start: Position, hooks: Sequence[Hook], show: bool) -> bool:
+  """Whether the whole run can be one program (`_train_at_once`): nothing looks in between its epochs (no hook, no
+  progress shown, no test pass before the last), it starts afresh, and its epochs already run as a loop each on a
+  resident set, in one process."""
+  config = run.recipe
+  return (run.steps_per_dispatch < 0 and not hooks and not show and start == Position()
+          and not config.num_train_steps and getattr(run.backend, 'trains_epochs', False)
+          and not backends.unrolls(run.devices, run.member)
+          and (run.test is None or not 0 < config.eval_every < config.num_epochs))
+
+
+def _train_at_once(run: Run, state: Any) -> tuple[Any, dict[str, float]]:
+  """`train` as one dispatch and one host sync: every epoch's order drawn inside the program, the divergence check
+  on its outputs (every step's losses and each member's final state, finite or not), and the test pass after.
+
+  What an in-memory fit in a loop (Bayesian optimisation, active learning) costs
+  besides its compute; the members are the ones the epoch-by-epoch loop trains
+  (the same draws, the same steps). The summary's `train_seconds` is the
+  epochs' mean.
+  """
+  config, backend, per_epoch = run.recipe, run.backend, run.steps_per_epoch
+  started = time.perf_counter()
+  resident = backend.put_dataset(pad_rows(run.train))
+  state, metrics, finite = backend.train_epochs(state, resident, config.seed, 1, config.num_epochs, run.num_train,
+                                                per_epoch, config.batch_size, config.member_data == 'bootstrap')
+  metrics, finite = backend.to_host((metrics, finite))  # (K, epochs, steps) per name; (K,)
+  losses = metrics['loss']
+  bad = ~np.isfinite(losses).all(axis=(0, 2))
+  if bad.any():
+    epoch = int(np.argmax(bad))
+    _stop_if_diverged(losses[:, epoch], config, epoch + 1, (epoch + 1) * per_epoch)
+  if not finite.all():
+    diverged(config, config.num_epochs, config.num_epochs * per_epoch,
+             f'members {np.flatnonzero(~finite).tolist()} have non-finite parameters')
+  summary = {'epoch': config.num_epochs, 'train_seconds': (time.perf_counter() - started) / config.num_epochs}
+  test = None
+  if run.test is not None:
+    started = time.perf_counter()
+    test = evaluate(backend, state, run.test, config.eval_batch_size, run.task)
+    summary['test_seconds'] = time.perf_counter() - started
+  summary.update(run.task.summary(_train_summary([{k: v[:, -1] for k, v in metrics.items()}]), test))
+  return backend.to_canonical(state), {k: float(v) for k, v in summary.items()}
+
+
 def _keep(run: Run, hooks: Sequence[Hook], epoch: int, state: Any, summary: dict[str, float],
           position: Position) -> Any:
   """The canonical state, checked finite, handed to the hooks with where training stands."""
@@ -472,15 +518,10 @@ def _keep(run: Run, hooks: Sequence[Hook], epoch: int, state: Any, summary: dict
 
 
 def pad_rows(split: data.Split) -> data.Split:
-  """`split` with zero rows appended up to its size bucket (`bucket_rows`): the programs that take it stay the same
-  while a training set grows by a few rows. The padded rows are never drawn into a batch."""
+  """`split` with zero rows appended up to its size bucket (`data.bucket_rows`): the programs that take it stay the
+  same while a training set grows by a few rows. The padded rows are never drawn into a batch."""
   n = len(split['label'])
-  pad = bucket_rows(n) - n
+  pad = data.bucket_rows(n) - n
   if not pad:
     return split
   return {k: np.concatenate([v, np.zeros((pad, *v.shape[1:]), v.dtype)]) for k, v in split.items()}
-
-
-def bucket_rows(n: int) -> int:
-  """The next power of two: a growing set changes size bucket once per doubling, at most twice its memory."""
-  return 1 << max(n - 1, 0).bit_length()

@@ -27,7 +27,7 @@ class Predictor:
   """Every member's probabilities for a split: one jitted program, each device running its own members.
 
   The members are mapped as in training (shard_map over 'ensemble', then
-  `backends.map_members`). Left to XLA's partitioner, the vmapped members
+  `backends.predict_members`). Left to XLA's partitioner, the vmapped members
   became one grouped convolution computed whole on every device: at K=32 on 8
   CPU devices, a batch of 1,000 images got the process killed (exit 137) on a
   machine with 24 GB.
@@ -58,6 +58,6 @@ def _log_probs_program(member: steps.Member, devices: tuple[jax.Device, ...]):
   returns in a loop share their member (ensemble/loop.py), and so their programs."""
   members, whole = P(backends.ENSEMBLE_AXIS), P()
   log_probs = lambda state, images: member.task.member_output(member.predict(state, images))
-  mapped = jax.shard_map(backends.map_members(log_probs, (0, None), devices, member),
+  mapped = jax.shard_map(backends.predict_members(log_probs, member, devices),
                          mesh=backends.ensemble_mesh(devices), in_specs=(members, whole), out_specs=members)
   return jax.jit(mapped)

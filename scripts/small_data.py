@@ -54,6 +54,12 @@ import time
 
 _STARTED = time.perf_counter()
 
+# On a GPU host JAX takes 75% of the GPU's memory at its start, which would leave the child processes (the cold
+# fits, the BO loops) too little to start: this process allocates as it goes, and the children keep JAX's default.
+_PREALLOCATE = os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE')
+if '--_child' not in ' '.join(sys.argv):
+  os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'] = 'false'
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -70,8 +76,8 @@ from ensemble.tasks import regression
 
 _IMPORTED = time.perf_counter()
 
-SECTIONS = ('regression', 'bo', 'mnist')
-ALL = ('regression', 'bo')
+SECTIONS = ('fixed', 'regression', 'bo', 'mnist')
+ALL = ('fixed', 'regression', 'bo')
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The small-data recipe, for both trainers.
@@ -86,7 +92,7 @@ VARIANCE_FLOOR = 1e-6  # as ensemble/tasks/regression.py's
 FIT_RECIPE = {'task': 'regression', 'ensemble_size': ENSEMBLE_SIZE, 'epochs': EPOCHS, 'optimizer': 'adamw',
               'learning_rate': LEARNING_RATE, 'weight_decay': 0.0, 'schedule': 'constant',
               'standardize_features': True, 'progress': False}
-GOALS = {'cold': 1.3, 'warm': 1.2, 'bo_total': 1.5, 'bo_compiles_after_first': 3}
+GOALS = {'cold': 1.3, 'warm': 1.2, 'bo_total': 1.5, 'bo_later_padded': 1.2, 'bo_compiles_after_first': 3}
 COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'
 
 
@@ -113,14 +119,20 @@ def _gaussian_nll(params, x, y):
   return jnp.mean(0.5 * (jnp.log(2 * jnp.pi * variance) + (y - mean) ** 2 / variance))
 
 
-@functools.partial(jax.jit, static_argnames='batch_size')
-def train_epoch(params, opt_state, x, y, key, epoch, batch_size: int):
-  """One epoch of every member, each its own permutation of the rows, the last partial batch dropped."""
-  steps = len(y) // batch_size
+@functools.partial(jax.jit, static_argnames=('batch_size', 'steps'))
+def train_epoch(params, opt_state, x, y, key, epoch, batch_size: int, rows=None, steps: int | None = None):
+  """One epoch of every member, each its own permutation of the rows, the last partial batch dropped. With `rows`
+  (traced) and `steps`, the arrays are padded past `rows` and the permutation is of the first `rows` only: the
+  program stays the same while the set grows within its padding."""
+  steps = len(y) // batch_size if steps is None else steps
   size = jax.tree.leaves(params)[0].shape[0]
 
   def member(params, opt_state, key):
-    order = jax.random.permutation(key, len(y))[:steps * batch_size].reshape(steps, batch_size)
+    if rows is None:
+      order = jax.random.permutation(key, len(y))
+    else:
+      order = jnp.argsort(jnp.where(jnp.arange(len(y)) < rows, jax.random.uniform(key, (len(y),)), 2.0))
+    order = order[:steps * batch_size].reshape(steps, batch_size)
 
     def step(carry, rows):
       params, opt_state = carry
@@ -165,24 +177,34 @@ def _standardise(a: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray
 
 
 def plain_fit(x: np.ndarray, y: np.ndarray, *, batch_size: int = BATCH_SIZE, seed: int = 0,
-              init: PlainEnsemble | None = None) -> PlainEnsemble:
+              init: PlainEnsemble | None = None, ensemble_size: int = ENSEMBLE_SIZE, epochs: int = EPOCHS,
+              padded: bool = False) -> PlainEnsemble:
   """The recipe in plain JAX: standardise on the host, init (or start from `init`'s members, Adam afresh), then
-  one dispatch per epoch, waiting only for the end."""
+  one dispatch per epoch, waiting only for the end. `padded`: the rows padded to the next power of two, as `fit`
+  pads them, so that a growing set compiles again only when its bucket (or its number of steps) changes."""
   x_stats, y_stats = _stats(x), _stats(y)
   key = jax.random.key(seed)
-  params = init_members(jax.random.split(key, ENSEMBLE_SIZE)) if init is None else init.params
+  params = init_members(jax.random.split(key, ensemble_size)) if init is None else init.params
   opt_state = init_adam(params)
-  x, y = jnp.asarray(_standardise(x, *x_stats)), jnp.asarray(_standardise(y, *y_stats))
-  for epoch in range(EPOCHS):
-    params, opt_state, _ = train_epoch(params, opt_state, x, y, key, epoch, batch_size=batch_size)
+  x, y = _standardise(x, *x_stats), _standardise(y, *y_stats)
+  rows = {}
+  if padded:
+    rows = {'rows': np.int32(len(y)), 'steps': len(y) // batch_size}
+    pad = (1 << (len(y) - 1).bit_length()) - len(y)
+    x, y = np.pad(x, ((0, pad), (0, 0))), np.pad(y, (0, pad))
+  x, y = jnp.asarray(x), jnp.asarray(y)
+  for epoch in range(epochs):
+    params, opt_state, _ = train_epoch(params, opt_state, x, y, key, epoch, batch_size=batch_size, **rows)
   return PlainEnsemble(jax.block_until_ready(params), x_stats, y_stats)
 
 
-def fit(x: np.ndarray, y: np.ndarray, *, batch_size: int = BATCH_SIZE, init=None):
-  return ensemble.fit(MLP(), (x, y), batch_size=batch_size, init=init, **FIT_RECIPE)
+def fit(x: np.ndarray, y: np.ndarray, *, batch_size: int = BATCH_SIZE, init=None, **recipe):
+  return ensemble.fit(MLP(), (x, y), batch_size=batch_size, init=init, **{**FIT_RECIPE, **recipe})
 
 
 TRAINERS = {'fit': fit, 'plain': plain_fit}
+# The BO loop's: the plain loop also padded, which compiles again only when the set changes bucket, as `fit` does.
+BO_TRAINERS = {**TRAINERS, 'padded': functools.partial(plain_fit, padded=True)}
 
 
 def make_data(rows: int = 1000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -260,7 +282,7 @@ def child_bo(trainer: str, fits: int, start_rows: int, batch_size: int) -> dict:
   if trainer == 'fit':
     _ = ensemble.fit
   counter = CompileCounter()
-  train, previous, iterations = TRAINERS[trainer], None, []
+  train, previous, iterations = BO_TRAINERS[trainer], None, []
   for i in range(fits):
     rows = start_rows + i
     counter.count, start = 0, time.perf_counter()
@@ -306,7 +328,9 @@ def run_child(args, kind: str, *extra: str) -> dict:
 def _child_env(folder: str) -> dict[str, str]:
   """The environment with an empty persistent compilation cache: none set for JAX, the user's cache folder (where
   `python -m ensemble.train` keeps one by default) a fresh one."""
-  env = {k: v for k, v in os.environ.items() if k != 'JAX_COMPILATION_CACHE_DIR'}
+  env = {k: v for k, v in os.environ.items() if k not in ('JAX_COMPILATION_CACHE_DIR', 'XLA_PYTHON_CLIENT_PREALLOCATE')}
+  if _PREALLOCATE is not None:  # the user's own setting
+    env['XLA_PYTHON_CLIENT_PREALLOCATE'] = _PREALLOCATE
   env['XDG_CACHE_HOME'] = os.path.join(folder, 'cache')
   return env
 
@@ -360,7 +384,7 @@ def section_regression(args) -> dict:
 
 def section_bo(args) -> dict:
   extra = (f'--bo_fits={args.bo_fits}', f'--bo_start={args.bo_start}', f'--bo_batch_size={args.bo_batch_size}')
-  loops = {trainer: run_child(args, f'bo_{trainer}', *extra) for trainer in TRAINERS}
+  loops = {trainer: run_child(args, f'bo_{trainer}', *extra) for trainer in BO_TRAINERS}
   rows = {}
   for trainer, loop in loops.items():
     first, later = loop['iterations'][0], loop['iterations'][1:]
@@ -375,34 +399,97 @@ def section_bo(args) -> dict:
         'later_fit_compiles': sum(it['fit_compiles'] for it in later),
         'later_predict_compiles': sum(it['predict_compiles'] for it in later)}
     rows[trainer]['later_compiles'] = rows[trainer]['later_fit_compiles'] + rows[trainer]['later_predict_compiles']
-  fit_rows, plain_rows = rows['fit'], rows['plain']
-  result = {'loops': loops, 'summary': rows, 'total_ratio': _ratio(fit_rows['total_s'], plain_rows['total_s'])}
+  fit_rows, plain_rows, padded_rows = rows['fit'], rows['plain'], rows['padded']
+  result = {'loops': loops, 'summary': rows, 'total_ratio': _ratio(fit_rows['total_s'], plain_rows['total_s']),
+            'later_fit_ratio_padded': _ratio(fit_rows['later_median_fit_s'], padded_rows['later_median_fit_s'])}
 
   last = args.bo_start + args.bo_fits - 1
   print(f'\n## bo: {args.bo_fits} fits on {args.bo_start}..{last} rows (batch {args.bo_batch_size}), each warm-started '
         f'from the last and followed by a prediction on {NUM_CANDIDATES} candidates; compiles counted by '
-        f"{loops['fit']['compile_count_method']}\n")
-  print('| | ensemble.fit | plain JAX | fit / plain | goal |')
-  print('| --- | --- | --- | --- | --- |')
-  line = lambda name, key, fmt: print(f'| {name} | {fit_rows[key]:{fmt}} | {plain_rows[key]:{fmt}} | '
-                                      f'{_ratio(fit_rows[key], plain_rows[key]):.2f}x | |')
-  print(f"| whole loop: {args.bo_fits} fits and predictions (s) | {fit_rows['total_s']:.2f} | "
-        f"{plain_rows['total_s']:.2f} | {result['total_ratio']:.2f}x | "
-        f"{_verdict(result['total_ratio'], GOALS['bo_total'])} |")
+        f"{loops['fit']['compile_count_method']}. The plain loop as it is (its shapes change every fit) and padded "
+        'to a power of two, as fit pads\n')
+  print('| | ensemble.fit | plain JAX | plain, padded | fit / plain | fit / padded | goal |')
+  print('| --- | --- | --- | --- | --- | --- | --- |')
+
+  def line(name, key, fmt, goal=''):
+    print(f'| {name} | {fit_rows[key]:{fmt}} | {plain_rows[key]:{fmt}} | {padded_rows[key]:{fmt}} | '
+          f'{_ratio(fit_rows[key], plain_rows[key]):.2f}x | {_ratio(fit_rows[key], padded_rows[key]):.2f}x | {goal} |')
+  line(f'whole loop: {args.bo_fits} fits and predictions (s)', 'total_s', '.2f',
+       f"fit / plain {_verdict(result['total_ratio'], GOALS['bo_total'])}")
   line('of which fits (s)', 'fits_s', '.2f')
   line('of which predictions (s)', 'predicts_s', '.3f')
   line('first fit and prediction (s)', 'first_s', '.2f')
-  line('later fits, median (s)', 'later_median_fit_s', '.4f')
+  line('later fits, median (s)', 'later_median_fit_s', '.4f',
+       f"fit / padded {_verdict(result['later_fit_ratio_padded'], GOALS['bo_later_padded'])}")
   line('later predictions, median (s)', 'later_median_predict_s', '.4f')
-  print(f"| compiles: first fit and prediction | {fit_rows['first_compiles']} | {plain_rows['first_compiles']} | | |")
+  compiles = lambda r: f"{r['later_fit_compiles']} + {r['later_predict_compiles']}"
+  print(f"| compiles: first fit and prediction | {fit_rows['first_compiles']} | {plain_rows['first_compiles']} | "
+        f"{padded_rows['first_compiles']} | | | |")
   goal = GOALS['bo_compiles_after_first']
-  print(f"| compiles after the first: fits + predictions | {fit_rows['later_fit_compiles']} + "
-        f"{fit_rows['later_predict_compiles']} | {plain_rows['later_fit_compiles']} + "
-        f"{plain_rows['later_predict_compiles']} | | fit <= {goal}: "
-        f"{'met' if fit_rows['later_compiles'] <= goal else 'MISSED'} |")
+  print(f'| compiles after the first: fits + predictions | {compiles(fit_rows)} | {compiles(plain_rows)} | '
+        f"{compiles(padded_rows)} | | | fit <= {goal}: {'met' if fit_rows['later_compiles'] <= goal else 'MISSED'} |")
   for key in ('rmse', 'nll'):
     print(f"| last fit's test {key.upper()} ({NUM_TEST} rows) | {loops['fit'][key]:.4f} | "
-          f"{loops['plain'][key]:.4f} | | |")
+          f"{loops['plain'][key]:.4f} | {loops['padded'][key]:.4f} | | | |")
+  return result
+
+
+# The fixed-cost section's recipe: a call so small that what is not compute shows.
+FIXED_MEMBERS, FIXED_ROWS, FIXED_BATCH, FIXED_EPOCHS = 4, 100, 25, (1, 40)
+FIXED_GOAL = (1.2, 0.002)  # fit <= 1.2x plain + 2 ms
+PREDICT_GOAL = 0.001  # predict <= the forward pass + 1 ms
+
+
+def _median_pair(calls: dict, repeats: int) -> dict[str, float]:
+  """Each of `calls` (name -> function) called `repeats` times, alternating, after one call each to compile;
+  the median seconds of each."""
+  for call in calls.values():
+    call()
+  seconds = {name: [] for name in calls}
+  for _ in range(repeats):
+    for name, call in calls.items():
+      start = time.perf_counter()
+      call()
+      seconds[name].append(time.perf_counter() - start)
+  return {name: statistics.median(times) for name, times in seconds.items()}
+
+
+def section_fixed(args) -> dict:
+  """What a call costs besides its compute: warm fits of 1 and of 40 epochs on 100 rows, and a prediction on 256
+  rows, against the plain loop and the members' jitted forward pass, side by side in this process."""
+  x, y = make_data()
+  x, y = x[:FIXED_ROWS], y[:FIXED_ROWS]
+  grid = candidates()
+  rows, result = [], {}
+  for epochs in FIXED_EPOCHS:
+    recipe = {'ensemble_size': FIXED_MEMBERS, 'epochs': epochs}
+    times = _median_pair({
+        'fit': functools.partial(fit, x, y, batch_size=FIXED_BATCH, **recipe),
+        'plain': functools.partial(plain_fit, x, y, batch_size=FIXED_BATCH, ensemble_size=FIXED_MEMBERS,
+                                   epochs=epochs)},
+        args.fixed_repeats)
+    ratio, goal = times['fit'] / times['plain'], FIXED_GOAL[0] * times['plain'] + FIXED_GOAL[1]
+    result[f'fit_{epochs}_epochs'] = {**times, 'ratio': ratio, 'goal_s': goal}
+    rows.append((f'warm fit, {epochs} epoch{"s" * (epochs > 1)}', times['fit'], times['plain'],
+                 f'{ratio:.2f}x', f'<= {FIXED_GOAL[0]:g}x + {FIXED_GOAL[1] * 1e3:g} ms: '
+                 f'{"met" if times["fit"] <= goal else "MISSED"}'))
+  trained = fit(x, y, batch_size=FIXED_BATCH, ensemble_size=FIXED_MEMBERS, epochs=1)
+  params = jax.tree.map(jnp.asarray, trained.params)
+  inputs = jnp.asarray(grid)
+  times = _median_pair({'predict': lambda: trained.predict(grid, levels=()),
+                        'forward': lambda: np.asarray(predict_members(params, inputs))}, args.fixed_repeats)
+  goal = times['forward'] + PREDICT_GOAL
+  result['predict'] = {**times, 'goal_s': goal}
+  rows.append((f'predict(x, levels=()) on {NUM_CANDIDATES} rows, against the jitted forward pass', times['predict'],
+               times['forward'], f'+{(times["predict"] - times["forward"]) * 1e3:.2f} ms',
+               f'<= +{PREDICT_GOAL * 1e3:g} ms: {"met" if times["predict"] <= goal else "MISSED"}'))
+
+  print(f'\n## fixed cost of a call: {FIXED_MEMBERS} MLP members, {FIXED_ROWS} rows, batch {FIXED_BATCH}, Adam '
+        f'{LEARNING_RATE}, progress=False; medians of {args.fixed_repeats} calls, alternating\n')
+  print('| | ensemble | plain JAX | difference | goal |')
+  print('| --- | --- | --- | --- | --- |')
+  for name, ours, plain, difference, verdict in rows:
+    print(f'| {name} (ms) | {ours * 1e3:.2f} | {plain * 1e3:.2f} | {difference} | {verdict} |')
   return result
 
 
@@ -445,6 +532,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--section', default='all', help=f"'all' ({','.join(ALL)}) or a list of {', '.join(SECTIONS)}")
   parser.add_argument('--repeats', type=int, default=10, help='regression: warm calls in one process (median of 2..N)')
+  parser.add_argument('--fixed_repeats', type=int, default=50, help='fixed: calls of each kind (median)')
   parser.add_argument('--cold_repeats', type=int, default=3, help='regression: fresh processes per cold timing')
   parser.add_argument('--bo_fits', type=int, default=20, help='bo: fits in the loop')
   parser.add_argument('--bo_start', type=int, default=100, help="bo: the first fit's training rows")
@@ -494,7 +582,8 @@ def main():
         f'jax {jax.__version__}', flush=True)
   results = {'platform': jax.devices()[0].platform, 'jax': jax.__version__, 'host_cores': os.cpu_count()}
   for name in sections:
-    results[name] = {'regression': section_regression, 'bo': section_bo, 'mnist': section_mnist}[name](args)
+    results[name] = {'fixed': section_fixed, 'regression': section_regression, 'bo': section_bo,
+                     'mnist': section_mnist}[name](args)
   if args.json:
     files.write_atomically(args.json, json.dumps(results, indent=2))
     print(f'\nwrote {args.json}')

@@ -455,11 +455,28 @@ def test_dataset_refuses_float_images():
 # Batches (plain numpy on indices, whatever the images' dtype).
 
 def test_shuffle_order_is_a_function_of_seed_and_epoch():
-  a = data.epoch_order(100, seed=0, epoch=1)
-  assert np.array_equal(a, data.epoch_order(100, seed=0, epoch=1))
-  assert not np.array_equal(a, data.epoch_order(100, seed=0, epoch=2))
-  assert not np.array_equal(a, data.epoch_order(100, seed=1, epoch=1))
+  order = lambda seed=0, epoch=1: data.train_batch_indices(100, 100, seed, epoch, 1, 'shared')[0]
+  a = order()
+  assert np.array_equal(a, order())
+  assert not np.array_equal(a, order(epoch=2))
+  assert not np.array_equal(a, order(seed=1))
+  assert not np.array_equal(a, order(seed=2**32 - 1))
   assert sorted(a) == list(range(100))
+
+
+def test_the_draw_on_a_padded_set_never_reaches_the_padding():
+  """A resident set is padded to its size bucket, and the programs draw on it: the examples come first, in the
+  order the host draws for the same set (its bucket's rows, 128), and only the last partial batch's rows are left
+  out."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  host = data.train_batch_indices(100, 16, seed=7, epoch=3, ensemble_size=4, member_data='shuffled')
+  for rows in (128, 512):
+    drawn = np.asarray(data.epoch_indices(np.uint32(7), 3, 100, jnp.arange(4), rows=rows, steps=6, batch_size=16))
+    assert drawn.max() < 100
+    for member in range(4):
+      assert len(set(drawn[member].ravel())) == 96
+    if rows == data.bucket_rows(100):
+      np.testing.assert_array_equal(drawn.transpose(1, 0, 2), host)
 
 
 def test_batch_indices_shared_and_shuffled():

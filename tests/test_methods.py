@@ -55,21 +55,21 @@ def _tree_equal(a, b):
 
 
 def test_bootstrap_resamples_depend_on_the_seed_and_the_member_only():
-  first = data.bootstrap(1000, seed=3, member=5)
-  np.testing.assert_array_equal(first, data.bootstrap(1000, seed=3, member=5))
-  assert not np.array_equal(first, data.bootstrap(1000, seed=3, member=6))
-  assert not np.array_equal(first, data.bootstrap(1000, seed=4, member=5))
+  # 20 batches of 50 take all 1,000 draws of a member's resample: its epoch's indices are the resample, reordered.
+  draw = lambda seed=3, epoch=1, size=8: data.train_batch_indices(1000, 50, seed=seed, epoch=epoch,
+                                                                   ensemble_size=size, member_data='bootstrap')
+  first, resample = draw(), lambda indices, member: np.sort(indices[:, member].ravel())
+  np.testing.assert_array_equal(first, draw())
+  assert not np.array_equal(resample(first, 5), resample(first, 6))
+  assert not np.array_equal(resample(first, 5), resample(draw(seed=4), 5))
   # Drawn with replacement: about 1 - 1/e of the examples appear, some of them several times.
-  assert 0.58 < len(np.unique(first)) / 1000 < 0.68
-  # Member 1's batches are the same in an ensemble of 2 and of 8, and come from its resample only.
-  two = data.train_batch_indices(1000, 50, seed=3, epoch=1, ensemble_size=2, member_data='bootstrap')
-  eight = data.train_batch_indices(1000, 50, seed=3, epoch=1, ensemble_size=8, member_data='bootstrap')
-  np.testing.assert_array_equal(two[:, 1], eight[:, 1])
-  assert set(eight[:, 1].ravel()) <= set(data.bootstrap(1000, seed=3, member=1))
+  assert 0.58 < len(np.unique(first[:, 5])) / 1000 < 0.68
+  # Member 1's batches are the same in an ensemble of 2 and of 8.
+  np.testing.assert_array_equal(draw(size=2)[:, 1], first[:, 1])
   # A new epoch reorders the same resample.
-  later = data.train_batch_indices(1000, 50, seed=3, epoch=2, ensemble_size=8, member_data='bootstrap')
-  assert not np.array_equal(later[:, 1], eight[:, 1])
-  np.testing.assert_array_equal(np.sort(later[:, 1].ravel()), np.sort(eight[:, 1].ravel()))
+  later = draw(epoch=2)
+  assert not np.array_equal(later[:, 1], first[:, 1])
+  np.testing.assert_array_equal(resample(later, 1), resample(first, 1))
 
 
 def test_bagging_trains_each_member_on_its_own_resample(make_config):
@@ -271,3 +271,24 @@ def test_batchensemble_keeps_its_shared_weights_once_per_device_and_checkpoints_
     if batchensemble.is_shared_path(path):
       np.testing.assert_array_equal(np.asarray(x), np.broadcast_to(np.asarray(x)[0], x.shape))
   _tree_equal(created.to_canonical(created.from_canonical(canonical)), canonical)
+
+
+@pytest.mark.parametrize('method', ['mimo', 'batchensemble', 'mc_dropout'])
+def test_members_that_share_weights_predict_in_one_pass_as_each_would_alone(method):
+  """Prediction leaves the shared weights unmapped (`backends.predict_members`): the members' outputs are each
+  member's own forward pass, and MIMO's M heads cost one pass of its network, not M."""
+  from conftest import toy_features  # pylint: disable=g-import-not-at-top
+  import ensemble  # pylint: disable=g-import-not-at-top
+  x, y = toy_features()
+  ens = ensemble.fit('mlp', (x, y), ensemble_size=4, epochs=1, batch_size=16, method=method, progress=False)
+  member, state = ens.member, ens.state
+  each = lambda state, images: member.task.member_output(member.predict(state, images))
+  one_by_one = np.stack([np.asarray(each(jax.tree.map(lambda leaf, i=i: leaf[i], state), x)) for i in range(4)])
+  np.testing.assert_allclose(ens.member_outputs(x), one_by_one, rtol=1e-5, atol=1e-6)
+  together = jax.jit(backends.predict_members(each, member, jax.devices()[:1]))
+  np.testing.assert_allclose(np.asarray(together(state, x)), one_by_one, rtol=1e-5, atol=1e-6)
+  if method == 'mimo':  # one pass: the matmuls of one member's, none with a member axis (XLA's cost analysis
+    # counts a batched matmul once, so the shapes tell)
+    matmuls = lambda fn, *args: sorted(re.findall(r':(\S+\[[\d,]*\]) = dot_general', str(jax.make_jaxpr(fn)(*args))))
+    alone = matmuls(each, jax.tree.map(lambda leaf: leaf[0], state), x)
+    assert alone and matmuls(backends.predict_members(each, member, jax.devices()[:1]), state, x) == alone

@@ -155,6 +155,14 @@ class Backend(Protocol):
   def train_steps(self, state: Any, dataset: Any, indices: np.ndarray) -> tuple[Any, steps.Metrics]:
     """The fast path: `len(indices)` steps on batches of the resident `dataset` in one program."""
 
+  # Whether `train_epochs` serves (pmap and jit, in one process, each member on devices of its own).
+  trains_epochs: bool
+
+  def train_epochs(self, state: Any, dataset: Any, seed: int, first_epoch: int, num_epochs: int, num_examples: int,
+                   steps_per_epoch: int, batch_size: int, bootstrap: bool) -> tuple[Any, steps.Metrics, jax.Array]:
+    """A whole in-memory fit in one program: `num_epochs` epochs on the resident `dataset`, their orders drawn
+    inside it (`EpochPrograms`); (state, metrics (K, epochs, steps), whether each member is finite (K,))."""
+
   def eval_step(self, state: Any, images: np.ndarray, labels: np.ndarray) -> steps.Metrics:
     """Per-example outputs of every member and of the ensemble, over the whole batch."""
 
@@ -287,6 +295,28 @@ def map_members(fn, in_axes: Sequence[int | None], devices: Sequence[jax.Device]
   return mapped
 
 
+def predict_members(fn, member: steps.Member, devices: Sequence[jax.Device]):
+  """`fn(state, images)` (a member's forward pass and what follows it) over a device's members: `map_members`, or,
+  where the members share weights, one vmap that leaves the shared leaves unmapped (the first member's copy serves
+  all). vmap then batches only what depends on a member's own state: MIMO's M heads come out of one pass of its
+  network (unless each member has its own BatchNorm statistics), MC dropout's passes share all that precedes the
+  first dropout, and BatchEnsemble's shared kernels are one matmul or convolution over all members' rows. On a
+  CPU that last one ran 3x slower than the members' convolutions one after another (`unrolls`; 4 CNN members,
+  docs/benchmarks.md), so there BatchEnsemble's members are mapped as others'. `state` may hold a shared leaf
+  once per device (the backends' layout) or once per member (the canonical one)."""
+  one_network = isinstance(member.method, batchensemble.OneNetwork)
+  if not member.method.shares_weights or (unrolls(devices, member) and not one_network):
+    return map_members(fn, (0, None), devices, member)
+
+  def predict(state, images):
+    state = state.replace(opt_state=None)  # no prediction reads it (and its shared leaves may be once per device)
+    shared = member.method.shared(state.params)
+    params = jax.tree.map(lambda x, one: x[0] if one else x, state.params, shared)
+    axes = jax.tree.map(lambda _: 0, state).replace(params=jax.tree.map(lambda one: None if one else 0, shared))
+    return jax.vmap(fn, in_axes=(axes, None))(state.replace(params=params), images)
+  return predict
+
+
 def once_per_device(member: steps.Member, state: Any) -> Any:
   """A device's stacked members' state with the leaves they share (BatchEnsemble's) kept once: (1, ...)."""
   return batchensemble.map_shared(lambda x: x[:1], state) if member.method.shares_weights else state
@@ -337,19 +367,66 @@ def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_ax
   return one, many
 
 
+def train_epochs_function(many, member_data: str, num_epochs: int, steps: int, batch_size: int, bootstrap: bool):
+  """`num_epochs` epochs of the members a device holds in one program, each epoch's order drawn inside it
+  (`data.epoch_indices`): a whole in-memory fit as one dispatch and one host sync.
+
+  `many` is `train_functions`' second; the result takes (state, images, labels,
+  member ids (the device's members' indices among all), seed, first epoch,
+  number of examples) and gives (state, metrics (M, num_epochs, steps) per
+  name, whether each member's state is finite (M,)): the divergence check
+  rides on the dispatch's own outputs. `bootstrap` draws from each member's
+  resample (bagging): the programs' key leaves the method out, so the run says.
+  """
+  from ensemble.data import batches  # pylint: disable=g-import-not-at-top
+
+  def run(state, images, labels, member_ids, seed, first_epoch, num_examples):
+    members = None if member_data == 'shared' else member_ids
+    draw = functools.partial(batches.epoch_indices, rows=images.shape[0], steps=steps, batch_size=batch_size,
+                             bootstrap=bootstrap)
+
+    def epoch(state, number):
+      return many(state, images, labels, draw(seed, number, num_examples, members))
+    state, metrics = jax.lax.scan(epoch, state, first_epoch + jax.numpy.arange(num_epochs))
+    return state, jax.tree.map(lambda x: jax.numpy.moveaxis(x, 0, 1), metrics), finite_members(state, len(member_ids))
+  return run
+
+
+class EpochPrograms:
+  """A backend's whole-fit programs (`train_epochs_function`), one per (epochs, steps, batch size, bootstrap):
+  `build(*that)` makes one, the backend's jit or pmap of it. `member_ids` are the members' indices laid out as the
+  backend lays out members, placed once."""
+
+  def __init__(self, build, member_ids: jax.Array):
+    self._build, self._member_ids, self._programs = build, member_ids, {}
+
+  def __call__(self, state, dataset, seed: int, first_epoch: int, num_epochs: int, num_examples: int,
+               steps_per_epoch: int, batch_size: int, bootstrap: bool):
+    shape = (num_epochs, steps_per_epoch, batch_size, bootstrap)
+    if shape not in self._programs:
+      self._programs[shape] = self._build(*shape)
+    return self._programs[shape](state, *dataset, self._member_ids, np.uint32(seed), np.int32(first_epoch),
+                                 np.int32(num_examples))
+
+
+def finite_members(state: Any, size: int) -> jax.Array:
+  """(size,) whether each of a device's members' state is finite, in the backends' layout (a shared leaf's one
+  copy counts for all)."""
+  flags = [jax.numpy.broadcast_to(jax.numpy.isfinite(x).reshape(x.shape[0], -1).all(1), (size,))
+           for x in jax.tree.leaves(state) if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)]
+  return jax.numpy.stack(flags).all(0)
+
+
 def evaluate_members(member: steps.Member, devices: Sequence[jax.Device], ensemble_axis: str | None = ENSEMBLE_AXIS):
   """`member.eval_step` for the members a device holds, inside pmap or shard_map over 'ensemble'.
 
-  The forward passes go through `map_members`; only the cheap ensemble mean
+  The forward passes go through `predict_members`; only the cheap ensemble mean
   needs the members as a named (vmapped) axis, which with 'ensemble' spans all.
   `ensemble_axis` None leaves a mesh's 'ensemble' axis of size 1 (one member
   over all the devices) out of the mean: XLA's partitioner refuses a reduction
   over a manual axis of size 1 beside automatic ones.
   """
-  predict = map_members(member.predict, (0, None), devices, member)
-  if member.method.shares_weights:
-    each = predict
-    predict = lambda state, images: each(for_each_member(state, len(state.step)), images)
+  predict = predict_members(member.predict, member, devices)
   axis_name = (ensemble_axis, MEMBER_AXIS) if ensemble_axis else MEMBER_AXIS
   outputs = jax.vmap(functools.partial(member.task.eval_outputs, axis_name=axis_name),
                      in_axes=(0, None), axis_name=MEMBER_AXIS)

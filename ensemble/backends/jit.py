@@ -28,9 +28,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
-from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, MODEL_AXIS, abstract_member_state,
+from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, MODEL_AXIS, EpochPrograms, abstract_member_state,
                                devices_per_member, ensemble_mesh, evaluate_members, gathering_batches, init_members,
-                               train_functions, train_program)
+                               train_epochs_function, train_functions, train_program)
 from ensemble.methods import batchensemble
 from ensemble.parallel import logical
 
@@ -115,6 +115,14 @@ class JitBackend:
     self._train_steps = train_program(compile_mapped(
         many, (members, whole, whole, index_spec), (members, members), donate=0, batches=1, split=index_rows),
         devices, config, member)
+    # Whole fits in one program (`train_epochs`): members on devices of their own, in one process.
+    self.trains_epochs = not spread and not split
+    self._epochs = EpochPrograms(
+        lambda *shape: train_program(compile_mapped(
+            train_epochs_function(many, member_data, *shape), (members, whole, whole, members, whole, whole, whole),
+            (members, members, members), donate=0), devices, config, member),
+        jax.device_put(np.arange(ensemble_size, dtype=np.int32), NamedSharding(mesh, members)))
+    self._keys = {}
     self._eval = compile_mapped(gather(evaluate_members(member, self.devices, ensemble_axis)),
                                 (members, batch_spec, batch_spec), members, batches=2, state_out=False,
                                 split=shared_rows)
@@ -128,9 +136,10 @@ class JitBackend:
     return stack
 
   def init(self, seed: int) -> steps.TrainState:
-    keys = steps.member_keys(seed, self.ensemble_size)
+    if seed not in self._keys:  # a loop of fits starts from the same keys: drawn once
+      self._keys[seed] = steps.member_keys(seed, self.ensemble_size)
     with self._context():
-      return self._init(keys)
+      return self._init(self._keys[seed])
 
   def abstract_state(self):
     with self._context():  # the model's init runs, constraints and all
@@ -155,6 +164,11 @@ class JitBackend:
       indices = jax.make_array_from_callback(indices.shape, self._shared_indices, lambda i, host=indices: host[i])
     with self._context():
       return self._train_steps(state, *dataset, indices)
+
+  def train_epochs(self, state, dataset, *args):
+    """Whole epochs in one program (`backends.EpochPrograms`' arguments); only where `trains_epochs`."""
+    with self._context():
+      return self._epochs(state, dataset, *args)
 
   def eval_step(self, state, images: np.ndarray, labels: np.ndarray) -> steps.Metrics:
     with self._context():

@@ -19,8 +19,9 @@ from flax import jax_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
-from ensemble.backends import (ENSEMBLE_AXIS, abstract_member_state, evaluate_members, gathering_batches,
-                               init_members, member_sharding, train_functions, train_program)
+from ensemble.backends import (ENSEMBLE_AXIS, EpochPrograms, abstract_member_state, evaluate_members,
+                               gathering_batches, init_members, member_sharding, train_epochs_function,
+                               train_functions, train_program)
 from ensemble.methods import batchensemble
 
 
@@ -48,6 +49,14 @@ class PmapBackend:
     self._train = train_program(pmap(whole(train) if self._shared_data else train, donate_argnums=0), devices,
                                 config, member)
     self._train_steps = train_program(pmap(many, donate_argnums=0), devices, config, member)
+    # Whole fits in one program (`train_epochs`), in one process; the seed, first epoch and count broadcast.
+    self.trains_epochs = not self._split_batches
+    self.train_epochs = EpochPrograms(
+        lambda *shape: train_program(pmap(train_epochs_function(many, member_data, *shape),
+                                          in_axes=(0, 0, 0, 0, None, None, None), donate_argnums=0),
+                                     devices, config, member),
+        jax.device_put(np.arange(ensemble_size, dtype=np.int32).reshape(len(self.devices), -1), self._pmapped))
+    self._keys = {}
     self._eval = pmap(whole(evaluate_members(member, self.devices)))
 
   def _by_device(self, x: np.ndarray) -> np.ndarray:
@@ -66,8 +75,9 @@ class PmapBackend:
     return jax_utils.replicate((images, labels), self._local_devices)
 
   def init(self, seed: int) -> steps.TrainState:
-    keys = steps.member_keys(seed, self.ensemble_size)
-    return self._init(self._own_members(keys))
+    if seed not in self._keys:  # a loop of fits starts from the same keys: drawn (and laid out) once
+      self._keys[seed] = self._own_members(steps.member_keys(seed, self.ensemble_size))
+    return self._init(self._keys[seed])
 
   def abstract_state(self):
     return self._abstract()

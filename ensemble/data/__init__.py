@@ -13,11 +13,11 @@ import numpy as np
 
 from ensemble.data import array_record, arrays, bundled, csv, idx, npz, stream, tfds
 from ensemble.data.base import DataError, Dataset, Split
-from ensemble.data.batches import (bootstrap, eval_batches, epoch_order, heldout_count, hold_out, steps_per_epoch,
+from ensemble.data.batches import (bucket_rows, epoch_indices, eval_batches, heldout_count, hold_out, steps_per_epoch,
                                    train_batch_indices, train_batches)
 
-__all__ = ['DataError', 'Dataset', 'Split', 'SOURCES', 'bootstrap', 'channel_stats', 'load', 'eval_batches',
-           'epoch_order', 'heldout_count', 'hold_out', 'input_stats', 'steps_per_epoch', 'train_batch_indices',
+__all__ = ['DataError', 'Dataset', 'Split', 'SOURCES', 'bucket_rows', 'channel_stats', 'load', 'epoch_indices',
+           'eval_batches', 'heldout_count', 'hold_out', 'input_stats', 'steps_per_epoch', 'train_batch_indices',
            'train_batches']
 
 _STATS_CHUNK_BYTES = 1 << 24

@@ -1,13 +1,17 @@
-"""Batches of a split, as numpy indices on the host.
+"""Batches of a split: the training order (drawn with jax.random, on the devices or for the host) and the
+evaluation's batches in order.
 
 The data order depends only on the seed, the epoch and the member, never on the
 backend or the device count, so member i sees the same batches however the
 ensemble is placed. Nothing here looks at the images' dtype or shape.
 """
 
+import functools
 import math
 from typing import Iterator
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ensemble.data import stream
@@ -42,42 +46,71 @@ def hold_out(split: Split, fraction: float) -> tuple[Split, Split]:
   return {k: v[:start] for k, v in split.items()}, {k: v[start:] for k, v in split.items()}
 
 
-def epoch_order(num_examples: int, seed: int, epoch: int, member: int | None = None) -> np.ndarray:
-  """A permutation that is a function of (seed, epoch[, member]) alone."""
-  entropy = [seed, epoch] if member is None else [seed, epoch, member]
-  return np.random.default_rng(entropy).permutation(num_examples)
+# fold_in tag of a member's bootstrap resample (drawn once for the run), apart from its epochs' orders.
+_BOOTSTRAP = 0xB007
 
 
-def bootstrap(num_examples: int, seed: int, member: int) -> np.ndarray:
-  """Member `member`'s bootstrap resample for bagging: `num_examples` indices drawn with replacement.
+def bucket_rows(n: int) -> int:
+  """The next power of two: the rows a resident training set is padded to (`loop.pad_rows`), so that a set that
+  grows by a few rows keeps its programs; it changes bucket once per doubling, at most twice its memory."""
+  return 1 << max(n - 1, 0).bit_length()
 
-  Drawn once for the run from (seed, member) alone, so it does not depend on the
-  ensemble size, the backend or the devices; about 63% of the examples appear in it.
+
+def _order(key: jax.Array, num_examples: jax.Array, rows: int) -> jax.Array:
+  """A uniformly random order of positions 0..num_examples-1, followed by the rest of `rows` (padding): random bits
+  per position, the padding's the largest, sorted stably."""
+  bits = jax.random.bits(key, (rows,), jnp.uint32)
+  bits = jnp.where(jnp.arange(rows) < num_examples, bits, jnp.uint32(jnp.iinfo(jnp.uint32).max))
+  return jnp.argsort(bits, stable=True).astype(jnp.int32)
+
+
+def epoch_indices(seed: jax.Array, epoch: jax.Array, num_examples: jax.Array, members: jax.Array | None, *,
+                  rows: int, steps: int, batch_size: int, bootstrap: bool = False) -> jax.Array:
+  """One epoch's example indices, traceable: (steps, batch) that all members share (`members` None), else
+  (len(members), steps, batch), member i's own order (of its bootstrap resample, with `bootstrap`).
+
+  A function of (seed, epoch, member) and the examples' count alone, never of the ensemble's size, the backend or
+  the devices, so member i sees the same batches however it is placed; `rows` (at least `num_examples`, a static
+  size) is the padded set's, which the draw never reaches into. Training on a resident set draws here, inside its
+  program (no host work per epoch); other paths call `train_batch_indices`, the same draw on the host's behalf.
+  The last partial batch is dropped, so every step has the same shape.
   """
-  return np.random.default_rng([seed, member, 0xB007]).integers(0, num_examples, num_examples)
+  base = jax.random.key(seed)
+  key = jax.random.fold_in(base, epoch)
+  take = steps * batch_size
+  if members is None:
+    return _order(key, num_examples, rows)[:take].reshape(steps, batch_size)
+
+  def member_order(member):
+    order = _order(jax.random.fold_in(key, member), num_examples, rows)
+    if bootstrap:
+      resample = jax.random.randint(jax.random.fold_in(jax.random.fold_in(base, _BOOTSTRAP), member), (rows,), 0,
+                                    num_examples, jnp.int32)
+      order = resample[order]
+    return order[:take].reshape(steps, batch_size)
+  return jax.vmap(member_order)(members)
 
 
 def steps_per_epoch(num_examples: int, batch_size: int) -> int:
   return num_examples // batch_size
 
 
+@functools.partial(jax.jit, static_argnames=('rows', 'steps', 'batch_size', 'ensemble_size', 'member_data'))
+def _drawn(seed, epoch, num_examples, *, rows, steps, batch_size, ensemble_size, member_data):
+  members = None if member_data == 'shared' else jnp.arange(ensemble_size)
+  return epoch_indices(seed, epoch, num_examples, members, rows=rows, steps=steps, batch_size=batch_size,
+                       bootstrap=member_data == 'bootstrap')
+
+
 def train_batch_indices(num_examples: int, batch_size: int, seed: int, epoch: int,
                         ensemble_size: int, member_data: str) -> np.ndarray:
-  """Example indices of one epoch, (steps, batch) when members share batches, else (steps, K, batch).
-
-  'shuffled': each member its own order of the split; 'bootstrap': its own
-  order of its bootstrap resample (`bootstrap`). The last partial batch is
-  dropped, so every step has the same shape (one compilation).
-  """
-  steps = steps_per_epoch(num_examples, batch_size)
-  if member_data == 'shared':
-    return epoch_order(num_examples, seed, epoch)[:steps * batch_size].reshape(steps, batch_size)
-
-  def member_order(member):
-    permutation = epoch_order(num_examples, seed, epoch, member)
-    return bootstrap(num_examples, seed, member)[permutation] if member_data == 'bootstrap' else permutation
-  orders = np.stack([member_order(member)[:steps * batch_size] for member in range(ensemble_size)])
-  return orders.reshape(ensemble_size, steps, batch_size).transpose(1, 0, 2)
+  """`epoch_indices` as numpy, (steps, batch) when members share batches, else (steps, K, batch): 'shuffled', each
+  member its own order of the split; 'bootstrap', its own order of its bootstrap resample, `num_examples` indices
+  drawn with replacement once for the run from (seed, member) alone (about 63% of the examples appear in it)."""
+  indices = np.asarray(_drawn(np.uint32(seed), np.int32(epoch), np.int32(num_examples),
+                              rows=bucket_rows(num_examples), steps=steps_per_epoch(num_examples, batch_size),
+                              batch_size=batch_size, ensemble_size=ensemble_size, member_data=member_data))
+  return indices if member_data == 'shared' else indices.transpose(1, 0, 2)
 
 
 def train_batches(split: Split, batch_size: int, seed: int, epoch: int, ensemble_size: int,
