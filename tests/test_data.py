@@ -446,6 +446,17 @@ def test_channel_stats_match_numpy(monkeypatch, channels):
     data.channel_stats(x)
 
 
+def test_blank_images_train_rather_than_diverge():
+  """A channel of one value has a standard deviation of 0, which made every standardised input NaN and the run
+  'diverge' at its first step (lower the learning rate, it said): its scale is 1, as a constant feature's."""
+  images = np.zeros((32, 4, 4, 2), np.uint8)
+  images[..., 1] = np.random.default_rng(0).integers(0, 256, (32, 4, 4))
+  assert data.channel_stats(images)[1][0] == 1.0
+  import ensemble  # pylint: disable=g-import-not-at-top
+  ens = ensemble.fit('cnn', (images, np.arange(32) % 2), ensemble_size=2, epochs=1, batch_size=8, progress=False)
+  assert np.isfinite(ens.summary['train_loss'])
+
+
 def test_dataset_refuses_float_images():
   split = {'image': np.zeros((2, 3, 3, 1), np.float32), 'label': np.zeros(2, np.int32)}
   with pytest.raises(ValueError, match='uint8'):

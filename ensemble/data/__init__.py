@@ -130,4 +130,6 @@ def channel_stats(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, .
   total = counts.sum(axis=1)
   mean = counts @ values / total
   var = (counts * (values[None, :] - mean[:, None]) ** 2).sum(axis=1) / total
-  return tuple(float(m) for m in mean), tuple(float(s) for s in np.sqrt(var))
+  # A channel with one value throughout (blank images, a constant border channel) has nothing to scale: 1, as a
+  # constant feature's or target's, where 0 made every prediction NaN and the run "diverge".
+  return tuple(float(m) for m in mean), tuple(float(s) if s > 0 else 1.0 for s in np.sqrt(var))

@@ -26,9 +26,11 @@ training example once per epoch.
 Member i predicts with head i: its input repeated in all M slots, the
 network's forward pass, head i's outputs. The ensemble's mean over the
 members is then the paper's prediction, the mean of the M heads, at the cost
-of K forward passes of the network (one would do: every member computes all M
-heads and keeps one, so that evaluation, checkpoints and export see K members
-like any others). A member finds its head in `init` from its key (the i-th of
+of one forward pass of the network: every member computes all M heads and
+keeps one, so that evaluation, checkpoints and export see K members like any
+others, and `backends.predict_members` leaves the weights they share unmapped,
+so vmap computes that pass once (per member only where BatchNorm's statistics,
+each member's own, enter). A member finds its head in `init` from its key (the i-th of
 `steps.member_keys`) and keeps it in `TrainState.snapshots`, so checkpoints,
 a restored workdir and an exported artifact know it.
 
