@@ -11,6 +11,7 @@ from ensemble import defaults
 def get_config():
   config = defaults.get_config()
   config.task = 'regression'
+  config.model = 'mlp'  # the built-in model of feature vectors
   config.augment = 'none'
   config.update(defaults.REGRESSION)
   return config

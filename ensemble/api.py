@@ -34,7 +34,7 @@ from ensemble import recipe as recipe_lib, steps
 from ensemble.data import arrays
 from ensemble.errors import UsageError
 from ensemble.tasks import regression
-from ensemble.uncertainty import decomposition, selective
+from ensemble.uncertainty import conformal, decomposition, selective
 
 DEFAULT_FLAG_RISK = 0.01
 # The flag is two tests. The total predictive entropy counts both kinds of doubt, a blurred digit (aleatoric) and a
@@ -146,6 +146,8 @@ class Ensemble:
     self._data_info, self.summary = data_info, summary or {}
     self._transform = loop.feature_transform(data_info) if data_info else None
     self._predictors: dict[int, predictor.Predictor] = {}
+    # Split-conformal calibration (`conformal`): {'alpha', 'score', 'quantile', 'examples'}, or None.
+    self.conformal_calibration: dict[str, Any] | None = None
 
   @property
   def _name(self) -> str:
@@ -157,10 +159,103 @@ class Ensemble:
     else:
       predicts = console.count(self.num_classes, 'class', 'classes')
     where = f'workdir={self.workdir!r}' if self.workdir else 'in memory'
+    calibrated = ''.join(f', {name} {value:.4g}' for name, value in self._calibration().items())
     return (f'Ensemble({console.count(self.size, "member")} of {self.config.model}, {self.task.name} of '
             f'{predicts} from {"x".join(map(str, self.input_shape))} {self.member.inputs}, '
-            f'{self.config.checkpoint_unit} {self.epoch}, '
+            f'{self.config.checkpoint_unit} {self.epoch}{calibrated}, '
             f'{where})')
+
+  def _calibration(self) -> dict[str, float]:
+    """What calibrates the predictions, as `repr` and `summary` name it: the temperature (a regression ensemble's
+    variance scale), and the conformal sets' or intervals' miscoverage alpha."""
+    found = {}
+    if self.temperature != 1.0:
+      found['variance_scale' if self.task.name == 'regression' else 'temperature'] = float(self.temperature)
+    if self.conformal_calibration:
+      found['conformal_alpha'] = float(self.conformal_calibration['alpha'])
+    return found
+
+  def _calibrated(self, **changes) -> 'Ensemble':
+    """A copy of this ensemble (its members shared, not copied) with `changes`, its summary saying them."""
+    copy = Ensemble(self.workdir, self.config, self.member, self.state, self.devices, self.epoch, self.temperature,
+                    self.batch_size, task=self.task, data_info=self._data_info, summary=dict(self.summary))
+    copy.conformal_calibration = self.conformal_calibration
+    for name, value in changes.items():
+      setattr(copy, name, value)
+    copy._predictors = self._predictors  # pylint: disable=protected-access  # the same members' programs
+    copy.summary = {**{k: v for k, v in copy.summary.items()
+                       if k not in ('temperature', 'variance_scale', 'conformal_alpha')}, **copy._calibration()}  # pylint: disable=protected-access
+    return copy
+
+  def calibrate(self, inputs: Any, labels: Any) -> 'Ensemble':
+    """A copy calibrated on labelled data the members did not train on: a classification ensemble's temperature,
+    a regression ensemble's variance scale (every component's variance times it), each the value that minimises
+    the NLL there (`calibration.fit_temperature`, `regression.scale_variances`). Its `predict`, `evaluate`
+    ('temperature_scaled' / 'variance_scaled' scores beside the members' own), `save` and `export` use it."""
+    inputs = self._labelled(inputs)
+    if self.task.name == 'regression':
+      targets = self._targets(labels, len(inputs))
+      means, variances = self.components(inputs)
+      return self._calibrated(temperature=regression.scale_variances(means, variances, targets))
+    labels = self._classes(labels, len(inputs))
+    return self._calibrated(temperature=calibration.fit_temperature(self.member_probs(inputs).mean(0), labels))
+
+  def conformal(self, inputs: Any, labels: Any, alpha: float = 0.1, score: str = 'thr') -> 'Ensemble':
+    """A copy whose `predict` also returns split-conformal prediction sets (classification: 'set', (N, C)
+    booleans) or intervals (regression: 'conformal_lower', 'conformal_upper', the mixture's mean +/- q times its
+    std), calibrated on these labelled examples, which the members must not have trained on.
+
+    For an input exchangeable with them, the set holds its class (the interval
+    its target) with probability at least 1 - alpha, whatever the members
+    (ensemble/uncertainty/conformal.py). `score`: 'thr' (the smallest sets on
+    average) or 'aps' (adaptive sets, larger where the members are unsure; not
+    randomised, so that an input's set is a function of it, and so
+    conservative); regression's score is |y - mean| / std. The sets use the ensemble's
+    probabilities as `predict` gives them (after a `calibrate` temperature).
+    """
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 < alpha < 1:
+      raise UsageError(f'alpha={alpha!r} must be in (0, 1), the miscoverage: e.g. alpha=0.1 for 90% sets')
+    inputs = self._labelled(inputs)
+    needed = conformal.rows_needed(alpha)
+    if len(inputs) < needed:
+      raise UsageError(f'alpha={alpha:g} needs at least {needed} calibration examples (the '
+                       f'ceil((n + 1)(1 - alpha))-th smallest score must exist), and {len(inputs)} were given; give '
+                       'more, or raise alpha')
+    if self.task.name == 'regression':
+      targets = self._targets(labels, len(inputs))
+      moments = self.predict(inputs, levels=())
+      mean, std = (moments[k].reshape(len(inputs), -1) for k in ('mean', 'std'))
+      q = regression.conformal_quantile(mean, std, targets, alpha)
+      found = {'alpha': float(alpha), 'score': 'normalised', 'quantile': [float(v) for v in q],
+               'examples': len(inputs)}
+    else:
+      if score not in conformal.SCORES:
+        raise UsageError(f'score={score!r}: give one of {sorted(conformal.SCORES)}')
+      labels = self._classes(labels, len(inputs))
+      q = conformal.calibrated_quantile(self.predict(inputs)['probs'], labels, alpha, score)
+      found = {'alpha': float(alpha), 'score': score, 'quantile': q, 'examples': len(inputs)}
+    return self._calibrated(conformal_calibration=found)
+
+  def _targets(self, targets: Any, count: int) -> np.ndarray:
+    """A regression ensemble's targets for `count` inputs, (N, D) float64, checked."""
+    targets = np.asarray(targets)
+    if targets.shape[:1] != (count,):
+      raise UsageError(f'targets of shape {targets.shape}; give {count} targets, one row per input')
+    targets = data.base.as_targets(targets, 'targets').astype(np.float64)
+    if targets.shape[1] != self.task.targets:
+      raise UsageError(f'{targets.shape[1]} targets per input, but {self._name} predicts {self.task.targets}')
+    return targets
+
+  def _classes(self, labels: Any, count: int) -> np.ndarray:
+    """A classification ensemble's labels for `count` inputs, as int32 class indices, checked."""
+    labels = np.asarray(labels)
+    if labels.shape != (count,) or not np.issubdtype(labels.dtype, np.integer):
+      raise UsageError(f'labels of shape {labels.shape} and dtype {labels.dtype}; give {count} integer class '
+                       f'indices, one per input')
+    if len(labels) and not 0 <= labels.min() <= labels.max() < self.num_classes:
+      raise UsageError(f'labels span [{labels.min()}, {labels.max()}], outside the {self.num_classes} classes '
+                       f'0..{self.num_classes - 1} the members predict')
+    return labels.astype(np.int32)
 
   @property
   def params(self) -> Any:
@@ -315,6 +410,9 @@ class Ensemble:
     if self.temperature != 1.0:
       probs = calibration.temperature_scale(probs, self.temperature)
     result = {'probs': probs, 'class': np.argmax(probs, -1), **decomposition.decompose(member_probs)}
+    if self.conformal_calibration:  # the classes whose score is within the calibrated threshold
+      found = self.conformal_calibration
+      result['set'] = conformal.prediction_sets(probs, found['quantile'], found['score'])
     if members:
       result['member_probs'] = member_probs
     return result
@@ -329,6 +427,9 @@ class Ensemble:
     means, variances = self.components(inputs, progress=progress)
     variances = variances * self.temperature  # the variance scale ensemble.evaluate fitted (1 without one)
     result = regression.predictive(means, variances, levels)
+    if self.conformal_calibration:  # the mixture's mean +/- q std, q per target
+      half = np.asarray(self.conformal_calibration['quantile']) * result['std']
+      result['conformal_lower'], result['conformal_upper'] = result['mean'] - half, result['mean'] + half
     if self.task.targets == 1:
       result = {k: v[:, 0] for k, v in result.items()}
     if members:
@@ -339,18 +440,16 @@ class Ensemble:
     """Regression's `evaluate`: `regression.score` of the mixture ('ensemble'), of each member ('members') and
     their mean ('mean_member')."""
     inputs = self._labelled(inputs)
-    targets = np.asarray(targets)
-    if targets.shape[:1] != (len(inputs),):
-      raise UsageError(f'targets of shape {targets.shape}; give {len(inputs)} targets, one row per input')
-    targets = data.base.as_targets(targets, 'targets').astype(np.float64)
-    if targets.shape[1] != self.task.targets:
-      raise UsageError(f'{targets.shape[1]} targets per input, but {self._name} predicts {self.task.targets}')
+    targets = self._targets(targets, len(inputs))
     means, variances = self.components(inputs)
     per_member = len(means) // self.size
     members = [regression.score(means[k * per_member:(k + 1) * per_member],
                                 variances[k * per_member:(k + 1) * per_member], targets) for k in range(self.size)]
-    return {'ensemble': regression.score(means, variances, targets), 'members': members,
-            'mean_member': {key: float(np.mean([m[key] for m in members])) for key in members[0]}}
+    scores = {'ensemble': regression.score(means, variances, targets), 'members': members,
+              'mean_member': {key: float(np.mean([m[key] for m in members])) for key in members[0]}}
+    if self.temperature != 1.0:
+      scores['variance_scaled'] = regression.score(means, variances * self.temperature, targets)
+    return scores
 
   def evaluate(self, inputs: Any, labels: Any) -> dict[str, Any]:
     """The report's scores on labelled inputs: 'ensemble' and 'mean_member' accuracy, NLL, Brier and ECE, and
@@ -364,14 +463,13 @@ class Ensemble:
     if self.task.name == 'regression':
       return self._evaluate_regression(inputs, labels)
     inputs = self._labelled(inputs)
-    labels = np.asarray(labels)
-    if labels.shape != (len(inputs),) or not np.issubdtype(labels.dtype, np.integer):
-      raise UsageError(f'labels of shape {labels.shape} and dtype {labels.dtype}; give {len(inputs)} integer class '
-                       f'indices, one per input')
-    if len(labels) and not 0 <= labels.min() <= labels.max() < self.num_classes:
-      raise UsageError(f'labels span [{labels.min()}, {labels.max()}], outside the {self.num_classes} classes '
-                       f'0..{self.num_classes - 1} the members predict')
-    return _evaluation().score_test_set(self.member_outputs(inputs), labels.astype(np.int32))
+    labels = self._classes(labels, len(inputs))
+    member_log_probs = self.member_outputs(inputs)
+    scores = _evaluation().score_test_set(member_log_probs, labels)
+    if self.temperature != 1.0:
+      probs = calibration.temperature_scale(np.exp(member_log_probs).mean(0), self.temperature)
+      scores['temperature_scaled'] = calibration.scores(probs, labels)
+    return scores
 
   @console.root_logging_kept()
   def save(self, path: str) -> 'Ensemble':
@@ -403,6 +501,10 @@ class Ensemble:
           ckpt.close()
         line = {'step': step, **self.summary}
         files.write_atomically(os.path.join(partial, 'metrics.jsonl'), json.dumps(line) + '\n')
+      if self._calibration():
+        files.write_atomically(os.path.join(partial, CALIBRATION_FILE), json.dumps(
+            {'epoch': self.epoch, 'temperature': self.temperature, 'conformal': self.conformal_calibration},
+            indent=2))
       os.replace(partial, path)
     except BaseException:
       shutil.rmtree(partial, ignore_errors=True)
@@ -465,14 +567,34 @@ def load(workdir: str, step: int | None = None, *, model: Any = None, batch_size
   member, state, epoch = evaluation.restore(workdir, config, step, devices, model)
   from ensemble import checkpoint  # pylint: disable=g-import-not-at-top  # orbax: only where files are read
   summary = (checkpoint.read_record(workdir, epoch).get('summary') or {}).get('scalars', {})
+  saved = _saved_calibration(workdir, epoch)
   if temperature is None:
-    temperature = _fitted_temperature(workdir, config, epoch) or 1.0
+    temperature = saved.get('temperature') or _fitted_temperature(workdir, config, epoch) or 1.0
   if not temperature > 0:
     raise UsageError(f'temperature={temperature} must be positive')
   batch_size = config.eval_batch_size if batch_size is None else batch_size
-  logging.info('Restored %s %d of %s: %s on %s; temperature %.4g.', config.checkpoint_unit, epoch, workdir,
-               console.count(config.ensemble_size, 'member'), console.count(len(devices), 'device'), temperature)
-  return Ensemble(workdir, config, member, state, devices, epoch, temperature, batch_size, summary=summary)
+  logging.info('Restored %s %d of %s: %s on %s; %s %.4g.', config.checkpoint_unit, epoch, workdir,
+               console.count(config.ensemble_size, 'member'), console.count(len(devices), 'device'),
+               'variance scale' if config.task == 'regression' else 'temperature', temperature)
+  ens = Ensemble(workdir, config, member, state, devices, epoch, temperature, batch_size, summary=summary)
+  return ens._calibrated(conformal_calibration=saved.get('conformal'))  # pylint: disable=protected-access
+
+
+# What `Ensemble.save` writes of a `calibrate`d or `conformal` ensemble, beside its checkpoint.
+CALIBRATION_FILE = 'calibration.json'
+
+
+def _saved_calibration(workdir: str, epoch: int) -> dict[str, Any]:
+  """The calibration `Ensemble.save` wrote for checkpoint `epoch` ({} if none: a later checkpoint is not it)."""
+  try:
+    with open(os.path.join(workdir, CALIBRATION_FILE), encoding='utf-8') as f:
+      saved = json.load(f)
+  except FileNotFoundError:
+    return {}
+  except (OSError, ValueError) as e:
+    raise UsageError(f'{os.path.join(workdir, CALIBRATION_FILE)} cannot be read ({e}); remove it to load the '
+                     'ensemble uncalibrated') from None
+  return saved if saved.get('epoch') == epoch else {}
 
 
 # Where `fit` departs from ensemble/defaults.py (a program's recipe): no held-out slice and one test pass at the end
@@ -586,6 +708,7 @@ def fit_dataset(model: Any, dataset: data.Dataset, settings: recipe_lib.Recipe, 
     raise UsageError('init= starts a fit in memory, and a workdir resumes from its own checkpoints: leave out one of '
                      'init= and workdir=')
   settings = settings.replace(dataset=data.ARRAYS, data_dir='', data_fingerprint=_fingerprint(dataset))
+  settings = _batch_within_rows(settings, dataset)
   recipe, devices = recipe_lib.resolve(settings, jax.devices(), model=model_object, dataset=dataset)
   if init is not None:
     recipe_lib.check_warm_start(recipe, init.config, keep_optimizer)
@@ -606,6 +729,19 @@ def fit_dataset(model: Any, dataset: data.Dataset, settings: recipe_lib.Recipe, 
     state = jax.device_put(state, backends.member_sharding(devices))
   return Ensemble(None, recipe, run.member, state, devices, recipe.num_epochs, batch_size=recipe.eval_batch_size,
                   task=run.task, data_info=run.data_info, summary=summary)
+
+
+def _batch_within_rows(settings: recipe_lib.Recipe, dataset: data.Dataset) -> recipe_lib.Recipe:
+  """A batch of the whole training set where `batch_size` exceeds it: a Bayesian-optimisation or active-learning
+  loop starts from fewer rows than the batch it will grow into (Keras takes the whole set alike). The CLI, whose
+  data is the run's, refuses instead (ensemble/recipe.py)."""
+  rows = len(dataset.train['label'])
+  num_train = rows - data.heldout_count(rows, settings.heldout_fraction)
+  if not 0 < num_train < settings.batch_size:
+    return settings
+  logging.info('batch_size=%d exceeds the %d training rows: each step takes all of them.', settings.batch_size,
+               num_train)
+  return settings.replace(batch_size=num_train)
 
 
 def _warm_start(run: loop.Run, init: Ensemble, keep_optimizer: bool) -> Any:

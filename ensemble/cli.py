@@ -19,6 +19,7 @@ write_atomically = files.write_atomically
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The exit status of a program that Ctrl-C stopped, as shells report it (128 + SIGINT).
 INTERRUPTED = 130
+TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
 
 
 def start(main: Callable[[Sequence[str]], None]):
@@ -129,7 +130,8 @@ def _config_field_error(error: BaseException, argv: Sequence[str]) -> str:
 def run(argv: Sequence[str], program: str, body: Callable[[], None], exit_: Callable[[int], None] = sys.exit):
   """The frame of every program's `main`: no stray arguments, quiet libraries, the logging flags applied,
   then `body()`; a UsageError it raises ends the program with one `error:` line and exit status 2, Ctrl-C with one
-  `interrupted` line (the KeyboardInterrupt's message) and exit status 130.
+  `interrupted` line (the KeyboardInterrupt's message) and exit status 130, SIGTERM in a training run alike with
+  exit status 143 (ensemble/loop.py's `stop_on_sigterm`).
 
   `exit_` is how to exit (train.py's skips jax.distributed's shutdown barrier).
   """
@@ -146,7 +148,7 @@ def run(argv: Sequence[str], program: str, body: Callable[[], None], exit_: Call
     # On a terminal, over the progress bar that the interrupt left drawn.
     clear = '\r\x1b[K' if console.interactive(sys.stderr) else ''
     print(f'{clear}interrupted: {e}' if str(e) else f'{clear}interrupted', file=sys.stderr)
-    exit_(INTERRUPTED)
+    exit_(TERMINATED if getattr(e, 'terminated', False) else INTERRUPTED)
 
 
 class QuietLibraries:

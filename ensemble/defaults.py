@@ -116,11 +116,12 @@ class Recipe:
   # Method multiswag: the schedule spans the first swag_start of the run, shifted to end at swag_learning_rate, which
   # then holds while each member collects its SWAG moments swag_rank (or a few more) times at even steps; swag_rank
   # deviations make each member's low-rank covariance ((2 + swag_rank) x its parameters of extra state), and it
-  # predicts with swag_samples draws from its Gaussian (K x swag_samples forward passes).
+  # predicts with swag_samples draws from its Gaussian (K x swag_samples forward passes). swag_learning_rate 0: a
+  # tenth of learning_rate (0.01 for SGD at 0.1), so that the default follows a rate of the user's.
   swag_samples: int = 10
   swag_rank: int = 10
   swag_start: float = 0.75
-  swag_learning_rate: float = 0.01
+  swag_learning_rate: float = 0.0
   # 'shared': every member sees the same batches (the classic recipe). 'shuffled': each
   # member its own order of the training set, for more diversity between members. Method bagging sets
   # 'bootstrap': each member its own resample.

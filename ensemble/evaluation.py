@@ -38,7 +38,7 @@ NOISE_STDS = (0.04, 0.06, 0.08, 0.09, 0.10)
 FALLBACK_HELDOUT_FRACTION = 0.1
 OOD_SCORES = ('max_probability', 'entropy', 'mutual_information')  # each oriented so that higher means "more OOD"
 OOD_HISTOGRAM_BINS = 40
-DEFAULT_ALPHAS = (0.05, 0.01)
+DEFAULT_ALPHAS = (0.1, 0.05, 0.01)
 # Coverages at which the report tabulates the risk (the plot and metrics.json keep a 100-point curve).
 SELECTIVE_COVERAGES = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.5)
 
@@ -386,7 +386,7 @@ def _evaluate_regression(workdir: str, config, member, state, devices, epoch: in
   components = lambda split: (*member.task.components(predict.log_probs(split)),
                               split['label'].astype(np.float64))
   logging.info('Predicting the %d test examples and the %d held-out ones.', len(test['label']), len(heldout['label']))
-  results = {'workdir': os.path.abspath(workdir), 'epoch': epoch,
+  results = {'workdir': os.path.abspath(workdir), 'epoch': epoch, 'checkpoint_unit': config.checkpoint_unit,
              'checkpoint': checkpoint_id(workdir, epoch), 'ensemble_size': config.ensemble_size,
              'task': 'regression', 'data': dataset.source,
              'data_dir': recipe_lib.data_location(data_dir), 'test_examples': len(test['label']),
@@ -432,7 +432,8 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
   logging.info('Predicting the %d test examples.', len(test['label']))
   member_log_probs = predict.log_probs(test)
   member_probs = np.exp(member_log_probs)
-  results = {'workdir': os.path.abspath(workdir), 'epoch': epoch, 'checkpoint': checkpoint_id(workdir, epoch),
+  results = {'workdir': os.path.abspath(workdir), 'epoch': epoch, 'checkpoint_unit': config.checkpoint_unit,
+             'checkpoint': checkpoint_id(workdir, epoch),
              'ensemble_size': config.ensemble_size, 'data': dataset.source,
              'data_dir': recipe_lib.data_location(data_dir), 'test_examples': len(test['label']),
              **score_test_set(member_log_probs, test['label'])}

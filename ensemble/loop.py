@@ -18,9 +18,12 @@ reuses the programs (padded rows are never drawn into a batch).
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import json
+import signal
+import threading
 import time
 from typing import Any, Sequence
 
@@ -49,6 +52,32 @@ class Diverged(UsageError):
   def __init__(self, message: str, epoch: int):
     super().__init__(message)
     self.epoch = epoch
+
+
+class Stopped(KeyboardInterrupt):
+  """SIGTERM asked the run to stop (a preemptible VM's notice, a scheduler's end of the job): raised at the end of
+  the dispatch in progress, once a run that checkpoints by step has saved where it stands (`stop_on_sigterm`)."""
+
+
+_STOP = threading.Event()
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+  """While a workdir trains: SIGTERM sets a flag that `train` reads after each dispatch, so that the run stops
+  between steps, with its position saved, where Python's default would end the process at once and lose the epoch
+  (a handler that raised at once, as Ctrl-C does, could cut a save in half). Only the main thread takes signals:
+  elsewhere nothing changes."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  _STOP.clear()
+  previous = signal.signal(signal.SIGTERM, lambda *_: _STOP.set())
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+    _STOP.clear()
 
 
 class Hook:
@@ -340,6 +369,11 @@ def _epoch_indices(run: Run, start_epoch: int):
     yield epoch, indices
 
 
+def _numbers(summary: dict[str, Any]) -> dict[str, float]:
+  """The summary's figures as floats, its epoch as the whole number it is (metrics.jsonl's step lines write it so)."""
+  return {k: int(v) if k == 'epoch' else float(v) for k, v in summary.items()}
+
+
 def _test_due(config: Recipe, epoch: int) -> bool:
   every = config.eval_every
   return epoch == config.num_epochs or (every > 0 and epoch % every == 0)
@@ -353,6 +387,8 @@ class Position:
   data_state: dict[str, Any] | None = None
   # The epoch's training metrics so far (`_train_summary`), so that a resumed epoch's summary covers all its steps.
   epoch_metrics: dict[str, float] | None = None
+  # The seconds the epoch trained so far, so that a resumed epoch's train_seconds covers all its steps.
+  train_seconds: float = 0.0
 
   def epoch(self, steps_per_epoch: int) -> tuple[int, int]:
     """(completed epochs, steps done in the epoch in progress)."""
@@ -418,6 +454,7 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
         blocks = [distributed.process_block(backend.devices, batch) for batch in indices]
         reads = data.stream.batches(run.train, blocks, (start.data_state or {'next_index': done}) if done else None)
       earlier = (done, start.epoch_metrics) if done and start.epoch_metrics else None
+      origin = started - (start.train_seconds if done else 0.0)  # of the epoch's train_seconds, resumed or not
       so_far = functools.partial(_train_summary, outputs, earlier, config.ensemble_size)
       for end in _save_points(config, step, first + len(indices), per_dispatch):
         with jax.profiler.StepTraceAnnotation('train', step_num=step):
@@ -431,12 +468,15 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
           hook.after_steps(step)
         if bar is not None:
           bar.update(count, chunk_metrics)
-        every = config.checkpoint_every_steps
-        if every and step % every == 0 and step < first + len(indices):
-          summary = {'epoch': epoch, 'train_seconds': time.perf_counter() - started, **run.task.summary(so_far())}
+        every, stopping = config.checkpoint_every_steps, _STOP.is_set()
+        if every and (step % every == 0 or stopping) and step < first + len(indices):
+          summary = {'epoch': epoch, 'train_seconds': time.perf_counter() - origin, **run.task.summary(so_far())}
           _keep(run, hooks, epoch, state, summary,
-                Position(step, data.stream.stream_position(reads, step - first), so_far()))
-      summary = {'epoch': epoch, 'train_seconds': time.perf_counter() - started}
+                Position(step, data.stream.stream_position(reads, step - first), so_far(),
+                         time.perf_counter() - origin))
+        if stopping and step < first + len(indices):
+          raise Stopped(f'SIGTERM at step {step}')
+      summary = {'epoch': epoch, 'train_seconds': time.perf_counter() - origin}
       train_metrics = so_far()
       test = None
       if run.test is not None and _test_due(config, epoch):
@@ -444,10 +484,12 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
         test = evaluate(backend, state, run.test, config.eval_batch_size, run.task)
         summary['test_seconds'] = time.perf_counter() - started
       summary.update(run.task.summary(train_metrics, test))
-      summary = {k: float(v) for k, v in summary.items()}
+      summary = _numbers(summary)
       canonical = None
       if hooks or epoch == config.num_epochs:  # a state that may be kept
         canonical = _keep(run, hooks, epoch, state, summary, Position(step))
+      if _STOP.is_set() and epoch < config.num_epochs:
+        raise Stopped(f'SIGTERM at step {step}')
       if bar is not None:
         console.log_epoch(summary, config.num_epochs, bar.close(), echo=bool(progress),
                           num_classes=run.dataset.num_classes if run.dataset.task == 'classification' else None,
@@ -502,7 +544,7 @@ def _train_at_once(run: Run, state: Any) -> tuple[Any, dict[str, float]]:
     test = evaluate(backend, state, run.test, config.eval_batch_size, run.task)
     summary['test_seconds'] = time.perf_counter() - started
   summary.update(run.task.summary(_train_summary([{k: v[:, -1] for k, v in metrics.items()}]), test))
-  return backend.to_canonical(state), {k: float(v) for k, v in summary.items()}
+  return backend.to_canonical(state), _numbers(summary)
 
 
 def _keep(run: Run, hooks: Sequence[Hook], epoch: int, state: Any, summary: dict[str, float],

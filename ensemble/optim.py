@@ -53,7 +53,8 @@ def schedule(config, steps_per_epoch: int) -> optax.Schedule:
   if config.method == 'multiswag':
     start, _ = swag_collection_start(config, steps_per_epoch)
     before = SCHEDULES[config.schedule](config, start, _warmup_steps(config, steps_per_epoch))
-    swag_rate, shift = config.swag_learning_rate, 1 - config.swag_learning_rate / config.learning_rate
+    swag_rate = config.swag_learning_rate or config.learning_rate / 10  # 0: a tenth (ensemble/defaults.py)
+    shift = 1 - swag_rate / config.learning_rate
     return lambda count: jnp.where(count < start, swag_rate + before(count) * shift, swag_rate)
   cycles = config.snapshot_cycles if config.method == 'snapshot' else 1
   cycle_steps = _total_steps(config, steps_per_epoch) // cycles

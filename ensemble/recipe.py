@@ -174,7 +174,8 @@ def _check_field(name: str, value: Any):
       'swag_start': (lambda v: _range(0, 1, v, open_low=True), 'in (0, 1), the fraction of the run before the '
                                                                'moments are collected: set e.g. '
                                                                '--config.swag_start=0.5'),
-      'swag_learning_rate': (_positive, 'positive, the constant rate of the collection phase'),
+      'swag_learning_rate': (lambda v: v >= 0 and math.isfinite(v), '0 (a tenth of learning_rate) or positive, the '
+                             'constant rate of the collection phase'),
       'resnet_width': (lambda v: v >= 1, 'a positive width multiplier (1, 2, 4, ...)'),
       'num_minibatches': (lambda v: v >= 1, 'a positive number of chunks'),
   }
@@ -450,6 +451,8 @@ def resolve(fields: Any, available: Sequence[jax.Device], *, model: Any = None,
     models.check(r)  # the module imports, and the arguments build the model
   if r.method in methods.MEMBER_DATA:
     changes['member_data'] = methods.MEMBER_DATA[r.method]
+  if not r.swag_learning_rate:
+    changes['swag_learning_rate'] = r.learning_rate / 10
   r = r.replace(**changes)
   _require(r.num_devices <= len(available),
            f'num_devices={r.num_devices} but {len(available)} devices are available; set --config.num_devices '

@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 
 from ensemble import report
 from ensemble.tasks import regression
+from ensemble.uncertainty import conformal
 
 # The expected coverages of the calibration plot.
 PLOT_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
@@ -84,17 +85,27 @@ def _coverage_figure(results: dict[str, Any]) -> Figure:
 def write(results: dict[str, Any], output_dir: str):
   """metrics.json, report.md and coverage.png in `output_dir`, as `report.save` writes a report."""
   names = ('rmse', 'nll', 'crps', 'coverage_50', 'coverage_80', 'coverage_90', 'coverage_95')
-  lines = [f'# Regression ensemble: {results["workdir"]}, epoch {results["epoch"]}', '',
+  lines = [f'# Regression ensemble: {results["workdir"]}, {results.get("checkpoint_unit", "epoch")} '
+           f'{results["epoch"]}', '',
            f'{results["ensemble_size"]} members, {results["test_examples"]} test examples of {results["data"]}.', '',
            '| | ' + ' | '.join(names) + ' |', '|---' * (len(names) + 1) + '|']
-  for who in ('ensemble', 'mean_member'):
-    lines.append(f'| {who} | ' + ' | '.join(f'{results[who][n]:.4g}' for n in names) + ' |')
   scaling = results['variance_scaling']
+  for who, scores in (('ensemble', results['ensemble']), ('ensemble, variance-scaled', scaling['after']),
+                      ('mean_member', results['mean_member'])):
+    lines.append(f'| {who} | ' + ' | '.join(f'{scores[n]:.4g}' for n in names) + ' |')
+  calibration_rows = results['conformal']['calibration_examples']
   lines += ['', f'Variance scale fitted on {scaling["heldout_examples"]} held-out examples: {scaling["scale"]:.4g} '
-            f'(test NLL {scaling["before"]["nll"]:.4g} -> {scaling["after"]["nll"]:.4g}).', '',
+            f'(test NLL {scaling["before"]["nll"]:.4g} -> {scaling["after"]["nll"]:.4g}; the scaled row above).', '',
+            f'Split-conformal intervals calibrated on the {calibration_rows} held-out examples:', '',
             '| alpha | conformal coverage | mean width |', '|---|---|---|']
-  lines += [f'| {row["alpha"]} | {row["coverage"]:.4f} | {row["mean_width"]:.4g} |'
-            for row in results['conformal']['rows']]
+  for row in results['conformal']['rows']:
+    width = (f'{row["mean_width"]:.4g}' if np.isfinite(row['mean_width']) else
+             f'inf: {calibration_rows} examples are too few at this alpha (at least '
+             f'{conformal.rows_needed(row["alpha"])})')
+    lines.append(f'| {row["alpha"]} | {row["coverage"]:.4f} | {width} |')
+  lines += ['', 'Selective prediction: the test RMSE when only the share of inputs with the smallest predicted std is '
+            'kept.', '', '| kept | RMSE |', '|---|---|']
+  lines += [f'| {row["coverage"]:.0%} | {row["rmse"]:.4g} |' for row in results['selective']]
   lines += ['', '![coverage](coverage.png)', '']
   report.save(results, '\n'.join(lines), {'coverage.png': _coverage_figure(results)}, output_dir)
   logging.info('Wrote metrics.json, report.md and coverage.png to %s.', output_dir)

@@ -45,7 +45,8 @@ def markdown(results: dict[str, Any]) -> str:
   return '\n'.join([
       f'# Evaluation of `{results["workdir"]}`',
       '',
-      f'Checkpoint of epoch {results["epoch"]}, {results["ensemble_size"]} members; '
+      f'Checkpoint of {results.get("checkpoint_unit", "epoch")} {results["epoch"]}, '
+      f'{results["ensemble_size"]} members; '
       f'{results["test_examples"]} test examples from {results["data"]}.',
       '',
       '## Test set',

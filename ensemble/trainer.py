@@ -29,9 +29,9 @@ class Interrupted(KeyboardInterrupt):
   stops as it would; `python -m ensemble.train` says it in one line.
   """
 
-  def __init__(self, message: str, saved_epoch: int):
+  def __init__(self, message: str, saved_epoch: int, terminated: bool = False):
     super().__init__(message)
-    self.saved_epoch = saved_epoch
+    self.saved_epoch, self.terminated = saved_epoch, terminated  # terminated: by SIGTERM, not Ctrl-C
 
 
 def _releases_the_workdir(train):
@@ -248,16 +248,20 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
                  backends.bytes_per_device(state) / 1e6, member_bytes / config.ensemble_size / 1e6)
   saves = _SavesInBackground(ckpt, writer, ckpt_meta, start_key, config.checkpoint_unit == 'step')
   try:
-    state, summary = loop.train(run, state, start=start, hooks=[saves], progress=progress)
+    with loop.stop_on_sigterm():
+      state, summary = loop.train(run, state, start=start, hooks=[saves], progress=progress)
   except loop.Diverged as e:
     resume = f'resume from epoch {e.epoch - 1}' if e.epoch > 1 else 'start again'
     raise UsageError(f'{e} and re-run to {resume} (the checkpoints saved so far are kept)') from None
-  except KeyboardInterrupt:  # the hooks have closed: the last checkpoint is complete
-    saved = saves.saved_epoch
+  except KeyboardInterrupt as e:  # the hooks have closed: the last checkpoint is complete
+    saved, terminated = saves.saved_epoch, isinstance(e, loop.Stopped)
+    by = 'on SIGTERM ' if terminated else ''
     if config.checkpoint_unit == 'step':
       kept = f'the checkpoint of step {saved} is in {ckpt.directory}' if saved else 'no step was saved yet'
-      raise Interrupted(f'stopped after step {saved}; {kept}', saved) from None
+      raise Interrupted(f'stopped {by}after step {saved}; {kept}', saved, terminated) from None
     where = f'in epoch {saved + 1} of {config.num_epochs}' if saved < config.num_epochs else 'after its last epoch'
     kept = f'the checkpoint of epoch {saved} is in {ckpt.directory}' if saved else 'no epoch was saved yet'
-    raise Interrupted(f'stopped {where}; {kept}', saved) from None
+    if terminated and saved < config.num_epochs:
+      kept += ' (set --config.checkpoint_every_steps to save mid-epoch when stopped)'
+    raise Interrupted(f'stopped {by}{where}; {kept}', saved, terminated) from None
   return state, summary

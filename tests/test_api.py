@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import jax
 import numpy as np
@@ -368,3 +369,38 @@ def test_fit_splits_a_users_annotated_members_over_their_devices_with_member_sha
     recorded = json.load(f)
   assert recorded['member_sharding'] == 'model' and recorded['logical_axis_rules'] == [['mlp', 'model']]
   assert ens.predict(x_test[:4])['probs'].shape == (4, 10)
+
+
+def test_a_script_loads_the_ensemble_of_a_model_it_defined(tmp_path):
+  """Issue 67: a model defined in a script (or a notebook) could not be loaded by that same script: its import path
+  '__main__:Name' was refused. The script that defines it now loads it; another program still gets the one-line
+  refusal that says how."""
+  script = tmp_path / 'script.py'
+  script.write_text(textwrap.dedent('''
+      import sys
+      import flax.linen as nn
+      import numpy as np
+      import ensemble
+
+      class Net(nn.Module):
+        width: int = 8
+
+        @nn.compact
+        def __call__(self, x):
+          return nn.Dense(2)(nn.relu(nn.Dense(self.width)(x)))
+
+      x = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
+      ens = ensemble.fit(Net(width=6), (x, (x[:, 0] > 0).astype(np.int32)), ensemble_size=2, epochs=1, batch_size=8,
+                         progress=False)
+      ens.save(sys.argv[1])
+      loaded = ensemble.load(sys.argv[1])
+      np.testing.assert_allclose(loaded.predict(x)['probs'], ens.predict(x)['probs'], rtol=1e-5)
+      print('loaded', loaded.config.model, dict(loaded.config.model_kwargs))
+  '''))
+  workdir = str(tmp_path / 'saved')
+  done = subprocess.run([sys.executable, str(script), workdir], capture_output=True, text=True, check=False,
+                        env={**os.environ, 'XLA_FLAGS': '', 'PYTHONPATH': REPO})
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "loaded __main__:Net {'width': 6}" in done.stdout
+  with pytest.raises(ensemble.UsageError, match="model '__main__:Net' was defined in the script that trained it"):
+    ensemble.load(workdir)

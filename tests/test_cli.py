@@ -244,3 +244,19 @@ def test_cli_bad_npz_is_one_line_and_nonzero(tmp_path, change, message):
   result = _train('--workdir', str(tmp_path / 'run'), '--cpu_devices=2', f'--config.data_dir={tmp_path}/bad.npz')
   _assert_refused(result, tmp_path, 'error: ')
   assert message in result.stderr and 'bad.npz' in result.stderr
+
+
+@pytest.mark.parametrize('terminated, status', [(False, 130), (True, 143)])
+def test_an_interrupted_run_ends_in_one_line_with_its_signal_s_status(capsys, monkeypatch, terminated, status):
+  """Ctrl-C ends a program with status 130 and SIGTERM (`loop.stop_on_sigterm`) with 143, as a shell reports a
+  process those signals ended, each with one `interrupted:` line."""
+  from ensemble import cli, console, trainer  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(console, 'setup', lambda program: None)  # the logging flags: a program's, parsed by absl
+
+  def body():
+    raise trainer.Interrupted('stopped on SIGTERM after step 3; the checkpoint of step 3 is in /tmp/x', 3, terminated)
+  exits = []
+  cli.run(['program'], 'test', body, exit_=exits.append)
+  assert exits == [status]
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert lines == ['interrupted: stopped on SIGTERM after step 3; the checkpoint of step 3 is in /tmp/x']

@@ -259,3 +259,29 @@ def test_a_cifar_shaped_tfds_dataset_trains_a_resnet_with_crop_and_flip(tmp_path
   assert np.isfinite(summary['test_loss']) and int(np.asarray(state.step)[0]) == 2
   meta = checkpoint.Checkpointer(str(tmp_path / 'run')).meta(1)
   assert meta['data']['image_shape'] == [32, 32, 3] and len(meta['data']['mean']) == 3
+
+
+def test_sigterm_saves_the_step_it_stops_at_and_the_run_resumes_from_it_exactly(make_config, tmp_path,
+                                                                                 monkeypatch):
+  """Issue 67: SIGTERM (a preempted VM, a scheduler) ended the process at once and lost the epoch. Now the run stops
+  after the dispatch in progress, saves that step (a run that checkpoints by step), raises `Interrupted` marked
+  terminated, and the same run resumes from that step to the members an uninterrupted run trains, bit for bit."""
+  import signal  # pylint: disable=g-import-not-at-top
+  settings = dict(num_epochs=2, checkpoint_every_steps=2, checkpoints_to_keep=10)
+  straight, _ = trainer.train_and_evaluate(make_config(**settings), str(tmp_path / 'a'))
+  after_steps = trainer._SavesInBackground.after_steps  # pylint: disable=protected-access
+
+  def terminated_at_3(self, step):
+    after_steps(self, step)
+    if step == 3:
+      os.kill(os.getpid(), signal.SIGTERM)
+  monkeypatch.setattr(trainer._SavesInBackground, 'after_steps', terminated_at_3)  # pylint: disable=protected-access
+  previous = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(trainer.Interrupted, match='stopped on SIGTERM after step 3; the checkpoint of step 3') as e:
+    trainer.train_and_evaluate(make_config(**settings), str(tmp_path / 'b'))
+  assert e.value.terminated and e.value.saved_epoch == 3
+  assert signal.getsignal(signal.SIGTERM) == previous  # the handler is the run's alone
+  monkeypatch.setattr(trainer._SavesInBackground, 'after_steps', after_steps)  # pylint: disable=protected-access
+  resumed, _ = trainer.train_and_evaluate(make_config(**settings), str(tmp_path / 'b'))
+  jax.tree.map(np.testing.assert_array_equal, _params(resumed), _params(straight))
+  jax.tree.map(np.testing.assert_array_equal, (resumed.batch_stats, resumed.key), (straight.batch_stats, straight.key))

@@ -72,8 +72,13 @@ def _split(split: Any, kind: str, name: str, task: str = 'classification', sourc
               'label': targets}
     return {'image': as_inputs(inputs, kind, name), 'label': targets}
   if not np.issubdtype(labels.dtype, np.integer):
-    raise base.DataError(f'{name}: labels of dtype {labels.dtype}; give integer class indices 0..C-1 '
-                         '(y.astype(np.int32), or y.argmax(-1) for one-hot labels)')
+    whole = np.issubdtype(labels.dtype, np.number) and np.all(np.mod(labels, 1) == 0)
+    if not whole or labels.ndim > 1 and labels.shape[-1] > 1 and not np.all(np.isin(labels, (0, 1))):
+      raise base.DataError(f"{name}: real-valued targets (dtype {labels.dtype}) with task='classification': pass "
+                           "task='regression' to predict them, or integer class indices 0..C-1 to classify")
+    raise base.DataError(f"{name}: labels of dtype {labels.dtype}; give integer class indices 0..C-1 "
+                         "(y.astype(np.int32), or y.argmax(-1) for one-hot labels), or task='regression' for "
+                         'real-valued targets')
   if kind == 'images':
     if np.issubdtype(inputs.dtype, np.floating) and not np.isfinite(inputs).all():
       raise base.DataError(f'{name}: images hold NaN or infinite values; give uint8 pixels or floats in [0, 1]')

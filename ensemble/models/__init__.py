@@ -6,6 +6,7 @@ and one line in `MODELS`; using one of your own needs no edit here.
 """
 
 import dataclasses
+import sys
 from typing import Callable
 
 import flax.linen as nn
@@ -71,14 +72,20 @@ FEATURES_MODEL = 'mlp'
 
 
 def _imported(config):
-  """The object `config.model` names by import path; one made in a script's `__main__` cannot be imported here."""
-  if config.model.startswith('__main__:'):
-    raise UsageError(f'model {config.model!r} was defined in the script that trained it, so no other program can '
-                     'build it: move it into an importable module, or load the workdir from Python with '
-                     'ensemble.load(workdir, model=...)')
+  """The object `config.model` names by import path; one made in a script's `__main__` only in that script (a
+  notebook, a script that fits, saves and loads), where `__main__` still defines it."""
   if dict(config.model_kwargs).get('unrecorded'):
     raise UsageError(f'model {config.model!r} was trained with arguments that config.json cannot record: load the '
                      'workdir from Python with ensemble.load(workdir, model=...)')
+  if config.model.startswith('__main__:'):
+    obj = sys.modules.get('__main__')
+    for part in config.model.partition(':')[2].split('.'):
+      obj = getattr(obj, part, None)
+    if obj is not None:
+      return obj
+    raise UsageError(f'model {config.model!r} was defined in the script that trained it, so no other program can '
+                     'build it: move it into an importable module, or load the workdir from Python with '
+                     'ensemble.load(workdir, model=...)')
   return user.import_object(config.model)
 
 

@@ -200,9 +200,34 @@ def wrap(model: Any, kwargs: dict[str, Any] | None = None, num_classes: int | No
   if callable(model):
     if num_classes is not None and 'num_classes' in _parameters(model):
       kwargs.setdefault('num_classes', num_classes)
+    _check_arguments(model, kwargs, name)
     return NNX(functools.partial(_build_nnx, model, kwargs) if kwargs else model)
   raise UsageError(f'model {name} is neither a flax.linen Module nor an NNX model (a function of nnx.Rngs that '
                    'builds one); pass one of those')
+
+
+def _check_arguments(build: Callable[..., Any], kwargs: dict[str, Any], name: str):
+  """An NNX class (or a partial of one) given without the arguments its `__init__` requires besides `rngs`: the fix
+  is to bind them, not to reshape the data (what the failed build would otherwise be reported as)."""
+  fn, bound = build, set(kwargs)
+  while isinstance(fn, functools.partial):
+    bound |= set(fn.keywords)
+    fn, bound = fn.func, bound | {f'#{i}' for i in range(len(fn.args))}
+  if not isinstance(fn, type):
+    return
+  try:
+    parameters = list(inspect.signature(fn.__init__).parameters.values())[1:]
+  except (TypeError, ValueError):
+    return
+  positional = sum(1 for b in bound if b.startswith('#'))
+  missing = [p.name for i, p in enumerate(parameters)
+             if p.default is inspect.Parameter.empty and p.name != 'rngs' and p.name not in bound
+             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and not (p.kind != p.KEYWORD_ONLY and i < positional)]
+  if missing:
+    args = ', '.join(f'{m}=...' for m in missing)
+    raise UsageError(f'model {name}: its __init__ needs {", ".join(missing)} besides rngs; pass the model with them '
+                     f'bound: functools.partial({fn.__name__}, {args}), or lambda rngs: {fn.__name__}({args}, '
+                     'rngs=rngs)')
 
 
 def _build_nnx(build, kwargs, rngs):

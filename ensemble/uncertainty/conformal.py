@@ -70,3 +70,21 @@ def split_conformal(calibration_probs: np.ndarray, calibration_labels: np.ndarra
   sets = score_fn(test_probs, rng.uniform(size=len(test_labels))) <= q
   return {'quantile': q, 'coverage': float(np.mean(label_scores(sets, test_labels))),
           'mean_size': float(np.mean(sets.sum(-1)))}
+
+
+def calibrated_quantile(probs: np.ndarray, labels: np.ndarray, alpha: float, score: str) -> float:
+  """The threshold of `score`'s sets at miscoverage `alpha`, calibrated on labelled (N, C) probabilities, the scores
+  deterministic (APS counts each class's whole probability): what `Ensemble.conformal` keeps. Still valid at any
+  n; conservative for APS, by at most the randomisation's share."""
+  return quantile(label_scores(SCORES[score](probs), labels), alpha)
+
+
+def prediction_sets(probs: np.ndarray, threshold: float, score: str) -> np.ndarray:
+  """(N, C) boolean: the classes whose `score` is at or below `threshold` (`calibrated_quantile`'s)."""
+  return SCORES[score](probs) <= threshold
+
+
+def rows_needed(alpha: float) -> int:
+  """The fewest calibration examples for which sets at `alpha` are not every class (intervals not infinite):
+  ceil((n + 1)(1 - alpha)) <= n."""
+  return math.ceil((1 - alpha) / alpha - 1e-9)

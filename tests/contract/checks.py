@@ -184,7 +184,37 @@ def workdir_knows_its_data(cell: Cell, lab: Lab):
   assert folder_digest(path) == before
 
 
+def calibration_is_kept(cell: Cell, lab: Lab):
+  """`calibrate` then `conformal` on other labelled rows: a copy with a finite positive temperature (variance
+  scale), sets or intervals from `predict` that hold what they must (an interval around the mean, a set with at
+  least the most probable class where the threshold allows), the original untouched, and `save` then `load` the
+  same predictions and the same calibration."""
+  ens = lab.ensemble(cell)
+  (x_cal, y_cal), (x, _) = problem(cell.task, seed=5)
+  calibrated = ens.calibrate(x_cal, y_cal).conformal(x_cal, y_cal, alpha=0.25)
+  assert ens.temperature == 1.0 and ens.conformal_calibration is None, 'calibrate changed the original'
+  name = 'variance_scale' if cell.task == 'regression' else 'temperature'
+  assert 0 < calibrated.summary[name] < math.inf and calibrated.summary['conformal_alpha'] == 0.25, calibrated.summary
+  assert f'{name} ' in repr(calibrated), repr(calibrated)
+  got = calibrated.predict(x)
+  if cell.task == 'regression':
+    assert np.isfinite(got['conformal_lower']).all() and np.isfinite(got['conformal_upper']).all()
+    assert (got['conformal_lower'] <= got['mean']).all() and (got['mean'] <= got['conformal_upper']).all()
+  else:
+    assert got['set'].shape == got['probs'].shape and got['set'].any(-1).all(), got['set']
+  path = os.path.join(lab.workdir(cell, 'calibrated'))
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  if not os.path.exists(path):
+    calibrated.save(path)
+  loaded = ensemble.load(path)
+  assert loaded.conformal_calibration == calibrated.conformal_calibration
+  assert loaded.temperature == calibrated.temperature
+  again = loaded.predict(x)
+  for key, value in got.items():
+    np.testing.assert_allclose(again[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
+
+
 ALL = {check.__name__: check for check in (
     same_members_as_in_memory, summary_is_finite_in_one_unit, apply_is_a_function_of_params, warm_start_continues,
     warm_start_under_every_schedule, warm_start_across_methods, save_load_predicts_the_same, refit_compiles_nothing,
-    resume_equals_uninterrupted, workdir_knows_its_data)}
+    resume_equals_uninterrupted, workdir_knows_its_data, calibration_is_kept)}

@@ -1,0 +1,127 @@
+"""`Ensemble.calibrate` and `Ensemble.conformal` from Python: the fitted temperature (variance scale) is the NLL's
+minimiser on the given rows, and the conformal sets and intervals cover at least 1 - alpha of new rows over many
+draws of the calibration rows; refusals in one line."""
+
+import numpy as np
+import pytest
+
+import ensemble
+from ensemble import calibration
+from ensemble.errors import UsageError
+from ensemble.tasks import regression
+
+FIT = {'epochs': 8, 'ensemble_size': 4, 'batch_size': 32, 'progress': False}
+
+
+def _regression(n: int, seed: int):
+  """A sine whose noise grows with |x|: heteroscedastic, as a user's toy."""
+  rng = np.random.default_rng(seed)
+  x = rng.uniform(-3, 3, size=(n, 1)).astype(np.float32)
+  return x, (np.sin(x[:, 0]) + (0.1 + 0.2 * np.abs(x[:, 0])) * rng.normal(size=n)).astype(np.float32)
+
+
+def _classes(n: int, seed: int):
+  """Three overlapping classes in 4 features: sets of one class and of two both occur."""
+  rng = np.random.default_rng(seed)
+  y = rng.integers(0, 3, n).astype(np.int32)
+  x = (rng.normal(size=(n, 4)) + np.eye(3, 4)[y] * 1.5).astype(np.float32)
+  return x, y
+
+
+@pytest.fixture(scope='module')
+def fitted():
+  return {'regression': ensemble.fit('mlp', _regression(400, 0), task='regression', **FIT),
+          'classification': ensemble.fit('mlp', _classes(400, 0), **FIT)}
+
+
+def test_calibrate_fits_the_variance_scale_by_nll_and_predict_uses_it(fitted):
+  ens = fitted['regression']
+  x, y = _regression(500, 1)
+  calibrated = ens.calibrate(x, y)
+  means, variances = ens.components(x)
+  scale = regression.scale_variances(means, variances, y[:, None].astype(np.float64))
+  assert calibrated.temperature == pytest.approx(scale) and calibrated.summary['variance_scale'] == pytest.approx(scale)
+  assert ens.temperature == 1.0  # a copy: the original predicts as before
+  np.testing.assert_allclose(calibrated.predict(x)['std'] ** 2,
+                             regression.mixture_moments(means, variances * scale)['variance'][:, 0], rtol=1e-6)
+  scores = calibrated.evaluate(x, y)
+  assert scores['variance_scaled']['nll'] <= scores['ensemble']['nll'] + 1e-9
+  assert f'variance_scale {scale:.4g}' in repr(calibrated)
+
+
+def test_calibrate_fits_the_temperature_by_nll(fitted):
+  ens = fitted['classification']
+  x, y = _classes(500, 1)
+  calibrated = ens.calibrate(x, y)
+  assert calibrated.temperature == pytest.approx(calibration.fit_temperature(ens.member_probs(x).mean(0), y))
+  scores = calibrated.evaluate(x, y)
+  assert scores['temperature_scaled']['nll'] <= scores['ensemble']['nll'] + 1e-9
+  np.testing.assert_allclose(calibrated.predict(x)['probs'],
+                             calibration.temperature_scale(ens.predict(x)['probs'], calibrated.temperature), rtol=1e-6)
+
+
+@pytest.mark.parametrize('task, score', [('regression', 'normalised'), ('classification', 'thr'),
+                                         ('classification', 'aps')])
+def test_conformal_covers_at_least_one_minus_alpha_over_many_calibration_draws(fitted, task, score):
+  """Split conformal's promise, over the draw of the calibration rows: on average over 40 random splits of 3,000
+  new rows into 200 to calibrate on and 2,800 to judge, coverage >= 1 - alpha (and, for the continuous scores, at
+  most 1 - alpha + 1 / (n + 1), a little above for the conservative APS without randomisation)."""
+  ens, alpha, n = fitted[task], 0.1, 200
+  x, y = (_regression if task == 'regression' else _classes)(3000, 2)
+  outputs = ens.predict(x)
+  coverages, sizes = [], []
+  for seed in range(40):
+    order = np.random.default_rng(seed).permutation(len(y))
+    cal, test = order[:n], order[n:]
+    calibrated = ens.conformal(x[cal], y[cal], alpha=alpha, **({} if task == 'regression' else {'score': score}))
+    got = calibrated.predict(x[test])
+    if task == 'regression':
+      coverages.append(np.mean((got['conformal_lower'] <= y[test]) & (y[test] <= got['conformal_upper'])))
+      np.testing.assert_allclose(got['mean'], outputs['mean'][test], rtol=1e-6)
+    else:
+      coverages.append(got['set'][np.arange(len(test)), y[test]].mean())
+      sizes.append(got['set'].sum(-1).mean())
+  mean = float(np.mean(coverages))
+  assert mean >= 1 - alpha - 0.005, (mean, coverages)
+  assert mean <= 1 - alpha + 1 / (n + 1) + (0.05 if score == 'aps' else 0.01), mean
+  if sizes:  # informative sets: not every class
+    assert 1 <= np.mean(sizes) < 3, np.mean(sizes)
+
+
+@pytest.mark.parametrize('call, message', [
+    (lambda e, x, y: e.conformal(x, y, alpha=1.5), r'alpha=1.5 must be in \(0, 1\)'),
+    (lambda e, x, y: e.conformal(x, y, alpha=True), 'alpha=True must be in'),
+    (lambda e, x, y: e.conformal(x[:50], y[:50], alpha=0.01), 'alpha=0.01 needs at least 99 calibration examples'),
+    (lambda e, x, y: e.conformal(x, y, score='raps'), "score='raps': give one of"),
+    (lambda e, x, y: e.calibrate(x, y[:-1]), 'give 100 integer class indices'),
+    (lambda e, x, y: e.calibrate(x, y + 5), r'outside the 3 classes'),
+])
+def test_bad_calibration_is_refused_in_one_line(fitted, call, message):
+  x, y = _classes(100, 3)
+  with pytest.raises(UsageError, match=message):
+    call(fitted['classification'], x, y)
+
+
+def test_a_calibrated_ensemble_saves_and_loads_calibrated(fitted, tmp_path):
+  x, y = _regression(300, 4)
+  calibrated = fitted['regression'].calibrate(x, y).conformal(x, y, alpha=0.2)
+  loaded = ensemble.load(str(calibrated.save(str(tmp_path / 'saved')).workdir))
+  assert loaded.temperature == calibrated.temperature
+  assert loaded.conformal_calibration == calibrated.conformal_calibration
+  for key, value in calibrated.predict(x).items():  # features standardised on the host in memory, loaded on the device
+    np.testing.assert_allclose(loaded.predict(x)[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_the_guide_s_calibration_example_runs_as_written(capsys):
+  """docs/python-api.md leads with fit -> calibrate -> conformal -> predict on the regression toy: it runs as
+  written, and its conformal intervals cover about 90% of the new rows."""
+  import os  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'docs', 'python-api.md')
+  with open(path, encoding='utf-8') as f:
+    text = f.read()
+  section = text.split('## Calibrated predictions', 1)[1]
+  code = re.search(r'```python\n(.*?)```', section, re.S).group(1)
+  exec(compile(code, path, 'exec'), {'__name__': 'guide'})  # pylint: disable=exec-used
+  coverage = float(capsys.readouterr().out.split()[-1])
+  assert 0.86 <= coverage <= 0.95, coverage
