@@ -641,7 +641,7 @@ def fit_recipe(config: Any, fields: dict[str, Any]) -> recipe_lib.Recipe:
 def fit(model: Any, train: Any, test: Any = None, *, ensemble_size: int | None = None, epochs: int | None = None,
         method: str | None = None, workdir: str | None = None, config: Any = None, init: 'Ensemble | None' = None,
         keep_optimizer: bool = False, keep_freed_memory: bool = False, progress: bool = True,
-        **fields) -> Ensemble:
+        validation: Any = None, early_stopping: int = 0, **fields) -> Ensemble:
   """Trains an ensemble of `model` on arrays, its members in parallel on the devices there are; returns it.
 
   `model`: a `flax.linen.Module` mapping a batch of inputs to logits (it gets
@@ -676,22 +676,60 @@ def fit(model: Any, train: Any, test: Any = None, *, ensemble_size: int | None =
   as `python -m ensemble.train` does (`ensemble/host_memory.py`;
   convolutional members trained 1.44x faster): a setting of the whole
   process, never undone, so only if asked.
+
+  `early_stopping=N` with `validation=(x_val, y_val)` (rows the members do
+  not train on) scores the validation NLL after every epoch, stops once N
+  epochs pass without a lower one, and returns the members of the best
+  epoch; `summary` says which ('best_epoch', 'validation_loss',
+  'epochs_trained'). In memory only (a workdir keeps every epoch's
+  checkpoint: `ensemble.load(workdir, step=N)` picks one).
   """
   for name, value in (('keep_optimizer', keep_optimizer), ('keep_freed_memory', keep_freed_memory)):
     _check_flag(name, value)
   _check_flag('progress', progress, none=True)
   settings = fit_recipe(config, {'ensemble_size': ensemble_size, 'epochs': epochs, 'method': method, **fields})
   dataset = _dataset(train, test, settings)
+  validation = _validation(validation, early_stopping, workdir, dataset, settings)
   if dataset.inputs != 'images' and settings.augment != 'none' and 'augment' in fields:  # else the recipe sets it
     raise UsageError(f'augment={settings.augment!r} transforms images, and these inputs are {dataset.inputs}: '
                      "leave augment out, or set it to 'none'")
   return fit_dataset(model, dataset, settings, workdir=workdir, init=init, keep_optimizer=keep_optimizer,
-                     keep_freed_memory=keep_freed_memory, progress=progress)
+                     keep_freed_memory=keep_freed_memory, progress=progress, validation=validation,
+                     patience=early_stopping)
+
+
+def _validation(validation: Any, early_stopping: Any, workdir: Any, dataset: data.Dataset,
+                settings: recipe_lib.Recipe) -> data.Split | None:
+  """`validation=` as a split of the training data's kind, checked with `early_stopping=`, which it serves."""
+  if isinstance(early_stopping, bool) or not isinstance(early_stopping, numbers.Integral) or early_stopping < 0:
+    raise UsageError(f'early_stopping={early_stopping!r} must be a whole number of epochs >= 0 (0: train every '
+                     'epoch), the epochs without a lower validation NLL after which training stops')
+  if not early_stopping:
+    if validation is not None:
+      raise UsageError('validation= is what early_stopping=N scores after every epoch: give early_stopping too, or '
+                       'leave validation out (test= scores a test set)')
+    return None
+  if validation is None:
+    raise UsageError(f'early_stopping={early_stopping} needs validation=(x_val, y_val): rows the members do not '
+                     'train on, scored after every epoch')
+  if workdir is not None:
+    raise UsageError('early_stopping keeps the best epoch\'s members in memory, and a workdir keeps every epoch\'s '
+                     'checkpoint: leave workdir= out, or early_stopping out and pick an epoch with '
+                     'ensemble.load(workdir, step=N)')
+  if _is_source(validation) or data.stream.is_streamed(validation):
+    raise UsageError('validation= is a source of examples; give it as (inputs, labels) arrays')
+  inputs, labels = _as_pair(validation, 'validation')
+  split = arrays.from_arrays((inputs, labels), None, dataset.inputs, settings.task).train
+  if split['image'].shape[1:] != dataset.image_shape or split['label'].shape[1:] != dataset.train['label'].shape[1:]:
+    raise UsageError(f'validation= holds inputs {split["image"].shape[1:]} and labels {split["label"].shape[1:]}, '
+                     f'the training data {dataset.image_shape} and {dataset.train["label"].shape[1:]}; give rows of '
+                     'the same kind')
+  return split
 
 
 def fit_dataset(model: Any, dataset: data.Dataset, settings: recipe_lib.Recipe, *, workdir: str | None = None,
                 init: 'Ensemble | None' = None, keep_optimizer: bool = False, keep_freed_memory: bool = False,
-                progress: bool | None = True) -> Ensemble:
+                progress: bool | None = True, validation: data.Split | None = None, patience: int = 0) -> Ensemble:
   """`fit` once its arrays are a checked `dataset` and its keywords a recipe: what `ensemble.distill` trains its
   student with, on labels that no array of `fit` carries (the teacher's probabilities)."""
   model_object = None
@@ -720,9 +758,9 @@ def fit_dataset(model: Any, dataset: data.Dataset, settings: recipe_lib.Recipe, 
     trainer.train_and_evaluate(recipe, workdir, dataset=dataset, model=model_object, progress=progress,
                                devices=devices)
     return load(workdir, model=model_object)
-  run = loop.prepare(recipe, devices, dataset, model_object)
+  run = loop.prepare(recipe, devices, dataset, model_object, validation=validation)
   state = run.init() if init is None else _warm_start(run, init, keep_optimizer)
-  state, summary = loop.train(run, state, progress=progress)
+  state, summary = loop.train(run, state, progress=progress, patience=patience)
   devices = predictor.evaluation_devices(recipe.ensemble_size)
   if devices != run.devices:  # members spread over several devices each (backend jit): one device's worth each
     from ensemble import backends  # pylint: disable=g-import-not-at-top
@@ -764,18 +802,12 @@ def _warm_start(run: loop.Run, init: Ensemble, keep_optimizer: bool) -> Any:
     device, and the steps donated them: those are copied where they are first (one program)."""
     target, source = getattr(fresh, part), getattr(init.state, part)
     same = jax.tree.leaves(jax.tree.map(lambda t, s: s.sharding.is_equivalent_to(t.sharding, t.ndim), target, source))
-    source = source if all(same) else _copied(source)
+    source = source if all(same) else loop.copied(source)
     return jax.tree.map(lambda t, s: jax.device_put(s, t.sharding, may_alias=False), target, source)
   state = fresh.replace(**{part: copied(part) for part in parts})
   if keep_optimizer:
     state = state.replace(opt_state=optim.restart_schedule(state.opt_state))
   return run.backend.from_canonical(state)
-
-
-@jax.jit
-def _copied(tree: Any) -> Any:
-  """`tree`'s arrays in new buffers where they are: a jitted program's outputs never alias its inputs."""
-  return jax.tree.map(jax.numpy.copy, tree)
 
 
 def _fingerprint(dataset: data.Dataset) -> str:
