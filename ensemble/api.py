@@ -531,6 +531,22 @@ class Ensemble:
       raise UsageError('flag_threshold reads the held-out slice of the data a workdir was trained on, and this '
                        'ensemble is in memory; give the held-out inputs to predict() and threshold their '
                        f"'{FLAG_SCORE}' with ensemble.uncertainty.selective, or save() it first")
+    location = recipe_lib.data_location(self.config.data_dir if data_dir is None else data_dir)
+    key = json.dumps([_evaluation().checkpoint_id(self.workdir, self.epoch), target_risk, ood_rate, location,
+                      self.temperature])
+    path = os.path.join(self.workdir, FLAG_THRESHOLDS_FILE)
+    kept = _read_json(path)
+    if key in kept:  # fitted for this checkpoint and these settings before: a prediction costs its start-up
+      return kept[key]
+    fitted = self._fit_flag_threshold(target_risk, data_dir, ood_rate)
+    try:
+      files.write_atomically(path, json.dumps({**kept, key: fitted}, indent=2))
+    except OSError as e:  # a workdir this process may not write: fitted again next time
+      logging.warning('The flag thresholds cannot be kept in %s (%s): each prediction fits them again.', path, e)
+    return fitted
+
+  def _fit_flag_threshold(self, target_risk: float, data_dir: str | None, ood_rate: float) -> dict[str, Any]:
+    """`flag_threshold`'s fit on the held-out slice."""
     dataset = data.load(self.config.dataset, self.config.data_dir if data_dir is None else data_dir,
                         self.config.train_split, self.config.test_split, streaming=self.config.streaming)
     if tuple(dataset.image_shape) != self.image_shape:
@@ -582,6 +598,19 @@ def load(workdir: str, step: int | None = None, *, model: Any = None, batch_size
 
 # What `Ensemble.save` writes of a `calibrate`d or `conformal` ensemble, beside its checkpoint.
 CALIBRATION_FILE = 'calibration.json'
+# The flag thresholds `Ensemble.flag_threshold` fitted, by checkpoint and settings: `python -m ensemble.predict`
+# fits them once (6,000 held-out images), not at every call.
+FLAG_THRESHOLDS_FILE = 'flag_thresholds.json'
+
+
+def _read_json(path: str) -> dict[str, Any]:
+  """A JSON object kept in a workdir, {} when it is not there or cannot be read (it is fitted again)."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      found = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  return found if isinstance(found, dict) else {}
 
 
 def _saved_calibration(workdir: str, epoch: int) -> dict[str, Any]:
