@@ -212,7 +212,7 @@ BAD_INPUTS = {
                                                        test=(tx, ty)),
                               r'fails on inputs of shape \(batch, 28, 28, 1\)'),
     'float labels': (lambda x, y, tx, ty: dict(model=user_models.TinyNet(), train=(x, y + 0.5), test=(tx, ty)),
-                     'labels of dtype float64'),
+                     r"real-valued targets \(dtype float64\) with task='classification': pass task='regression'"),
     'different lengths': (lambda x, y, tx, ty: dict(model=user_models.TinyNet(), train=(x, y[:-1]), test=(tx, ty)),
                           '256 inputs but 255 labels'),
     'NaN inputs': (lambda x, y, tx, ty: dict(model=user_models.TinyNet(), train=(_with_nan(x), y), test=(tx, ty)),

@@ -210,7 +210,7 @@ def test_a_workdir_restores_evaluates_predicts_and_exports(workdir_run):
     ({'swag_start': 1.0}, 'swag_start=1.0 must be in (0, 1)'),
     ({'swag_start': 0.0}, 'swag_start=0.0 must be in (0, 1)'),
     ({'swag_learning_rate': 0.5}, 'swag_learning_rate=0.5 must be in (0, learning_rate=0.05]'),
-    ({'swag_learning_rate': float('nan')}, 'swag_learning_rate=nan must be positive'),
+    ({'swag_learning_rate': float('nan')}, 'swag_learning_rate=nan must be 0 (a tenth of learning_rate) or positive'),
     ({'schedule': 'warmup_cosine', 'warmup_epochs': 3, 'num_epochs': 4},
      'warmup_epochs=3 must end before the collection phase starts (epoch 3 of 4)'),
 ])

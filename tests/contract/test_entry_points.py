@@ -56,7 +56,7 @@ OUT_OF_RANGE = {
     'warmup_epochs': [-1, 5], 'seed': [-1, 2**40], 'heldout_fraction': [1.0, -0.1], 'num_devices': [-1, 999],
     'dropout_rate': [1.5], 'adversarial_epsilon': [-0.1, 1.0, math.nan], 'beta': [2.0], 'snapshot_cycles': [0],
     'packed_alpha': [0.0], 'packed_gamma': [0], 'swag_samples': [0], 'swag_rank': [1], 'swag_start': [0.0, 1.0],
-    'swag_learning_rate': [0.0], 'distill_temperature': [0.0, -1.0], 'num_train_steps': [-5],
+    'swag_learning_rate': [-0.01], 'distill_temperature': [0.0, -1.0], 'num_train_steps': [-5],
     'checkpoint_every_steps': [-1], 'checkpoints_to_keep': [0], 'eval_every': [-1], 'steps_per_dispatch': [-3],
     'hyper_learning_rate': [(0.2, 0.1), (0.0, 0.1)], 'hyper_weight_decay': [(1.0,)], 'resnet_depth': [7],
     'resnet_width': [0], 'method': ['nope'], 'optimizer': ['nope'], 'schedule': ['nope'], 'backend': ['nope'],
