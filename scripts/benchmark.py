@@ -80,7 +80,8 @@ def make_member(model: str, dataset: data.Dataset, dtype: str = 'float32') -> st
                       augment='none' if model == 'cnn' else 'crop_flip', dtype=dtype)
 
 
-def run_peers(model: str, members: int, batch_sizes: list[int], dtypes: str, repeats: int) -> list[dict]:
+def run_peers(model: str, members: int, batch_sizes: list[int], dtypes: str, repeats: int,
+              peer_compile: str = 'auto') -> list[dict]:
   """scripts/torch_peers.py's results, from a child process: PyTorch never shares a process (or the GPU's
   memory, which JAX takes at its start) with JAX here."""
   results = []
@@ -88,16 +89,19 @@ def run_peers(model: str, members: int, batch_sizes: list[int], dtypes: str, rep
     with tempfile.NamedTemporaryFile(suffix='.json') as out:
       subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'torch_peers.py'),
                       f'--model={model}', f'--members={members}', f'--batch={batch}', f'--dtypes={dtypes}',
-                      f'--repeats={repeats}', f'--json={out.name}'], check=True)
+                      f'--repeats={repeats}', f'--peer_compile={peer_compile}', f'--json={out.name}'], check=True)
       results += json.load(out)['results']
   return results
 
 
 def train_flops_per_image(member: steps.Member, batch: int = 64) -> float:
-  """FLOPs of one member's train step per image, from XLA's cost analysis of the compiled step."""
-  state = member.init(jax.random.key(0))
-  images = jnp.zeros((batch, *member.image_shape), jnp.uint8)
-  cost = jax.jit(member.train_step).lower(state, images, jnp.zeros((batch,), jnp.int32)).compile().cost_analysis()
+  """FLOPs of one member's train step per image, from XLA:CPU's cost analysis of the step compiled for the host,
+  whatever the devices: XLA:GPU hands convolutions to cuDNN as custom calls, which its cost analysis does not
+  count (on an H100 it reported 5.21 M for the CNN, whose step the CPU's analysis counts at 25.8 M)."""
+  with jax.default_device(jax.devices('cpu')[0]):
+    state = member.init(jax.random.key(0))
+    images = jnp.zeros((batch, *member.image_shape), jnp.uint8)
+    cost = jax.jit(member.train_step).lower(state, images, jnp.zeros((batch,), jnp.int32)).compile().cost_analysis()
   return (cost[0] if isinstance(cost, list) else cost)['flops'] / batch
 
 
@@ -191,6 +195,8 @@ def main():
   parser.add_argument('--steps_per_dispatch', type=int, default=8, help='fast paths: steps per dispatch')
   parser.add_argument('--dtypes', default='float32', help="the members' forward-pass dtypes, e.g. float32,bfloat16")
   parser.add_argument('--peers', action='store_true', help="PyTorch's peers too (scripts/torch_peers.py)")
+  parser.add_argument('--peer_compile', default='auto', choices=('auto', 'eager', 'compiled', 'both'),
+                      help="torch_peers.py's --peer_compile: which forms of the peers' steps to time")
   parser.add_argument('--json', default='', help='also write the figures to this file (default: print them only)')
   args = parser.parse_args()
   if args.json:
@@ -200,7 +206,8 @@ def main():
       exit_with_error(str(e))
   ensemble_sizes = args.ensemble_sizes or ('8,16,32' if args.model == 'cnn' else '8')
   batch_sizes = [int(b) for b in (args.batch_sizes or ('64,128' if args.model == 'cnn' else '128')).split(',')]
-  peers = (run_peers(args.model, int(ensemble_sizes.split(',')[0]), batch_sizes, args.dtypes, args.repeats)
+  peers = (run_peers(args.model, int(ensemble_sizes.split(',')[0]), batch_sizes, args.dtypes, args.repeats,
+                     args.peer_compile)
            if args.peers else [])
   if args.cpu_devices:
     jax.config.update('jax_num_cpu_devices', args.cpu_devices)
@@ -214,8 +221,8 @@ def main():
 
   peak = matmul_peak(devices, 2048 if devices[0].platform == 'cpu' else 8192, args.repeats)
   flops_per_image = train_flops_per_image(member)
-  print(f'# matmul peak {peak / 1e9:.1f} GFLOP/s; {args.model} train FLOPs/image {flops_per_image / 1e6:.2f} M',
-        flush=True)
+  print(f'# matmul peak {peak / 1e9:.1f} GFLOP/s; {args.model} train FLOPs/image {flops_per_image / 1e6:.2f} M '
+        "(XLA:CPU's cost analysis of the step)", flush=True)
 
   results = []
   with_reference = args.model == 'cnn'  # the classic recipe is the guide's CNN
