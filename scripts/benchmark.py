@@ -27,6 +27,8 @@ kernels instead of YNNPACK's (`backends.train_program`, docs/speed.md), while th
 the classic recipe as it runs, with JAX's defaults.
 
 `--dtypes=float32,bfloat16` times each path with both forward-pass dtypes (configs' `dtype`).
+`--member_map=vmap|unrolled` forces how a device's members are mapped (the trainer chooses by
+platform, `backends.unrolls`), to compare the two on one device.
 `--peers` first runs scripts/torch_peers.py in a child process (before JAX takes the GPU's
 memory): PyTorch's vmap ensemble and a loop over K models, compiled, channels-last, autocast for
 bfloat16, at the first ensemble size and each batch size; the table then gives every row's ratio
@@ -197,8 +199,15 @@ def main():
   parser.add_argument('--peers', action='store_true', help="PyTorch's peers too (scripts/torch_peers.py)")
   parser.add_argument('--peer_compile', default='auto', choices=('auto', 'eager', 'compiled', 'both'),
                       help="torch_peers.py's --peer_compile: which forms of the peers' steps to time")
+  parser.add_argument('--member_map', default='auto', choices=('auto', 'vmap', 'unrolled'),
+                      help="how a device's members are mapped: 'auto' as the trainer does (`backends.unrolls`: "
+                      "one after another on a CPU, for convolutions), or forced, to compare: 'vmap' (one grouped "
+                      "convolution per layer) or 'unrolled' (one convolution per member, steps unrolled too)")
   parser.add_argument('--json', default='', help='also write the figures to this file (default: print them only)')
   args = parser.parse_args()
+  if args.member_map != 'auto':  # an experiment: every program built below maps members this way
+    forced = args.member_map == 'unrolled'
+    backends.unrolls = lambda devices, member=None: forced
   if args.json:
     try:
       files.check_output('--json', args.json)  # before the minutes of timing, not after
@@ -217,7 +226,8 @@ def main():
   members = {dtype: make_member(args.model, dataset, dtype) for dtype in args.dtypes.split(',')}
   member = members['float32'] if 'float32' in members else next(iter(members.values()))
   platform = f'{devices[0].platform} x{len(devices)} ({devices[0].device_kind}), {os.cpu_count()} host cores'
-  print(f'# {platform}, jax {jax.__version__}; {args.model} on {dataset.source}', flush=True)
+  print(f'# {platform}, jax {jax.__version__}; {args.model} on {dataset.source}; members mapped: '
+        f'{args.member_map}', flush=True)
 
   peak = matmul_peak(devices, 2048 if devices[0].platform == 'cpu' else 8192, args.repeats)
   flops_per_image = train_flops_per_image(member)
