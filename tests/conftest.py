@@ -69,13 +69,29 @@ def write_mnist(directory: str, num_train: int = 256, num_test: int = 100, gz: b
   return directory
 
 
+# XLA:CPU maps several memory regions for each executable, and a session that kept all of them (thousands) ran past
+# the kernel's limit of 65,530 maps and crashed in a later module. Past this many, the compiled programs are let go.
+MAPS_KEPT = 30_000
+
+
+def release_compiled_programs_if_many():
+  """Lets the compiled programs go once the process maps more than `MAPS_KEPT` regions (always, where the count
+  cannot be read): the programs that later modules share (the same small runs, conversions, predictions) stay
+  compiled until then, which clearing after every module recompiled."""
+  try:
+    with open('/proc/self/maps', 'rb') as f:
+      maps = sum(1 for _ in f)
+  except OSError:
+    maps = MAPS_KEPT + 1
+  if maps > MAPS_KEPT:
+    jax.clear_caches()
+
+
 @pytest.fixture(autouse=True, scope='module')
 def _compiled_programs_released():
-  """A test module's compiled programs are let go when it ends. XLA:CPU maps several memory regions for each
-  executable, and a session that kept all of them (thousands) ran past the kernel's limit of 65,530 maps and
-  crashed in a later module."""
+  """After each test module, the compiled programs are let go if the process maps many regions."""
   yield
-  jax.clear_caches()
+  release_compiled_programs_if_many()
 
 
 @pytest.fixture

@@ -95,10 +95,12 @@ def steps_per_epoch(num_examples: int, batch_size: int) -> int:
   return num_examples // batch_size
 
 
-@functools.partial(jax.jit, static_argnames=('rows', 'steps', 'batch_size', 'ensemble_size', 'member_data'))
-def _drawn(seed, epoch, num_examples, *, rows, steps, batch_size, ensemble_size, member_data):
+@functools.partial(jax.jit, static_argnames=('rows', 'ensemble_size', 'member_data'))
+def _orders(seed, epoch, num_examples, *, rows, ensemble_size, member_data):
+  """`epoch_indices`' whole orders, (rows,) or (K, 1, rows): one program per set size and ensemble size, whatever
+  the batch (the host slices the batches off)."""
   members = None if member_data == 'shared' else jnp.arange(ensemble_size)
-  return epoch_indices(seed, epoch, num_examples, members, rows=rows, steps=steps, batch_size=batch_size,
+  return epoch_indices(seed, epoch, num_examples, members, rows=rows, steps=1, batch_size=rows,
                        bootstrap=member_data == 'bootstrap')
 
 
@@ -107,10 +109,11 @@ def train_batch_indices(num_examples: int, batch_size: int, seed: int, epoch: in
   """`epoch_indices` as numpy, (steps, batch) when members share batches, else (steps, K, batch): 'shuffled', each
   member its own order of the split; 'bootstrap', its own order of its bootstrap resample, `num_examples` indices
   drawn with replacement once for the run from (seed, member) alone (about 63% of the examples appear in it)."""
-  indices = np.asarray(_drawn(np.uint32(seed), np.int32(epoch), np.int32(num_examples),
-                              rows=bucket_rows(num_examples), steps=steps_per_epoch(num_examples, batch_size),
-                              batch_size=batch_size, ensemble_size=ensemble_size, member_data=member_data))
-  return indices if member_data == 'shared' else indices.transpose(1, 0, 2)
+  orders = np.asarray(_orders(np.uint32(seed), np.int32(epoch), np.int32(num_examples),
+                              rows=bucket_rows(num_examples), ensemble_size=ensemble_size, member_data=member_data))
+  steps = steps_per_epoch(num_examples, batch_size)
+  orders = orders.reshape(-1, orders.shape[-1])[:, :steps * batch_size].reshape(-1, steps, batch_size)
+  return orders[0] if member_data == 'shared' else orders.transpose(1, 0, 2)
 
 
 def train_batches(split: Split, batch_size: int, seed: int, epoch: int, ensemble_size: int,

@@ -4,11 +4,11 @@
   python -m pytest tests/contract -k 'resume_equals_uninterrupted'  # one invariant everywhere
 """
 
-import jax
 import pytest
 
 import checks
 import matrix
+from conftest import release_compiled_programs_if_many
 from lab import Lab
 
 
@@ -23,8 +23,8 @@ _GROUP = []
 @pytest.mark.parametrize('check, cell', list(matrix.cases()))
 def test_cell_keeps_the_contract(check, cell, lab):
   if _GROUP != [cell.method, cell.task]:  # the last method and task's programs are not needed again: let them go
-    _GROUP[:] = [cell.method, cell.task]
-    jax.clear_caches()
+    _GROUP[:] = [cell.method, cell.task]  # if the process maps many regions
+    release_compiled_programs_if_many()
   if check == 'save_load_predicts_the_same':  # one new process loads every ensemble that `save` wrote
     saved = [c for c in matrix.cells() if c.path == 'arrays' and check in matrix.CHECKS[c.path, c.backend]]
     checks.ALL[check](cell, lab, saved)
