@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, parallel, steps
-from ensemble.data import stream
+from ensemble.data import batches, stream
 from ensemble.methods import batchensemble
 from ensemble.parallel import fsdp, logical
 from ensemble.errors import UsageError
@@ -378,8 +378,6 @@ def train_epochs_function(many, member_data: str, num_epochs: int, steps: int, b
   rides on the dispatch's own outputs. `bootstrap` draws from each member's
   resample (bagging): the programs' key leaves the method out, so the run says.
   """
-  from ensemble.data import batches  # pylint: disable=g-import-not-at-top
-
   def run(state, images, labels, member_ids, seed, first_epoch, num_examples):
     members = None if member_data == 'shared' else member_ids
     draw = functools.partial(batches.epoch_indices, rows=images.shape[0], steps=steps, batch_size=batch_size,
