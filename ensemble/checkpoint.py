@@ -42,6 +42,9 @@ from ensemble import distributed
 from ensemble.errors import UsageError
 
 CHECKPOINTS_DIR = 'checkpoints'
+# Where a run that checkpoints by epoch saves the step SIGTERM stopped it at: apart from the epochs' checkpoints,
+# which evaluation and prediction read, so that none of them takes a part of an epoch for a whole one.
+STOPPED_DIR = 'checkpoints_stopped'
 DAMAGED_DIR = 'checkpoints_damaged'
 LOCK_FILE = 'lock'
 _MAX_FOUND_CHARS = 300  # what a warning quotes of the error that a damaged checkpoint raised
@@ -213,13 +216,14 @@ def read_record(workdir: str, epoch: int) -> dict[str, Any]:
 
 
 class Checkpointer:
-  """Saves one checkpoint per epoch under `workdir/checkpoints/<epoch>` and keeps the last few."""
+  """Saves one checkpoint per epoch (or step) under `workdir/checkpoints/<epoch>` and keeps the last few."""
 
-  def __init__(self, workdir: str, max_to_keep: int = 3, asynchronous: bool = False):
+  def __init__(self, workdir: str, max_to_keep: int = 3, asynchronous: bool = False, folder: str = CHECKPOINTS_DIR):
     """`asynchronous`: `save(..., wait=False)` returns once the state is on the host and writes the files in the
-    background (orbax's async checkpointing), so that training goes on meanwhile."""
+    background (orbax's async checkpointing), so that training goes on meanwhile. `folder`: STOPPED_DIR for the
+    step SIGTERM stopped a run at."""
     self.workdir = os.path.abspath(workdir)
-    self.directory = os.path.join(self.workdir, CHECKPOINTS_DIR)
+    self.directory = os.path.join(self.workdir, folder)
     self._manager = ocp.CheckpointManager(
         self.directory,
         item_names=('state', 'meta'),

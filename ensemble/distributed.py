@@ -178,3 +178,19 @@ def barrier(name: str):
   """Every process waits here for the others: after process 0 changed files that all of them read."""
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(name)
+
+
+def preemption_synced() -> bool:
+  """Whether SIGTERM reaches this run through JAX's preemption service: several processes under
+  `jax.distributed`, whose coordination client catches the signal on any host and tells the others, so that all
+  stop at one step (`reached_preemption_sync_point`). A handler of Python's own would take the signal from it."""
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+  state = jax_distributed.global_state
+  return jax.process_count() > 1 and state.client is not None and state.preemption_sync_manager is not None
+
+
+def stop_agreed(dispatch: int) -> bool:
+  """Across processes: whether every process stops after `dispatch` (counted alike on all of them from the run's
+  start) because one of them was sent SIGTERM. JAX's sync point is the dispatch after the furthest any process
+  had reached when the notice came, so each process must ask after every dispatch."""
+  return multihost_utils.reached_preemption_sync_point(dispatch)

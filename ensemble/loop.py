@@ -56,7 +56,7 @@ class Diverged(UsageError):
 
 class Stopped(KeyboardInterrupt):
   """SIGTERM asked the run to stop (a preemptible VM's notice, a scheduler's end of the job): raised at the end of
-  the dispatch in progress, once a run that checkpoints by step has saved where it stands (`stop_on_sigterm`)."""
+  the dispatch in progress, once the hooks have saved where it stands (`stop_on_sigterm`, `Hook.stop_point`)."""
 
 
 _STOP = threading.Event()
@@ -68,8 +68,8 @@ def stop_on_sigterm():
   between steps, with its position saved, where Python's default would end the process at once and lose the epoch
   (a handler that raised at once, as Ctrl-C does, could cut a save in half). Only the main thread takes signals:
   elsewhere nothing changes."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
+  if threading.current_thread() is not threading.main_thread() or distributed.preemption_synced():
+    yield  # elsewhere nothing changes; across processes, JAX's preemption service takes the signal (`_stopping`)
     return
   _STOP.clear()
   previous = signal.signal(signal.SIGTERM, lambda *_: _STOP.set())
@@ -78,6 +78,14 @@ def stop_on_sigterm():
   finally:
     signal.signal(signal.SIGTERM, previous)
     _STOP.clear()
+
+
+def _stopping(dispatch: int) -> bool:
+  """Whether SIGTERM asked the run to stop after `dispatch`: this process's flag, or across processes the dispatch
+  they all agreed on (`distributed.stop_agreed`), so that none waits in a collective the others left."""
+  if distributed.preemption_synced():
+    return distributed.stop_agreed(dispatch)
+  return _STOP.is_set()
 
 
 class Hook:
@@ -90,6 +98,9 @@ class Hook:
   def save_point(self, epoch: int, position: 'Position', state: Any, summary: dict[str, float]):
     """At each epoch's end, once its summary is known, and every `checkpoint_every_steps` steps (`summary` then has
     the epoch's training metrics so far); `state` is canonical (what checkpoints store), and checked finite."""
+
+  def stop_point(self, epoch: int, position: 'Position', state: Any, summary: dict[str, float]):
+    """Where SIGTERM stopped the run inside an epoch: as `save_point`, for the position a resume goes on from."""
 
   def close(self):
     """However the run ends."""
@@ -458,7 +469,7 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
     resident = backend.put_dataset(pad_rows(run.train))
   per_dispatch = per_epoch if per_dispatch < 0 else per_dispatch or 1
   last_step = total_steps(config, per_epoch)
-  step, summary, canonical = start.step, {}, None
+  step, summary, canonical, dispatches, stopping = start.step, {}, None, 0, False
   streamed = data.stream.is_streamed(run.train)
   rows_read = run.train.source.rows_read if streamed else 0
   try:
@@ -492,14 +503,15 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
           hook.after_steps(step)
         if bar is not None:
           bar.update(count, chunk_metrics)
-        every, stopping = config.checkpoint_every_steps, _STOP.is_set()
-        if every and (step % every == 0 or stopping) and step < first + len(indices):
+        dispatches += 1
+        stopping, every = _stopping(dispatches), config.checkpoint_every_steps
+        if step < first + len(indices) and (stopping or (every and step % every == 0)):
           summary = {'epoch': epoch, 'train_seconds': time.perf_counter() - origin, **run.task.summary(so_far())}
           _keep(run, hooks, epoch, state, summary,
                 Position(step, data.stream.stream_position(reads, step - first), so_far(),
-                         time.perf_counter() - origin))
-        if stopping and step < first + len(indices):
-          raise Stopped(f'SIGTERM at step {step}')
+                         time.perf_counter() - origin), stop=stopping)
+          if stopping:
+            raise Stopped(f'SIGTERM at step {step}')
       summary = {'epoch': epoch, 'train_seconds': time.perf_counter() - origin}
       train_metrics = so_far()
       test = None
@@ -518,7 +530,7 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
         canonical = _keep(run, hooks, epoch, state, summary, Position(step))
       if patience and (best is None or summary['validation_loss'] < best[0]):
         best = (summary['validation_loss'], epoch, copied(backend.to_canonical(state)), train_metrics)
-      if _STOP.is_set() and epoch < config.num_epochs:
+      if (stopping if distributed.preemption_synced() else _STOP.is_set()) and epoch < config.num_epochs:
         raise Stopped(f'SIGTERM at step {step}')
       if bar is not None:
         console.log_epoch(summary, config.num_epochs, bar.close(), echo=bool(progress),
@@ -621,14 +633,15 @@ def _train_at_once(run: Run, state: Any) -> tuple[Any, dict[str, float]]:
 
 
 def _keep(run: Run, hooks: Sequence[Hook], epoch: int, state: Any, summary: dict[str, float],
-          position: Position) -> Any:
-  """The canonical state, checked finite, handed to the hooks with where training stands."""
+          position: Position, stop: bool = False) -> Any:
+  """The canonical state, checked finite, handed to the hooks with where training stands (`stop`: where SIGTERM
+  stopped it)."""
   canonical = run.backend.to_canonical(state)
   nonfinite = nonfinite_members(canonical, run.recipe.ensemble_size)
   if nonfinite:
     diverged(run.recipe, epoch, position.step, f'members {nonfinite} have non-finite parameters')
   for hook in hooks:
-    hook.save_point(epoch, position, canonical, summary)
+    (hook.stop_point if stop else hook.save_point)(epoch, position, canonical, summary)
   return canonical
 
 

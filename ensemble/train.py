@@ -90,10 +90,9 @@ def _train():
   except KeyboardInterrupt as e:  # Ctrl-C: `cli.run` says this in one line
     if not isinstance(e, trainer.Interrupted):
       raise KeyboardInterrupt(f'stopped before training began; run the same command to go on: {_command()}') from None
-    unit = 'step' if FLAGS.config.get('checkpoint_every_steps') else 'epoch'  # Recipe.checkpoint_unit's rule
-    go_on = f'resume from {unit} {e.saved_epoch}' if e.saved_epoch else 'start again'
+    go_on = f'resume from {e.unit} {e.saved_epoch}' if e.saved_epoch else 'start again'
     raise trainer.Interrupted(f'{e}; to {go_on}, run the same command: {_command()}', e.saved_epoch,
-                              e.terminated) from None
+                              e.terminated, e.unit) from None
   console.log_training_summary(FLAGS.workdir, summary, method=FLAGS.config.method)
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 import time
 from typing import Any
 
@@ -29,9 +30,10 @@ class Interrupted(KeyboardInterrupt):
   stops as it would; `python -m ensemble.train` says it in one line.
   """
 
-  def __init__(self, message: str, saved_epoch: int, terminated: bool = False):
+  def __init__(self, message: str, saved_epoch: int, terminated: bool = False, unit: str = 'epoch'):
     super().__init__(message)
-    self.saved_epoch, self.terminated = saved_epoch, terminated  # terminated: by SIGTERM, not Ctrl-C
+    # saved_epoch: the newest position saved, an epoch or (unit 'step') a step; terminated: by SIGTERM, not Ctrl-C
+    self.saved_epoch, self.terminated, self.unit = saved_epoch, terminated, unit
 
 
 def _releases_the_workdir(train):
@@ -56,7 +58,7 @@ def check_workdir(workdir: str):
   if not os.path.isdir(workdir):
     raise UsageError(f'{workdir} is a file, not a folder; give --workdir a new or empty folder, or a workdir')
   entries = sorted(os.listdir(workdir))
-  if not entries or checkpoint.CHECKPOINTS_DIR in entries or checkpoint.LOCK_FILE in entries:
+  if not entries or {checkpoint.CHECKPOINTS_DIR, checkpoint.STOPPED_DIR, checkpoint.LOCK_FILE} & set(entries):
     return
   if 'config.json' in entries:
     try:
@@ -74,7 +76,7 @@ def _check_resume(recipe: Recipe, workdir: str, ckpt: checkpoint.Checkpointer) -
   """A workdir with checkpoints resumes only with the data settings that its config.json records; without a
   config.json that can be read, not at all (the resume would write the current config as if it were the original).
   Returns what config.json records, or None for a fresh run."""
-  epochs = ckpt.epochs()
+  epochs = ckpt.epochs() or _stopped_steps(workdir)
   if not epochs:
     return None
   path = os.path.join(workdir, 'config.json')
@@ -123,6 +125,39 @@ def _missing_summaries(ckpt: checkpoint.Checkpointer, workdir: str, start_key: i
   return [summary for summary in summaries if summary is not None and summary[0] not in written]
 
 
+def _stopped_steps(workdir: str) -> list[int]:
+  """The steps saved in STOPPED_DIR (where SIGTERM stopped a run that checkpoints by epoch), read from its folder."""
+  folder = os.path.join(workdir, checkpoint.STOPPED_DIR)
+  return sorted(int(name) for name in os.listdir(folder) if name.isdigit()) if os.path.isdir(folder) else []
+
+
+def _remove_stopped(workdir: str):
+  """Once an epoch's checkpoint passes it, the step SIGTERM saved is of no more use."""
+  if jax.process_index() == 0:
+    shutil.rmtree(os.path.join(workdir, checkpoint.STOPPED_DIR), ignore_errors=True)
+
+
+def _resume_from_stop(workdir: str, abstract_state: Any, meta: dict[str, Any], start: loop.Position,
+                      steps_per_epoch: int) -> tuple[loop.Position, Any]:
+  """(position, state) of the step SIGTERM saved in STOPPED_DIR where it is further than `start` (the newest
+  epoch's checkpoint); else (start, None), and a step that is not further is removed."""
+  if not _stopped_steps(workdir):
+    return start, None
+  stopped = checkpoint.Checkpointer(workdir, max_to_keep=1, folder=checkpoint.STOPPED_DIR)
+  try:
+    step, state = stopped.restore_newest_intact(abstract_state, meta, move_aside=True)
+    position = _position(stopped, step, steps_per_epoch) if step else start
+  except checkpoint.NoIntactCheckpoint as e:
+    logging.warning('%s; resuming from the last epoch instead.', e)
+    step, position = 0, start
+  finally:
+    stopped.close()
+  if position.step <= start.step:
+    _remove_stopped(workdir)
+    return start, None
+  return position, state
+
+
 class _SavesInBackground(loop.Hook):
   """Each checkpoint written while training goes on, and its metrics.jsonl line once the checkpoint is complete: a
   crash before the line costs no metric, as the resume writes it from the checkpoint."""
@@ -132,6 +167,8 @@ class _SavesInBackground(loop.Hook):
     self._ckpt, self._writer, self._saving, self._meta, self._by_step = ckpt, writer, None, meta, by_step
     self._report_progress = writers.ProgressReport(writer.progress)
     self.saved_epoch = saved_epoch  # the newest checkpoint (its number) complete on disk
+    self.stopped_at = 0  # the step that SIGTERM stopped at, saved apart (checkpoint.STOPPED_DIR)
+    self.resumed_stop = 0  # the step saved apart that this run resumed from, removed once a checkpoint passes it
 
   def after_steps(self, step: int):
     self._report_progress(step)
@@ -144,6 +181,20 @@ class _SavesInBackground(loop.Hook):
     self._ckpt.save(key, state, meta, summary=(position.step, summary), wait=False)
     self._saving = key, position.step, summary, time.perf_counter() - started
 
+  def stop_point(self, epoch: int, position: loop.Position, state: Any, summary: dict[str, float]):
+    """A run that checkpoints by step saves where SIGTERM stopped it as a step checkpoint; one that checkpoints by
+    epoch saves it apart (checkpoint.STOPPED_DIR), where no epoch's checkpoint is mistaken for it."""
+    if self._by_step:
+      self.save_point(epoch, position, state, summary)
+      return
+    self.finish()
+    stopped = checkpoint.Checkpointer(self._ckpt.workdir, max_to_keep=1, folder=checkpoint.STOPPED_DIR)
+    try:
+      stopped.save(position.step, state, {**self._meta, 'position': dataclasses.asdict(position)})
+    finally:
+      stopped.close()
+    self.stopped_at = position.step
+
   def finish(self):
     """Waits for the checkpoint being written, then writes its line, whose `save_seconds` is the time training
     waited for that checkpoint: copying the state to the host, and any wait for the files."""
@@ -153,6 +204,9 @@ class _SavesInBackground(loop.Hook):
     started = time.perf_counter()
     self._ckpt.wait()
     self.saved_epoch = epoch
+    if self.resumed_stop and step >= self.resumed_stop:
+      _remove_stopped(self._ckpt.workdir)
+      self.resumed_stop = 0
     self._writer.epoch.write_scalars(step, {**summary, 'save_seconds': seconds + time.perf_counter() - started})
     self._writer.epoch.flush()
 
@@ -211,11 +265,17 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
   # A damaged checkpoint is moved aside and the epochs after the newest intact one are trained again.
   start_key, restored = ckpt.restore_newest_intact(backend.abstract_state(), ckpt_meta, move_aside=True)
   start = _position(ckpt, start_key, run.steps_per_epoch)
+  resumed_from, resumed_stop = ckpt.path(start_key), 0
+  if config.checkpoint_unit == 'epoch':  # where SIGTERM stopped the run, if past that epoch
+    stop, stopped_state = _resume_from_stop(workdir, backend.abstract_state(), ckpt_meta, start, run.steps_per_epoch)
+    if stopped_state is not None:
+      start, restored, resumed_stop = stop, stopped_state, stop.step
+      resumed_from = os.path.join(workdir, checkpoint.STOPPED_DIR, str(stop.step))
   start_epoch, into_epoch = start.epoch(run.steps_per_epoch)
-  if start_key:
+  if start_key or resumed_stop:
     state = backend.from_canonical(restored)
     if into_epoch:
-      logging.info('Resumed from %s at step %d, %d steps into epoch %d.', ckpt.path(start_key), start.step,
+      logging.info('Resumed from %s at step %d, %d steps into epoch %d.', resumed_from, start.step,
                    into_epoch, start_epoch + 1)
     else:
       logging.info('Resumed from %s at epoch %d.', ckpt.directory, start_epoch)
@@ -224,7 +284,7 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
   if saved_config is not None:
     _log_changes(config, saved_config, workdir)
 
-  _write_config(config, workdir, resuming=bool(start_key))
+  _write_config(config, workdir, resuming=bool(start_key or resumed_stop))
   missing = _missing_summaries(ckpt, workdir, start_key, start.step)
   writer = writers.create_writers(workdir, is_main_process=jax.process_index() == 0)
   for summary_step, scalars in missing:
@@ -247,6 +307,7 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
                  len(devices) // config.ensemble_size, layout,
                  backends.bytes_per_device(state) / 1e6, member_bytes / config.ensemble_size / 1e6)
   saves = _SavesInBackground(ckpt, writer, ckpt_meta, start_key, config.checkpoint_unit == 'step')
+  saves.resumed_stop = resumed_stop
   try:
     with loop.stop_on_sigterm():
       state, summary = loop.train(run, state, start=start, hooks=[saves], progress=progress)
@@ -258,10 +319,14 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
     by = 'on SIGTERM ' if terminated else ''
     if config.checkpoint_unit == 'step':
       kept = f'the checkpoint of step {saved} is in {ckpt.directory}' if saved else 'no step was saved yet'
-      raise Interrupted(f'stopped {by}after step {saved}; {kept}', saved, terminated) from None
+      raise Interrupted(f'stopped {by}after step {saved}; {kept}', saved, terminated, 'step') from None
+    if saves.stopped_at:
+      step = saves.stopped_at
+      epoch = step // run.steps_per_epoch + 1
+      raise Interrupted(f'stopped {by}at step {step}, in epoch {epoch} of {config.num_epochs}; that step is saved in '
+                        f'{os.path.join(workdir, checkpoint.STOPPED_DIR, str(step))}', step, terminated,
+                        'step') from None
     where = f'in epoch {saved + 1} of {config.num_epochs}' if saved < config.num_epochs else 'after its last epoch'
     kept = f'the checkpoint of epoch {saved} is in {ckpt.directory}' if saved else 'no epoch was saved yet'
-    if terminated and saved < config.num_epochs:
-      kept += ' (set --config.checkpoint_every_steps to save mid-epoch when stopped)'
     raise Interrupted(f'stopped {by}{where}; {kept}', saved, terminated) from None
   return state, summary

@@ -74,18 +74,24 @@ def _checkpoint_params(workdir: str, epoch: int):
   return _checkpoint_state(workdir, epoch)['params']
 
 
+def _start_two(workdir: str, mnist_dir: str, logs: str, **config) -> list[subprocess.Popen]:
+  """2 processes (found through SLURM's variables, as on a cluster) start training `config` in `workdir`."""
+  port, processes = _free_port(), []
+  for process_id in range(2):
+    env = _env(SLURM_JOB_ID='1', SLURM_STEP_NODELIST='127.0.0.1', SLURM_NTASKS='2',
+               SLURM_PROCID=str(process_id), SLURM_LOCALID=str(process_id), JAX_COORDINATOR_PORT=str(port))
+    command = [sys.executable, '-m', 'ensemble.train', *_train_args(workdir, mnist_dir, **config),
+               '--cpu_devices=4', f'--heartbeat_timeout={HEARTBEAT_TIMEOUT_S}']
+    with open(os.path.join(logs, f'process{process_id}.log'), 'w') as log:
+      processes.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+  return processes
+
+
 def _kill_after_first_epoch(workdir: str, mnist_dir: str, logs: str) -> dict:
-  """2 processes (found through SLURM's variables, as on a cluster) train; process 1 dies after epoch 1."""
-  port = _free_port()
+  """2 processes train; process 1 dies after epoch 1."""
   processes = []
   try:
-    for process_id in range(2):
-      env = _env(SLURM_JOB_ID='1', SLURM_STEP_NODELIST='127.0.0.1', SLURM_NTASKS='2',
-                 SLURM_PROCID=str(process_id), SLURM_LOCALID=str(process_id), JAX_COORDINATOR_PORT=str(port))
-      command = [sys.executable, '-m', 'ensemble.train', *_train_args(workdir, mnist_dir, **FIRST, num_epochs=3),
-                 '--cpu_devices=4', f'--heartbeat_timeout={HEARTBEAT_TIMEOUT_S}']
-      with open(os.path.join(logs, f'process{process_id}.log'), 'w') as log:
-        processes.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    processes = _start_two(workdir, mnist_dir, logs, **FIRST, num_epochs=3)
     deadline = time.monotonic() + 300
     metrics = os.path.join(workdir, 'metrics.jsonl')
     while not (os.path.exists(metrics) and _metrics(workdir)):
@@ -107,6 +113,28 @@ def _kill_after_first_epoch(workdir: str, mnist_dir: str, logs: str) -> dict:
       process.wait()
 
 
+def _terminate_one(workdir: str, mnist_dir: str, logs: str) -> list[dict]:
+  """2 processes train; process 1 alone is sent SIGTERM (a preempted host) as training starts. Each process's exit
+  status and output."""
+  processes = []
+  try:
+    processes = _start_two(workdir, mnist_dir, logs, **SHUFFLED, num_epochs=1)
+    log = os.path.join(logs, 'process1.log')
+    deadline = time.monotonic() + 300
+    while 'Training ' not in open(log).read():  # past jax.distributed's start-up, which takes the signal
+      assert time.monotonic() < deadline and processes[1].poll() is None, open(log).read()[-3000:]
+      time.sleep(0.05)
+    processes[1].send_signal(signal.SIGTERM)
+    codes = [process.wait(timeout=120) for process in processes]
+    return [{'code': code, 'output': open(os.path.join(logs, f'process{i}.log')).read()}
+            for i, code in enumerate(codes)]
+  finally:
+    for process in processes:
+      if process.poll() is None:
+        process.kill()
+      process.wait()
+
+
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp('distributed')
@@ -118,14 +146,17 @@ def runs(tmp_path_factory):
        *_train_args(workdir, mnist_dir, **config)],
       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
   resumed = launch(two, **SECOND, num_epochs=2)
-  shuffled = launch(str(root / 'two_processes_shuffled'), **SHUFFLED, num_epochs=1)
-  assert shuffled.returncode == 0, shuffled.stdout[-3000:]
+  shuffled = str(root / 'two_processes_shuffled')
+  terminated = _terminate_one(shuffled, mnist_dir, str(root))
+  resumed_shuffled = launch(shuffled, **SHUFFLED, num_epochs=1)
+  assert resumed_shuffled.returncode == 0, resumed_shuffled.stdout[-3000:]
   # The reference: the same runs on one process with 8 devices.
   trainer.train_and_evaluate(small_config(mnist_dir, **FIRST, **SAME_SUMS, num_epochs=1), one)
   trainer.train_and_evaluate(small_config(mnist_dir, **SECOND, **SAME_SUMS, num_epochs=2), one)
   trainer.train_and_evaluate(small_config(mnist_dir, **SHUFFLED, **SAME_SUMS, num_epochs=1),
                              str(root / 'one_process_shuffled'))
-  return types.SimpleNamespace(root=root, mnist_dir=mnist_dir, two=two, one=one, killed=killed, resumed=resumed)
+  return types.SimpleNamespace(root=root, mnist_dir=mnist_dir, two=two, one=one, killed=killed, resumed=resumed,
+                               terminated=terminated, resumed_shuffled=resumed_shuffled)
 
 
 def test_a_dead_process_stops_the_others_within_the_heartbeat_timeout(runs):
@@ -133,6 +164,18 @@ def test_a_dead_process_stops_the_others_within_the_heartbeat_timeout(runs):
   assert runs.killed['exit_s'] < EXIT_BOUND_S
   # JAX's coordination service names the cause.
   assert 'another task died' in runs.killed['output'], runs.killed['output'][-3000:]
+
+
+def test_sigterm_to_one_process_stops_every_process_at_one_step(runs):
+  """Issue 67: SIGTERM on one host (JAX's preemption service tells the others) stops both processes after the same
+  dispatch, the step saved, each with the `interrupted:` line and status 143; the resume goes on from that step,
+  to the ensemble one process trains (test_two_processes_train_the_same_ensemble_as_one, shuffled batches)."""
+  stops = [re.findall(r'interrupted: stopped on SIGTERM at step (\d+), in epoch 1 of 1', run['output'])
+           for run in runs.terminated]
+  assert [run['code'] for run in runs.terminated] == [143, 143], runs.terminated[0]['output'][-3000:]
+  assert len(stops[0]) == 1 and stops[0] == stops[1], (stops, runs.terminated[0]['output'][-3000:])
+  assert runs.resumed_shuffled.stdout.count(f'checkpoints_stopped/{stops[0][0]} at step {stops[0][0]}') == 2
+  assert not os.path.exists(os.path.join(str(runs.root / 'two_processes_shuffled'), checkpoint.STOPPED_DIR))
 
 
 def test_two_processes_resume_after_a_crash_and_write_metrics_once(runs):

@@ -261,13 +261,16 @@ def test_a_cifar_shaped_tfds_dataset_trains_a_resnet_with_crop_and_flip(tmp_path
   assert meta['data']['image_shape'] == [32, 32, 3] and len(meta['data']['mean']) == 3
 
 
-def test_sigterm_saves_the_step_it_stops_at_and_the_run_resumes_from_it_exactly(make_config, tmp_path,
-                                                                                 monkeypatch):
+@pytest.mark.parametrize('unit', ['step', 'epoch'])
+def test_sigterm_saves_the_step_it_stops_at_and_the_run_resumes_from_it_exactly(make_config, tmp_path, monkeypatch,
+                                                                                 unit):
   """Issue 67: SIGTERM (a preempted VM, a scheduler) ended the process at once and lost the epoch. Now the run stops
-  after the dispatch in progress, saves that step (a run that checkpoints by step), raises `Interrupted` marked
-  terminated, and the same run resumes from that step to the members an uninterrupted run trains, bit for bit."""
+  after the dispatch in progress, saves that step (as a step checkpoint, or for a run that checkpoints by epoch apart
+  in checkpoints_stopped/, which evaluation never reads), raises `Interrupted` marked terminated, and the same run
+  resumes from that step to the members an uninterrupted run trains, bit for bit, each epoch's line written once."""
   import signal  # pylint: disable=g-import-not-at-top
-  settings = dict(num_epochs=2, checkpoint_every_steps=2, checkpoints_to_keep=10)
+  settings = dict(num_epochs=2, checkpoint_every_steps=2, checkpoints_to_keep=10) if unit == 'step' else dict(
+      num_epochs=2)
   straight, _ = trainer.train_and_evaluate(make_config(**settings), str(tmp_path / 'a'))
   after_steps = trainer._SavesInBackground.after_steps  # pylint: disable=protected-access
 
@@ -277,11 +280,19 @@ def test_sigterm_saves_the_step_it_stops_at_and_the_run_resumes_from_it_exactly(
       os.kill(os.getpid(), signal.SIGTERM)
   monkeypatch.setattr(trainer._SavesInBackground, 'after_steps', terminated_at_3)  # pylint: disable=protected-access
   previous = signal.getsignal(signal.SIGTERM)
-  with pytest.raises(trainer.Interrupted, match='stopped on SIGTERM after step 3; the checkpoint of step 3') as e:
+  said = ('stopped on SIGTERM after step 3; the checkpoint of step 3' if unit == 'step' else
+          'stopped on SIGTERM at step 3, in epoch 1 of 2; that step is saved in .*checkpoints_stopped/3$')
+  with pytest.raises(trainer.Interrupted, match=said) as e:
     trainer.train_and_evaluate(make_config(**settings), str(tmp_path / 'b'))
-  assert e.value.terminated and e.value.saved_epoch == 3
+  assert e.value.terminated and e.value.saved_epoch == 3 and e.value.unit == 'step'
   assert signal.getsignal(signal.SIGTERM) == previous  # the handler is the run's alone
+  if unit == 'epoch':  # nothing that reads epochs sees the part of one
+    assert not (tmp_path / 'b' / checkpoint.CHECKPOINTS_DIR).exists()
   monkeypatch.setattr(trainer._SavesInBackground, 'after_steps', after_steps)  # pylint: disable=protected-access
   resumed, _ = trainer.train_and_evaluate(make_config(**settings), str(tmp_path / 'b'))
   jax.tree.map(np.testing.assert_array_equal, _params(resumed), _params(straight))
   jax.tree.map(np.testing.assert_array_equal, (resumed.batch_stats, resumed.key), (straight.batch_stats, straight.key))
+  epoch_lines = lambda run: timeless([line for line in writers.read_jsonl(str(tmp_path / run / 'metrics.jsonl'))
+                                      if 'test_loss' in line])
+  assert [line['epoch'] for line in epoch_lines('b')] == [1, 2] and epoch_lines('b') == epoch_lines('a')
+  assert not (tmp_path / 'b' / checkpoint.STOPPED_DIR).exists()  # passed by epoch 1's checkpoint, removed
