@@ -707,44 +707,47 @@ def fit(model: Any, train: Any, test: Any = None, *, ensemble_size: int | None =
   process, never undone, so only if asked.
 
   `early_stopping=N` with `validation=(x_val, y_val)` (rows the members do
-  not train on) scores the validation NLL after every epoch, stops once N
-  epochs pass without a lower one, and returns the members of the best
-  epoch; `summary` says which ('best_epoch', 'validation_loss',
-  'epochs_trained'). In memory only (a workdir keeps every epoch's
-  checkpoint: `ensemble.load(workdir, step=N)` picks one).
+  not train on; or, without it, the held-out slice of `heldout_fraction`)
+  scores the validation NLL after every epoch, stops once N epochs pass
+  without a lower one, and returns the members of the best epoch; `summary`
+  says which ('best_epoch', 'validation_loss', 'epochs_trained'). A workdir
+  checkpoints only the epochs that lower it, so its last checkpoint is the
+  best.
   """
   for name, value in (('keep_optimizer', keep_optimizer), ('keep_freed_memory', keep_freed_memory)):
     _check_flag(name, value)
   _check_flag('progress', progress, none=True)
-  settings = fit_recipe(config, {'ensemble_size': ensemble_size, 'epochs': epochs, 'method': method, **fields})
+  validation = _validation(validation, early_stopping, fields)
+  settings = fit_recipe(config, {'ensemble_size': ensemble_size, 'epochs': epochs, 'method': method,
+                                 'early_stopping': early_stopping or None, **fields})
   dataset = _dataset(train, test, settings)
-  validation = _validation(validation, early_stopping, workdir, dataset, settings)
+  validation = _validation_split(validation, dataset, settings)
   if dataset.inputs != 'images' and settings.augment != 'none' and 'augment' in fields:  # else the recipe sets it
     raise UsageError(f'augment={settings.augment!r} transforms images, and these inputs are {dataset.inputs}: '
                      "leave augment out, or set it to 'none'")
   return fit_dataset(model, dataset, settings, workdir=workdir, init=init, keep_optimizer=keep_optimizer,
-                     keep_freed_memory=keep_freed_memory, progress=progress, validation=validation,
-                     patience=early_stopping)
+                     keep_freed_memory=keep_freed_memory, progress=progress, validation=validation)
 
 
-def _validation(validation: Any, early_stopping: Any, workdir: Any, dataset: data.Dataset,
-                settings: recipe_lib.Recipe) -> data.Split | None:
-  """`validation=` as a split of the training data's kind, checked with `early_stopping=`, which it serves."""
+def _validation(validation: Any, early_stopping: Any, fields: dict[str, Any]) -> Any:
+  """`validation=`, checked with `early_stopping=`, which it serves, before anything else is read."""
   if isinstance(early_stopping, bool) or not isinstance(early_stopping, numbers.Integral) or early_stopping < 0:
     raise UsageError(f'early_stopping={early_stopping!r} must be a whole number of epochs >= 0 (0: train every '
                      'epoch), the epochs without a lower validation NLL after which training stops')
-  if not early_stopping:
-    if validation is not None:
-      raise UsageError('validation= is what early_stopping=N scores after every epoch: give early_stopping too, or '
-                       'leave validation out (test= scores a test set)')
-    return None
-  if validation is None:
+  if not early_stopping and validation is not None:
+    raise UsageError('validation= is what early_stopping=N scores after every epoch: give early_stopping too, or '
+                     'leave validation out (test= scores a test set)')
+  if early_stopping and validation is None and not fields.get('heldout_fraction'):
     raise UsageError(f'early_stopping={early_stopping} needs validation=(x_val, y_val): rows the members do not '
-                     'train on, scored after every epoch')
-  if workdir is not None:
-    raise UsageError('early_stopping keeps the best epoch\'s members in memory, and a workdir keeps every epoch\'s '
-                     'checkpoint: leave workdir= out, or early_stopping out and pick an epoch with '
-                     'ensemble.load(workdir, step=N)')
+                     'train on, scored after every epoch (or heldout_fraction=0.1 to hold out the last tenth of the '
+                     'training rows)')
+  return validation
+
+
+def _validation_split(validation: Any, dataset: data.Dataset, settings: recipe_lib.Recipe) -> data.Split | None:
+  """`validation=` as a split of the training data's kind."""
+  if validation is None:
+    return None
   if _is_source(validation) or data.stream.is_streamed(validation):
     raise UsageError('validation= is a source of examples; give it as (inputs, labels) arrays')
   inputs, labels = _as_pair(validation, 'validation')
@@ -758,7 +761,7 @@ def _validation(validation: Any, early_stopping: Any, workdir: Any, dataset: dat
 
 def fit_dataset(model: Any, dataset: data.Dataset, settings: recipe_lib.Recipe, *, workdir: str | None = None,
                 init: 'Ensemble | None' = None, keep_optimizer: bool = False, keep_freed_memory: bool = False,
-                progress: bool | None = True, validation: data.Split | None = None, patience: int = 0) -> Ensemble:
+                progress: bool | None = True, validation: data.Split | None = None) -> Ensemble:
   """`fit` once its arrays are a checked `dataset` and its keywords a recipe: what `ensemble.distill` trains its
   student with, on labels that no array of `fit` carries (the teacher's probabilities)."""
   model_object = None
@@ -785,16 +788,16 @@ def fit_dataset(model: Any, dataset: data.Dataset, settings: recipe_lib.Recipe, 
     from ensemble import trainer  # pylint: disable=g-import-not-at-top  # only here: its writers import TensorFlow
     workdir = os.path.abspath(os.path.expanduser(workdir))
     trainer.train_and_evaluate(recipe, workdir, dataset=dataset, model=model_object, progress=progress,
-                               devices=devices)
+                               devices=devices, validation=validation)
     return load(workdir, model=model_object)
   run = loop.prepare(recipe, devices, dataset, model_object, validation=validation)
   state = run.init() if init is None else _warm_start(run, init, keep_optimizer)
-  state, summary = loop.train(run, state, progress=progress, patience=patience)
+  state, summary = loop.train(run, state, progress=progress)
   devices = predictor.evaluation_devices(recipe.ensemble_size)
   if devices != run.devices:  # members spread over several devices each (backend jit): one device's worth each
     from ensemble import backends  # pylint: disable=g-import-not-at-top
     state = jax.device_put(state, backends.member_sharding(devices))
-  return Ensemble(None, recipe, run.member, state, devices, recipe.num_epochs, batch_size=recipe.eval_batch_size,
+  return Ensemble(None, recipe, run.member, state, devices, summary['epoch'], batch_size=recipe.eval_batch_size,
                   task=run.task, data_info=run.data_info, summary=summary)
 
 

@@ -346,6 +346,8 @@ def log_epoch(summary: Mapping[str, Any], num_epochs: int, seconds: float, echo:
   (naming the setting to change when `method` draws each member its own).
   """
   figures = f'{_figures(summary)}; ' if 'test_loss' in summary else ''  # epochs without a test pass have none
+  if 'validation_loss' in summary:  # early stopping's
+    figures += f'validation NLL {_figure(summary["validation_loss"])} (best: epoch {int(summary["best_epoch"])}); '
   if echo and _is_main_process() and not logging.level_info():
     tqdm.write(f'epoch {int(summary["epoch"])}/{num_epochs}: {figures}train loss '
                f'{_figure(summary["train_loss"])}; {_duration(seconds)}', file=sys.stderr)
@@ -389,6 +391,9 @@ def log_training_summary(workdir: str, summary: Mapping[str, Any] | None = None,
   metrics_path = os.path.join(workdir, 'metrics.jsonl')
   record = summary or _last_record(metrics_path)
   result = f' (epoch {int(record["epoch"])}): {_figures(record)}' if record else ''
+  if record and 'epochs_trained' in record:  # early stopping: the best epoch's members are the result
+    result = (f' (early stopping: epoch {int(record["epoch"])} of the {int(record["epochs_trained"])} trained, the '
+              f'lowest validation NLL, {record["validation_loss"]:.4g}): {_figures(record)}')
   quoted = shlex.quote(workdir)
   logging.info('\n'.join([
       f'Done in {_duration(time.monotonic() - _STARTED)}{result}.',

@@ -157,6 +157,11 @@ class Recipe:
   # The last fraction of the training split is never trained on: `ensemble.evaluate` fits the
   # ensemble's temperature there (a temperature fitted on training data would sharpen it).
   heldout_fraction: float = 0.1
+  # N > 0: early stopping. The validation NLL (on the held-out slice; ensemble.fit's validation= where given) is
+  # scored after every epoch, training stops once N epochs pass without a lower one, and the best epoch's members
+  # are the run's result: in a workdir, the epochs that lower it are the ones checkpointed, so its last checkpoint is
+  # the best. 0: every epoch trains.
+  early_stopping: int = 0
   # The test pass runs after the last epoch and every eval_every epochs (0: after the last only).
   eval_every: int = 1
   # What ensemble.fit's arrays were (shapes, dtypes, a hash of their bytes): a workdir refuses to resume on others.

@@ -135,7 +135,7 @@ class Run:
   backend: Any
   steps_per_epoch: int
   steps_per_dispatch: int
-  validation: data.Split | None = None  # scored after every epoch, for early stopping (`train`'s `patience`)
+  validation: data.Split | None = None  # scored after every epoch, for early stopping (`recipe.early_stopping`)
 
   @property
   def num_train(self) -> int:
@@ -144,6 +144,16 @@ class Run:
   def init(self) -> Any:
     """Every member's fresh state, from the recipe's seed."""
     return self.backend.init(self.recipe.seed)
+
+
+@dataclasses.dataclass
+class Best:
+  """Early stopping's best epoch so far: its validation NLL, its members (canonical, in buffers of their own) and its
+  summary."""
+  loss: float
+  epoch: int
+  members: Any
+  summary: dict[str, float]
 
 
 _PROGRAMS: 'collections.OrderedDict[Any, Programs]' = collections.OrderedDict()
@@ -262,9 +272,15 @@ def prepare(recipe: Recipe, devices: Sequence[jax.Device], dataset: data.Dataset
             validation: data.Split | None = None) -> Run:
   """Builds (or reuses) the programs of a resolved recipe (ensemble/recipe.py) for `dataset`, and standardises the
   data for them; writes nothing, and neither checks nor changes the recipe. `model` is a user's model object, which
-  replaces the one the recipe names. `validation` (a split of the dataset's kind) is scored after every epoch, for
-  early stopping (`train`'s `patience`)."""
+  replaces the one the recipe names. With `recipe.early_stopping`, `validation` (a split of the dataset's kind;
+  default: the held-out slice of the training split) is scored after every epoch."""
   devices = list(devices)
+  if recipe.early_stopping and validation is None:
+    if not recipe.heldout_fraction:
+      raise UsageError(f'early_stopping={recipe.early_stopping} scores the held-out slice of the training split after '
+                       'every epoch, and heldout_fraction=0 holds out none: set --config.heldout_fraction (e.g. 0.1), '
+                       'or give ensemble.fit validation=(x_val, y_val)')
+    validation = data.hold_out(dataset.train, recipe.heldout_fraction)[1]
   devices_lib.compilation_cache(recipe.compilation_cache)
   train, test, data_info, program_info = _standardise(dataset, train_before(dataset, recipe), recipe)
   if validation is not None:  # converted as a test split is, by the training split's statistics
@@ -438,7 +454,7 @@ def _save_points(config: Recipe, first: int, last: int, per_dispatch: int) -> li
 
 
 def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence[Hook] = (),
-          progress: bool | None = None, patience: int = 0) -> tuple[Any, dict[str, float]]:
+          progress: bool | None = None, best: Best | None = None) -> tuple[Any, dict[str, float]]:
   """Trains `state` (the backend's) from `start` to `config.num_epochs` (or `num_train_steps`); returns it in the
   canonical layout and the last epoch's summary.
 
@@ -452,17 +468,19 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
   process (docs/backends-and-devices.md, "Many devices on a CPU"); fetching
   the losses waits, and lets a diverged member stop the run at once.
 
-  `patience` > 0 (with `run.validation`): early stopping. Each epoch's
-  validation NLL ('validation_loss', in the targets' units) is scored; the
-  run stops once `patience` epochs pass without a lower one, and returns the
-  members of the best epoch with that epoch's summary ('best_epoch', and
-  'epochs_trained'), the test pass run on them.
+  `recipe.early_stopping` = N > 0 (with `run.validation`): each epoch's
+  validation NLL ('validation_loss', in the targets' units) is scored, and
+  'best_epoch' says the best so far (the hooks keep only the epochs that are
+  it); the run stops once N epochs pass without a lower one, and returns the
+  members of the best epoch with that epoch's summary (and 'epochs_trained'),
+  the test pass run on them. `best`: the best epoch of the run resumed.
   """
   config, backend, per_epoch = run.recipe, run.backend, run.steps_per_epoch
+  patience = config.early_stopping
   show = progress is not False and (progress or logging.level_info())
   if not patience and _at_once(run, start, hooks, show):
     return _train_at_once(run, state)
-  losses, best = [], None  # each epoch's training loss; (validation loss, epoch, members, train metrics)
+  losses, improved = [], False  # each epoch's training loss
   per_dispatch = run.steps_per_dispatch
   resident = None
   if per_dispatch:
@@ -522,23 +540,26 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
       summary.update(run.task.summary(train_metrics, test))
       if patience:
         scored = evaluate(backend, state, run.validation, config.eval_batch_size, run.task)
-        summary['validation_loss'] = run.task.summary(train_metrics, scored)['test_loss']
+        summary['validation_loss'] = run.task.summary(None, scored)['test_loss']
+        improved = best is None or summary['validation_loss'] < best.loss
+        summary['best_epoch'] = epoch if improved else best.epoch
       summary = _numbers(summary)
       losses.append(summary['train_loss'])
       canonical = None
       if hooks or epoch == config.num_epochs:  # a state that may be kept
         canonical = _keep(run, hooks, epoch, state, summary, Position(step))
-      if patience and (best is None or summary['validation_loss'] < best[0]):
-        best = (summary['validation_loss'], epoch, copied(backend.to_canonical(state)), train_metrics)
+      if patience and improved:
+        best = Best(summary['validation_loss'], epoch,
+                    copied(backend.to_canonical(state) if canonical is None else canonical), summary)
       if (stopping if distributed.preemption_synced() else _STOP.is_set()) and epoch < config.num_epochs:
         raise Stopped(f'SIGTERM at step {step}')
       if bar is not None:
         console.log_epoch(summary, config.num_epochs, bar.close(), echo=bool(progress),
                           num_classes=run.dataset.num_classes if run.dataset.task == 'classification' else None,
                           method=config.method)
-      if patience and epoch - best[1] >= patience:
+      if patience and epoch - best.epoch >= patience:
         logging.info('Early stopping after epoch %d: no lower validation NLL in %d epochs since epoch %d (%.4g).',
-                     epoch, patience, best[1], best[0])
+                     epoch, patience, best.epoch, best.loss)
         break
   finally:
     for hook in hooks:
@@ -546,23 +567,23 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
   if streamed:  # across processes, each reads its own share (docs/data-and-models.md)
     logging.info('Process %d read %d rows of %s for its training batches.', jax.process_index(),
                  run.train.source.rows_read - rows_read, run.train.source.name)
-  if best is not None:
+  if patience and best is not None:
     return _best(run, best, summary)
   note_if_still_falling(losses)
   return backend.to_canonical(state) if canonical is None else canonical, summary
 
 
-def _best(run: Run, best: tuple[float, int, Any, dict[str, float]],
-          last: dict[str, float]) -> tuple[Any, dict[str, float]]:
-  """Early stopping's result: the best epoch's members, and its summary, the test pass run on them."""
-  loss, epoch, members, train_metrics = best
-  test = None
-  if run.test is not None:
-    test = evaluate(run.backend, run.backend.from_canonical(copied(members)), run.test, run.recipe.eval_batch_size,
-                    run.task)
-  summary = {'epoch': epoch, **run.task.summary(train_metrics, test), 'validation_loss': loss, 'best_epoch': epoch,
-             'epochs_trained': last['epoch']}
-  return members, _numbers(summary)
+def _best(run: Run, best: Best, last: dict[str, float]) -> tuple[Any, dict[str, float]]:
+  """Early stopping's result: the best epoch's members, and its summary, with the test pass run on them where that
+  epoch had none."""
+  summary = dict(best.summary)
+  if run.test is not None and 'test_loss' not in summary:
+    started = time.perf_counter()
+    test = evaluate(run.backend, run.backend.from_canonical(copied(best.members)), run.test,
+                    run.recipe.eval_batch_size, run.task)
+    summary.update(run.task.summary(None, test), test_seconds=time.perf_counter() - started)
+  summary.update(best_epoch=best.epoch, epochs_trained=last.get('epoch', best.epoch))
+  return best.members, _numbers(summary)
 
 
 @jax.jit

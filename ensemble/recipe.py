@@ -151,6 +151,8 @@ def _check_field(name: str, value: Any):
       'warmup_epochs': (lambda v: v >= 0, '0 or a positive number of epochs'),
       'seed': (lambda v: 0 <= v <= MAX_SEED, f'in [0, {MAX_SEED}]: set --config.seed'),
       'heldout_fraction': (lambda v: _range(0, 1, v), 'in [0, 1)'),
+      'early_stopping': (lambda v: v >= 0, 'a whole number of epochs without a lower validation NLL after which '
+                                           'training stops, or 0 to train every epoch'),
       'eval_every': (lambda v: v >= 0, '0 (a test pass after the last epoch only) or a positive number of epochs'),
       'steps_per_dispatch': (lambda v: v >= -2, '0 (plain path), positive (fast path), -1 (a whole epoch per '
                                                'dispatch) or -2 (-1 for a small training set, else 0)'),
@@ -484,6 +486,10 @@ def resolve(fields: Any, available: Sequence[jax.Device], *, model: Any = None,
     value = getattr(r, name)
     _require(value % per_member == 0, f"{name}={value} cannot be split over each member's {per_member} devices: set "
              f'--config.{name} to a multiple of {per_member}')
+  _require(not (r.early_stopping and r.checkpoint_every_steps),
+           f'early_stopping={r.early_stopping} keeps the best epoch as the last checkpoint, and checkpoint_every_steps='
+           f'{r.checkpoint_every_steps} saves later steps after it: set one of --config.early_stopping and '
+           '--config.checkpoint_every_steps to 0')
   _check_method(r)
   _check_optimizer(r)
   _check_processes(r, devices)
@@ -500,7 +506,7 @@ def resolve(fields: Any, available: Sequence[jax.Device], *, model: Any = None,
 NOT_IN_PROGRAMS = ('seed', 'dataset', 'data_dir', 'train_split', 'test_split', 'heldout_fraction', 'target',
                    'checkpoints_to_keep', 'compilation_cache', 'eval_every', 'data_fingerprint', 'inputs',
                    'standardize_features', 'eval_batch_size', 'steps_per_dispatch', 'streaming',
-                   'checkpoint_every_steps', 'num_devices')
+                   'checkpoint_every_steps', 'num_devices', 'early_stopping')
 _MESH_FIELDS = ('mesh_shape', 'num_layers', 'depth', 'use_scan', 'logical', 'num_minibatches', 'min_weight_size')
 # Fields that only some recipes read, and which: another recipe's programs do not depend on them.
 _READ_BY = {

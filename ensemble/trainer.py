@@ -125,6 +125,26 @@ def _missing_summaries(ckpt: checkpoint.Checkpointer, workdir: str, start_key: i
   return [summary for summary in summaries if summary is not None and summary[0] not in written]
 
 
+def _best_so_far(ckpt: checkpoint.Checkpointer, key: int, restored: Any) -> loop.Best | None:
+  """Early stopping's best epoch when a run resumes: its last checkpoint (only the epochs that lower the validation
+  NLL are kept), `restored`, copied (training donates the state it starts from)."""
+  scalars = (ckpt.summary(key) or (0, {}))[1] if key else {}
+  if 'validation_loss' not in scalars:  # a run that started without early stopping: the first epoch sets it
+    return None
+  return loop.Best(scalars['validation_loss'], key, loop.copied(restored), scalars)
+
+
+def _stopped_early(workdir: str, best: loop.Best, patience: int) -> bool:
+  """Whether the run ended by early stopping already: metrics.jsonl has `patience` epochs after the best one, none
+  of them better."""
+  try:
+    lines = writers.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+  except OSError:
+    return False
+  after = [line['epoch'] for line in lines if line.get('best_epoch') == best.epoch and line['epoch'] > best.epoch]
+  return bool(after) and max(after) - best.epoch >= patience
+
+
 def _stopped_steps(workdir: str) -> list[int]:
   """The steps saved in STOPPED_DIR (where SIGTERM stopped a run that checkpoints by epoch), read from its folder."""
   folder = os.path.join(workdir, checkpoint.STOPPED_DIR)
@@ -175,6 +195,10 @@ class _SavesInBackground(loop.Hook):
 
   def save_point(self, epoch: int, position: loop.Position, state: Any, summary: dict[str, float]):
     self.finish()
+    if summary.get('best_epoch', epoch) != epoch:  # early stopping: the last checkpoint stays the best epoch's
+      self._writer.epoch.write_scalars(position.step, summary)
+      self._writer.epoch.flush()
+      return
     started = time.perf_counter()
     key = position.step if self._by_step else epoch
     meta = {**self._meta, 'position': dataclasses.asdict(position)}
@@ -232,14 +256,14 @@ def _position(ckpt: checkpoint.Checkpointer, key: int, steps_per_epoch: int) -> 
 
 @_releases_the_workdir
 def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | None = None, model: Any = None,
-                       progress: bool | None = None,
-                       devices: list[jax.Device] | None = None) -> tuple[Any, dict[str, float]]:
+                       progress: bool | None = None, devices: list[jax.Device] | None = None,
+                       validation: data.Split | None = None) -> tuple[Any, dict[str, float]]:
   """Trains (or resumes) the ensemble in `workdir`; returns its canonical state and last summary.
 
   `config` is a config (an ml_collections ConfigDict, a dict of fields), resolved here (ensemble/recipe.py); or,
   with `devices`, a recipe `ensemble.fit` already resolved for its `dataset`. `dataset` replaces the data the
   config names (arrays in memory), `model` the model it names (a user's model object). `progress`: as
-  `loop.train`'s.
+  `loop.train`'s; `validation`: as `loop.prepare`'s (early stopping's; default: the held-out slice).
   """
   # Everything that can refuse the run does so before the workdir is written; a resume with other data
   # settings before any data is read.
@@ -256,7 +280,7 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
                         target=recipe.target, streaming=recipe.streaming)
   if not resolved:
     recipe, devices = recipe_lib.resolve(recipe, devices, model=model, dataset=dataset)
-  run = loop.prepare(recipe, devices, dataset, model)
+  run = loop.prepare(recipe, devices, dataset, model, validation=validation)
   config, backend = recipe, run.backend
   ckpt_meta = {'model': config.model, 'ensemble_size': config.ensemble_size, 'data': run.data_info}
 
@@ -265,6 +289,12 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
   # A damaged checkpoint is moved aside and the epochs after the newest intact one are trained again.
   start_key, restored = ckpt.restore_newest_intact(backend.abstract_state(), ckpt_meta, move_aside=True)
   start = _position(ckpt, start_key, run.steps_per_epoch)
+  best = _best_so_far(ckpt, start_key, restored) if config.early_stopping else None
+  if best is not None and _stopped_early(workdir, best, config.early_stopping):
+    logging.info('%s stopped early: no lower validation NLL in %d epochs after epoch %d, its last checkpoint; '
+                 'nothing to train (raise --config.early_stopping to train further).', workdir,
+                 config.early_stopping, best.epoch)
+    return restored, {**best.summary, 'best_epoch': best.epoch}
   resumed_from, resumed_stop = ckpt.path(start_key), 0
   if config.checkpoint_unit == 'epoch':  # where SIGTERM stopped the run, if past that epoch
     stop, stopped_state = _resume_from_stop(workdir, backend.abstract_state(), ckpt_meta, start, run.steps_per_epoch)
@@ -310,7 +340,7 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
   saves.resumed_stop = resumed_stop
   try:
     with loop.stop_on_sigterm():
-      state, summary = loop.train(run, state, start=start, hooks=[saves], progress=progress)
+      state, summary = loop.train(run, state, start=start, hooks=[saves], progress=progress, best=best)
   except loop.Diverged as e:
     resume = f'resume from epoch {e.epoch - 1}' if e.epoch > 1 else 'start again'
     raise UsageError(f'{e} and re-run to {resume} (the checkpoints saved so far are kept)') from None

@@ -2,11 +2,13 @@
 NLL, the epochs it trained, the one-line refusals; and the note a run that ends still falling gets."""
 
 import logging
+import os
 
 import numpy as np
 import pytest
 
 import ensemble
+from ensemble import checkpoint, trainer, writers
 from ensemble.errors import UsageError
 
 RECIPE = {'task': 'regression', 'ensemble_size': 2, 'batch_size': 50, 'schedule': 'constant', 'progress': False}
@@ -38,6 +40,41 @@ def test_early_stopping_returns_the_best_epoch_s_members():
   assert later.evaluate(*validation)['ensemble']['nll'] >= summary['validation_loss'] - 1e-9
 
 
+def test_a_workdir_keeps_the_best_epoch_as_its_last_checkpoint_and_does_not_train_it_again(tmp_path, caplog):
+  """Early stopping in a workdir (what the CLI runs): the epochs that lower the validation NLL are checkpointed, the
+  others only write their metrics line (each says the best epoch so far), so the last checkpoint is the best and
+  `load` gives the members the in-memory fit returns; the same fit again trains nothing. Without validation=, the
+  held-out slice is scored (the CLI's `--config.early_stopping=N`)."""
+  (x, y), validation = _toy(300, 0), _toy(200, 1)
+  settings = dict(epochs=400, early_stopping=5, **RECIPE)
+  in_memory = ensemble.fit('mlp', (x, y), validation=validation, **settings)
+  best = in_memory.summary['best_epoch']
+  workdir = str(tmp_path / 'run')
+  saved = ensemble.fit('mlp', (x, y), validation=validation, workdir=workdir, **settings)
+  assert saved.epoch == best and max(checkpoint.Checkpointer(workdir).epochs()) == best
+  for a, b in zip(jax_leaves(saved.params), jax_leaves(in_memory.params), strict=True):
+    np.testing.assert_array_equal(a, b)
+  lines = writers.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+  assert [line['epoch'] for line in lines] == list(range(1, best + 6))
+  assert [line['best_epoch'] for line in lines][best - 1:] == [best] * 6
+  with caplog.at_level(logging.INFO, logger='absl'):
+    again = ensemble.fit('mlp', (x, y), validation=validation, workdir=workdir, **settings)
+  assert any('stopped early' in r.getMessage() and 'nothing to train' in r.getMessage() for r in caplog.records)
+  assert len(writers.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))) == len(lines) and again.epoch == best
+  # The held-out slice: its last fifth scored, as a validation set of those rows is.
+  held = ensemble.fit('mlp', (x, y), heldout_fraction=0.2, **settings)
+  rows = ensemble.fit('mlp', (x[:240], y[:240]), validation=(x[240:], y[240:]), **settings)
+  assert held.summary['best_epoch'] == rows.summary['best_epoch']
+  assert held.summary['validation_loss'] == pytest.approx(rows.summary['validation_loss'], rel=1e-6)
+
+
+def test_the_cli_refuses_early_stopping_without_a_held_out_slice(make_config, tmp_path):
+  with pytest.raises(UsageError, match=r'early_stopping=2 scores the held-out slice .* heldout_fraction=0 holds out '
+                                       'none: set --config.heldout_fraction'):
+    trainer.train_and_evaluate(make_config(early_stopping=2), str(tmp_path / 'run'))
+  assert not (tmp_path / 'run').exists()
+
+
 def jax_leaves(tree):
   import jax  # pylint: disable=g-import-not-at-top
   return [np.asarray(leaf) for leaf in jax.tree.leaves(tree)]
@@ -48,7 +85,8 @@ def jax_leaves(tree):
     ({'validation': 'v'}, 'validation= is what early_stopping=N scores'),
     ({'early_stopping': -1, 'validation': 'v'}, 'early_stopping=-1 must be a whole number of epochs'),
     ({'early_stopping': True, 'validation': 'v'}, 'early_stopping=True must be a whole number'),
-    ({'early_stopping': 3, 'validation': 'v', 'workdir': 'w'}, 'early_stopping keeps the best epoch'),
+    ({'early_stopping': 3, 'validation': 'v', 'checkpoint_every_steps': 2},
+     'early_stopping=3 keeps the best epoch as the last checkpoint, and checkpoint_every_steps=2'),
     ({'early_stopping': 3, 'validation': 'wide'}, r'validation= holds inputs \(2,\)'),
 ])
 def test_early_stopping_is_refused_in_one_line_without_what_it_needs(fields, message, tmp_path):

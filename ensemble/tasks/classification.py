@@ -98,8 +98,8 @@ class Classification:
 
   def summary(self, train, test=None) -> dict[str, float]:
     """The task's part of metrics.jsonl's line for an epoch: the training metrics, and the test set's scores when
-    it was scored."""
-    summary = {'train_loss': train['loss'], 'train_accuracy': train['accuracy']}
+    it was scored (`train` None: the test set's alone)."""
+    summary = {} if train is None else {'train_loss': train['loss'], 'train_accuracy': train['accuracy']}
     if test is None:
       return summary
     summary.update(test_loss=test['loss'], test_accuracy=test['accuracy'])

@@ -159,8 +159,9 @@ class Regression:
 
   def summary(self, train, test=None) -> dict[str, float]:
     """The task's part of metrics.jsonl's line for an epoch, every loss an NLL in the targets' units (nats per input):
-    the training steps' NLL (whatever loss trains) beside the test set's, and the test set's RMSE."""
-    summary = {'train_loss': train['nll'] + self.log_jacobian}
+    the training steps' NLL (whatever loss trains) beside the test set's, and the test set's RMSE (`train` None:
+    the test set's alone)."""
+    summary = {} if train is None else {'train_loss': train['nll'] + self.log_jacobian}
     if test is None:
       return summary
     summary.update(test_loss=test['loss'], test_rmse=np.sqrt(test['squared_error']))
