@@ -23,6 +23,7 @@ import numbers
 import os
 import re
 import shutil
+import time
 from typing import Any, Sequence
 
 import jax
@@ -594,6 +595,24 @@ def load(workdir: str, step: int | None = None, *, model: Any = None, batch_size
                'variance scale' if config.task == 'regression' else 'temperature', temperature)
   ens = Ensemble(workdir, config, member, state, devices, epoch, temperature, batch_size, summary=summary)
   return ens._calibrated(conformal_calibration=saved.get('conformal'))  # pylint: disable=protected-access
+
+
+def keep_flag_threshold(workdir: str):
+  """Fits the flag thresholds that `python -m ensemble.predict` applies by default (for the latest checkpoint, at
+  its temperature) and keeps them in the workdir: what the end of training and `python -m ensemble.evaluate` (which
+  fits a new temperature) run, so that a prediction reads them and costs its start-up. Where they cannot be fitted
+  now (regression, no held-out slice, one model on a mesh, several processes), the first prediction that flags fits
+  them, or says why not."""
+  from ensemble import backends  # pylint: disable=g-import-not-at-top
+  config = _evaluation().load_run_config(workdir)
+  if (jax.process_count() > 1 or config.task != 'classification' or not config.heldout_fraction
+      or config.backend in backends.MESH_MODELS):
+    return
+  started = time.perf_counter()
+  fitted = load(workdir).flag_threshold()
+  logging.info('Flag thresholds kept in %s (entropy > %.4g, mutual information > %.4g; fitted on %d held-out images in '
+               '%.1f s).', os.path.join(workdir, FLAG_THRESHOLDS_FILE), fitted['threshold'], fitted['ood_threshold'],
+               fitted['examples'], time.perf_counter() - started)
 
 
 # What `Ensemble.save` writes of a `calibrate`d or `conformal` ensemble, beside its checkpoint.

@@ -16,7 +16,7 @@ console.quiet_libraries()  # before TensorFlow (if tensorflow-datasets loads the
 
 from absl import flags  # pylint: disable=g-import-not-at-top,g-multiple-import
 
-from ensemble import cli, evaluation, host_memory  # pylint: disable=g-import-not-at-top
+from ensemble import api, cli, evaluation, host_memory  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
@@ -71,6 +71,8 @@ def main(argv):
     host_memory.keep_freed_memory_on_cpu()
     evaluation.evaluate(FLAGS.workdir, data_dir=FLAGS.data_dir, step=FLAGS.step, output_dir=FLAGS.output_dir,
                         angles=_parse_angles(FLAGS.angles), ood_names=FLAGS.ood, alphas=_parse_alphas(FLAGS.alpha))
+    if FLAGS.step is None and FLAGS.data_dir is None:  # the temperature predict applies changed: so do its flags
+      api.keep_flag_threshold(FLAGS.workdir)
   cli.run(argv, 'ensemble.evaluate', body)  # a damaged checkpoint's failed reads leave closed event loops too
 
 

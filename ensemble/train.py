@@ -24,6 +24,7 @@ import jax  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
 from ensemble import cli, distributed, host_memory, trainer  # pylint: disable=g-import-not-at-top
+from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 
@@ -94,6 +95,17 @@ def _train():
     raise trainer.Interrupted(f'{e}; to {go_on}, run the same command: {_command()}', e.saved_epoch,
                               e.terminated, e.unit) from None
   console.log_training_summary(FLAGS.workdir, summary, method=FLAGS.config.method)
+  _keep_flag_threshold(FLAGS.workdir)
+
+
+def _keep_flag_threshold(workdir: str):
+  """`python -m ensemble.predict` reads the flag thresholds kept now; where they cannot be fitted (the data moved),
+  the training still stands, and the first prediction says why."""
+  from ensemble import api  # pylint: disable=g-import-not-at-top  # only once training is over
+  try:
+    api.keep_flag_threshold(workdir)
+  except UsageError as e:  # DataError among them
+    logging.warning('The flag thresholds were not kept (%s): the first prediction with the flag fits them.', e)
 
 
 def _command() -> str:

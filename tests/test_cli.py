@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from ensemble import checkpoint, writers
+from ensemble import api, checkpoint, data, writers
 
 from conftest import python_module, run_main
 
@@ -50,7 +50,7 @@ def train_here(monkeypatch):
   return run
 
 
-def test_cli_trains_and_resumes(mnist_dir, tmp_path):
+def test_cli_trains_and_resumes(mnist_dir, tmp_path, monkeypatch):
   args = ['--workdir', str(tmp_path / 'run'), '--cpu_devices=4', f'--config.data_dir={mnist_dir}',
           '--config.batch_size=32', '--config.ensemble_size=8', '--config.backend=jit']
   cache = tmp_path / 'compiled'
@@ -62,10 +62,17 @@ def test_cli_trains_and_resumes(mnist_dir, tmp_path):
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', XDG_CACHE_HOME=str(tmp_path / 'user_cache'))
   assert second.returncode == 0, second.stderr[-2000:]
   assert 'Resumed from' in second.stderr
-  assert set(os.listdir(cache)) == cached and not (tmp_path / 'user_cache').exists()  # '' is off
+  assert set(os.listdir(cache)) == cached, set(os.listdir(cache)) ^ cached
+  assert not (tmp_path / 'user_cache' / 'ensemble').exists()  # '' is off
   lines = writers.read_jsonl(str(tmp_path / 'run' / 'metrics.jsonl'))
   assert [line['epoch'] for line in lines] == [1, 2]
   assert len(lines[0]['member_test_accuracy']) == 8
+  # Issue 67: the flag thresholds predict applies are kept as training ends, for the latest checkpoint: a
+  # prediction with the flag reads no data.
+  kept = json.loads((tmp_path / 'run' / api.FLAG_THRESHOLDS_FILE).read_text())
+  assert len(kept) == 2  # one for each run's last checkpoint
+  monkeypatch.setattr(data, 'load', lambda *args, **kwargs: pytest.fail('the held-out slice was read again'))
+  assert api.load(str(tmp_path / 'run')).flag_threshold() in kept.values()
 
 
 @pytest.mark.parametrize('args, message', [
@@ -231,6 +238,10 @@ def test_an_npz_of_colour_images_trains_a_resnet_and_evaluates(tmp_path):
   metrics = json.loads((workdir / 'eval' / 'metrics.json').read_text())
   assert metrics['test_examples'] == 32 and len(metrics['gaussian_noise']) == 5
   assert metrics['temperature_scaling']['fit_examples'] == 16
+  # The flag thresholds kept at training's end (temperature 1) and again at the temperature evaluate fitted, which
+  # predict applies: its flag reads them.
+  kept = json.loads((workdir / api.FLAG_THRESHOLDS_FILE).read_text())
+  assert sorted(json.loads(key)[-1] for key in kept) == sorted([1.0, metrics['temperature_scaling']['temperature']])
 
 
 @pytest.mark.parametrize('change, message', [
