@@ -429,8 +429,8 @@ class Ensemble:
     variances = variances * self.temperature  # the variance scale ensemble.evaluate fitted (1 without one)
     result = regression.predictive(means, variances, levels)
     if self.conformal_calibration:  # the mixture's mean +/- q std, q per target
-      half = np.asarray(self.conformal_calibration['quantile']) * result['std']
-      result['conformal_lower'], result['conformal_upper'] = result['mean'] - half, result['mean'] + half
+      result['conformal_lower'], result['conformal_upper'] = regression.conformal_interval(
+          result['mean'], result['std'], self.conformal_calibration['quantile'])
     if self.task.targets == 1:
       result = {k: v[:, 0] for k, v in result.items()}
     if members:

@@ -9,11 +9,13 @@ dependencies:
   out = exported.call(images)  # float32 (N, H, W, C) in [0, 1], any N
   out['probs']                 # (N, C): the members' mean, temperature-scaled as ensemble.predict does
   out['member_log_probs']      # (K, N, C): each member's log-probabilities, for the uncertainty split
+  out['set']                   # (N, C) booleans: the conformal prediction sets, where Ensemble.conformal set them
 
 A regression workdir's artifact takes its features and returns what
 `Ensemble.predict` does, per target (N, D): 'mean', 'std', 'variance' =
 'aleatoric' + 'epistemic', and the mixture's central intervals 'lower_P' and
-'upper_P' for P = 50, 80, 90, 95 (`_regression_forward`).
+'upper_P' for P = 50, 80, 90, 95 (`_regression_forward`), and where `Ensemble.conformal` calibrated it, the
+conformal interval 'conformal_lower', 'conformal_upper'.
 
 The batch dimension is symbolic, so one artifact serves every batch size; the
 program runs on one device. The parameters (and BatchNorm's running averages)
@@ -32,6 +34,7 @@ import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
 from ensemble import api, backends, cli, files  # pylint: disable=g-import-not-at-top
+from ensemble.uncertainty import conformal  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
 # The artifact runs on any of these; lowering for a platform needs no device of it.
@@ -56,10 +59,15 @@ def forward(model: api.Ensemble) -> Callable[[jnp.ndarray], dict[str, jnp.ndarra
   if model.task.name == 'regression':
     return _regression_forward(model, state, members)
 
+  found = model.conformal_calibration
+
   def fn(images):
     member_log_probs = members(state, images)
     mean_log_probs = jax.nn.logsumexp(member_log_probs, axis=0) - jnp.log(model.size)
-    return {'member_log_probs': member_log_probs, 'probs': jax.nn.softmax(mean_log_probs / model.temperature)}
+    out = {'member_log_probs': member_log_probs, 'probs': jax.nn.softmax(mean_log_probs / model.temperature)}
+    if found:  # `Ensemble.conformal`'s sets, as predict gives them
+      out['set'] = conformal.prediction_sets(out['probs'], found['quantile'], found['score'], xp=jnp)
+    return out
   return fn
 
 
@@ -73,8 +81,11 @@ def _regression_forward(model: api.Ensemble, state, members) -> Callable[[jnp.nd
   def fn(inputs):
     means, variances = model.task.components(members(state, inputs), xp=jnp)
     variances = variances * model.temperature  # the variance scale ensemble.evaluate fitted (1 without one)
-    return {'member_means': means, 'member_variances': variances,
-            **regression.predictive(means, variances, xp=jnp)}
+    out = {'member_means': means, 'member_variances': variances, **regression.predictive(means, variances, xp=jnp)}
+    if model.conformal_calibration:  # `Ensemble.conformal`'s intervals, as predict gives them
+      out['conformal_lower'], out['conformal_upper'] = regression.conformal_interval(
+          out['mean'], out['std'], model.conformal_calibration['quantile'], xp=jnp)
+    return out
   return fn
 
 

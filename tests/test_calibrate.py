@@ -125,3 +125,27 @@ def test_the_guide_s_calibration_example_runs_as_written(capsys):
   exec(compile(code, path, 'exec'), {'__name__': 'guide'})  # pylint: disable=exec-used
   coverage = float(capsys.readouterr().out.split()[-1])
   assert 0.86 <= coverage <= 0.95, coverage
+
+
+@pytest.mark.parametrize('task, score', [('classification', 'thr'), ('classification', 'aps'), ('regression', None)])
+def test_the_exported_artifact_gives_the_conformal_sets_and_intervals_predict_gives(fitted, tmp_path, task, score):
+  """Issue 67: a calibrated ensemble's artifact (`ensemble.export`, and `python -m ensemble.export` of a saved one)
+  carries its temperature and its conformal sets or intervals: the same as `predict`'s, to float32's rounding."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from ensemble import export  # pylint: disable=g-import-not-at-top
+  data, keys = (_classes, ['set']) if task == 'classification' else (_regression, ['conformal_lower',
+                                                                                    'conformal_upper'])
+  x, y = data(300, 5)
+  calibrated = fitted[task].calibrate(x, y).conformal(x, y, alpha=0.1, **({'score': score} if score else {}))
+  saved = calibrated.save(str(tmp_path / 'saved'))
+  export.write(saved.workdir, str(tmp_path / 'model.jax'), platforms=['cpu'])
+  served = jax.export.deserialize(bytearray((tmp_path / 'model.jax').read_bytes()))
+  new, _ = data(200, 6)
+  out, expected = served.call(new), calibrated.predict(new)
+  for key in keys:
+    got = np.asarray(out[key])
+    want = expected[key][:, None] if task == 'regression' and got.ndim == 2 else expected[key]
+    if key == 'set':
+      assert np.mean(got == want) > 0.995 and 0 < got.mean() < 1  # a boundary class may round either way
+    else:
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=key)

@@ -20,7 +20,7 @@ a component.
 """
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -372,6 +372,13 @@ def conformal_quantile(mean: np.ndarray, std: np.ndarray, y: np.ndarray, alpha: 
   n = len(scores)
   rank = int(np.ceil((n + 1) * (1 - alpha)))
   return np.full(scores.shape[1:], np.inf) if rank > n else scores[rank - 1]
+
+
+def conformal_interval(mean: np.ndarray, std: np.ndarray, quantile: Any, xp=np) -> tuple[np.ndarray, np.ndarray]:
+  """(lower, upper): the conformal interval mean +/- q std, q per target (`conformal_quantile`'s); traced with
+  `xp=jnp` for `ensemble.export`."""
+  half = xp.asarray(quantile) * std
+  return mean - half, mean + half
 
 
 def selective_rmse(mean: np.ndarray, std: np.ndarray, y: np.ndarray, coverages: Sequence[float]) -> list[dict]:

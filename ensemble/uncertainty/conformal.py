@@ -15,28 +15,31 @@ import math
 import numpy as np
 
 
-def threshold_scores(probs: np.ndarray, u: np.ndarray | None = None) -> np.ndarray:
+def _as_float(values, xp):
+  """On the host in float64; traced (`xp=jnp`, `ensemble.export`) as they come."""
+  return np.asarray(values, np.float64) if xp is np else values
+
+
+def threshold_scores(probs: np.ndarray, u: np.ndarray | None = None, xp=np) -> np.ndarray:
   """(N, C): 1 - p(class), the least-ambiguous-set score (Sadinle et al. 2019): the smallest sets on average,
   the same threshold for easy and hard inputs. `u` is unused (the score is deterministic)."""
   del u
-  return 1.0 - np.asarray(probs, np.float64)
+  return 1.0 - _as_float(probs, xp)
 
 
-def aps_scores(probs: np.ndarray, u: np.ndarray | None = None) -> np.ndarray:
+def aps_scores(probs: np.ndarray, u: np.ndarray | None = None, xp=np) -> np.ndarray:
   """(N, C): adaptive prediction sets (Romano et al. 2020), the probability of the classes ranked above a class
   plus `u` times its own; `u` (N,) uniform in [0, 1] makes the scores continuous, so coverage is exact.
 
   A confident input gets a small set and an ambiguous one a large set. Without
   `u` the class's whole probability counts: sets are larger and coverage conservative.
   """
-  probs = np.asarray(probs, np.float64)
-  order = np.argsort(-probs, axis=-1, kind='stable')
-  ranked = np.take_along_axis(probs, order, axis=-1)
-  own = 1.0 if u is None else np.asarray(u, np.float64)[:, None]
-  ranked_scores = np.cumsum(ranked, axis=-1) - (1.0 - own) * ranked
-  scores = np.empty_like(ranked_scores)
-  np.put_along_axis(scores, order, ranked_scores, axis=-1)
-  return scores
+  probs = _as_float(probs, xp)
+  order = xp.argsort(-probs, axis=-1, stable=True)
+  ranked = xp.take_along_axis(probs, order, axis=-1)
+  own = 1.0 if u is None else _as_float(u, xp)[:, None]
+  ranked_scores = xp.cumsum(ranked, axis=-1) - (1.0 - own) * ranked
+  return xp.take_along_axis(ranked_scores, xp.argsort(order, axis=-1), axis=-1)  # back in the classes' order
 
 
 SCORES = {'thr': threshold_scores, 'aps': aps_scores}
@@ -79,9 +82,10 @@ def calibrated_quantile(probs: np.ndarray, labels: np.ndarray, alpha: float, sco
   return quantile(label_scores(SCORES[score](probs), labels), alpha)
 
 
-def prediction_sets(probs: np.ndarray, threshold: float, score: str) -> np.ndarray:
-  """(N, C) boolean: the classes whose `score` is at or below `threshold` (`calibrated_quantile`'s)."""
-  return SCORES[score](probs) <= threshold
+def prediction_sets(probs: np.ndarray, threshold: float, score: str, xp=np) -> np.ndarray:
+  """(N, C) boolean: the classes whose `score` is at or below `threshold` (`calibrated_quantile`'s); traced with
+  `xp=jnp` for `ensemble.export`."""
+  return SCORES[score](probs, xp=xp) <= threshold
 
 
 def rows_needed(alpha: float) -> int:
