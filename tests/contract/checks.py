@@ -7,6 +7,7 @@ ensemble gives by another path (in memory, on arrays, with pmap): they must agre
 import json
 import math
 import os
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -217,7 +218,60 @@ def calibration_is_kept(cell: Cell, lab: Lab):
     np.testing.assert_allclose(again[key], value, rtol=1e-4, atol=1e-5 * np.abs(value).max(), err_msg=key)
 
 
+def early_stopping_keeps_the_best_epoch(cell: Cell, lab: Lab):
+  """`early_stopping=N` with `validation=`: the summary names the best epoch, no later than the epochs trained, and
+  the members returned score on the validation rows the validation NLL it reports (they are that epoch's); in a
+  workdir, the last checkpoint is that epoch and holds the members the same fit in memory returns."""
+  train, test = problem(cell.task)
+  validation = problem(cell.task, seed=7)[0]
+  fields = cell.fields(epochs=4, early_stopping=1)
+  if cell.path == 'workdir':
+    in_memory = lab.early_stopped(cell._replace(path='arrays'))
+    ens = ensemble.fit('mlp', train, test=test, validation=validation, progress=False,
+                       workdir=lab.workdir(cell, 'early-stopped'), **fields)
+    assert ens.epoch == in_memory.summary['best_epoch'], (ens.epoch, in_memory.summary)
+    assert_same_members(ens, in_memory)
+    return
+  ens = lab.early_stopped(cell)
+  summary = ens.summary
+  assert 1 <= summary['best_epoch'] <= summary['epochs_trained'] <= 4 and summary['epoch'] == summary['best_epoch']
+  assert math.isfinite(summary['validation_loss']) and 'test_loss' in summary, summary
+  scored = ens.evaluate(*validation)['ensemble']['nll']
+  np.testing.assert_allclose(scored, summary['validation_loss'], rtol=1e-4, atol=1e-5)
+
+
+def sigterm_resumes_exactly(cell: Cell, lab: Lab):
+  """SIGTERM mid-epoch in a run that checkpoints by epoch: the run stops with the step saved apart
+  (checkpoints_stopped/, which no reader of epochs sees), and the same fit resumes from that step to the members
+  and the epochs' metrics of the run never stopped; the step saved apart is removed once an epoch passes it."""
+  from ensemble import checkpoint, trainer  # pylint: disable=g-import-not-at-top
+  whole = lab.ensemble(cell)
+  train, test = problem(cell.task)
+  fields = cell.fields(steps_per_dispatch=2)  # dispatches end mid-epoch, where SIGTERM is taken
+  workdir = lab.workdir(cell, 'terminated')
+  after_steps = trainer._SavesInBackground.after_steps  # pylint: disable=protected-access
+
+  def terminated_at_2(hook, step):
+    after_steps(hook, step)
+    if step == 2:
+      os.kill(os.getpid(), signal.SIGTERM)
+  trainer._SavesInBackground.after_steps = terminated_at_2  # pylint: disable=protected-access
+  try:
+    with pytest.raises(trainer.Interrupted, match='stopped on SIGTERM at step 2, in epoch 1'):
+      ensemble.fit('mlp', train, test=test, workdir=workdir, progress=False, **fields)
+  finally:
+    trainer._SavesInBackground.after_steps = after_steps  # pylint: disable=protected-access
+  assert os.listdir(os.path.join(workdir, checkpoint.STOPPED_DIR)) == ['2']
+  assert not os.path.exists(os.path.join(workdir, checkpoint.CHECKPOINTS_DIR))
+  resumed = ensemble.fit('mlp', train, test=test, workdir=workdir, progress=False, **fields)
+  assert_same_members(resumed, whole)
+  epochs = lambda path: [timeless(line) for line in _lines(path) if line['step'] % STEPS_PER_EPOCH == 0]
+  assert epochs(workdir) == epochs(whole.workdir)
+  assert not os.path.exists(os.path.join(workdir, checkpoint.STOPPED_DIR))
+
+
 ALL = {check.__name__: check for check in (
     same_members_as_in_memory, summary_is_finite_in_one_unit, apply_is_a_function_of_params, warm_start_continues,
     warm_start_under_every_schedule, warm_start_across_methods, save_load_predicts_the_same, refit_compiles_nothing,
-    resume_equals_uninterrupted, workdir_knows_its_data, calibration_is_kept)}
+    resume_equals_uninterrupted, workdir_knows_its_data, calibration_is_kept, early_stopping_keeps_the_best_epoch,
+    sigterm_resumes_exactly)}

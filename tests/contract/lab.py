@@ -154,6 +154,15 @@ class Lab:
       return ensemble.load(workdir)
     raise ValueError(cell.path)
 
+  def early_stopped(self, cell: Cell) -> "ensemble.Ensemble":
+    """The cell's fit in memory with early stopping (patience 1 over 4 epochs), scored on the problem's seed-7
+    rows."""
+    def make():
+      train, test = problem(cell.task)
+      return ensemble.fit('mlp', train, test=test, validation=problem(cell.task, seed=7)[0], progress=False,
+                          **cell.fields(epochs=4, early_stopping=1))
+    return self._once(('early_stopped', cell), make)
+
   def saved(self, cell: Cell) -> str:
     """Where the cell's ensemble is a workdir: its own, or `save`'s copy of one trained in memory."""
     def make():

@@ -20,13 +20,15 @@ PATHS = (('arrays', 'pmap'), ('arrays', 'jit'), ('source', 'pmap'), ('folder', '
 CHECKS = {
     ('arrays', 'pmap'): ('summary_is_finite_in_one_unit', 'apply_is_a_function_of_params', 'warm_start_continues',
                          'warm_start_across_methods', 'save_load_predicts_the_same', 'refit_compiles_nothing',
-                         'workdir_knows_its_data', 'warm_start_under_every_schedule', 'calibration_is_kept'),
+                         'workdir_knows_its_data', 'warm_start_under_every_schedule', 'calibration_is_kept',
+                         'early_stopping_keeps_the_best_epoch'),
     ('arrays', 'jit'): ('same_members_as_in_memory',),
     # Each path's summary is the in-memory one's (same_members_as_in_memory): its unit is checked there.
     ('source', 'pmap'): ('same_members_as_in_memory', 'refit_compiles_nothing'),
     ('folder', 'pmap'): ('same_members_as_in_memory', 'resume_equals_uninterrupted'),
     ('workdir', 'pmap'): ('same_members_as_in_memory', 'save_load_predicts_the_same', 'resume_equals_uninterrupted',
-                          'workdir_knows_its_data', 'calibration_is_kept'),
+                          'workdir_knows_its_data', 'calibration_is_kept', 'early_stopping_keeps_the_best_epoch',
+                          'sigterm_resumes_exactly'),
 }
 # (check, method or None for any) -> why the combination does not hold it.
 UNSUPPORTED = {
