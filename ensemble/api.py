@@ -35,6 +35,7 @@ from ensemble import recipe as recipe_lib, steps
 from ensemble.data import arrays
 from ensemble.errors import UsageError
 from ensemble.tasks import regression
+from ensemble.methods import sharing
 from ensemble.uncertainty import conformal, decomposition, selective
 
 DEFAULT_FLAG_RISK = 0.01
@@ -689,7 +690,7 @@ def fit_recipe(config: Any, fields: dict[str, Any]) -> recipe_lib.Recipe:
 def fit(model: Any, train: Any, test: Any = None, *, ensemble_size: int | None = None, epochs: int | None = None,
         method: str | None = None, workdir: str | None = None, config: Any = None, init: 'Ensemble | None' = None,
         keep_optimizer: bool = False, keep_freed_memory: bool = False, progress: bool = True,
-        validation: Any = None, early_stopping: int = 0, **fields) -> Ensemble:
+        validation: Any = None, early_stopping: int = 0, init_params: Any = None, **fields) -> Ensemble:
   """Trains an ensemble of `model` on arrays, its members in parallel on the devices there are; returns it.
 
   `model`: a `flax.linen.Module` mapping a batch of inputs to logits (it gets
@@ -725,6 +726,13 @@ def fit(model: Any, train: Any, test: Any = None, *, ensemble_size: int | None =
   convolutional members trained 1.44x faster): a setting of the whole
   process, never undone, so only if asked.
 
+  `shared='backbone'` (a module path, or a tuple of them) makes those
+  parameters one copy that every member trains (K heads on one backbone),
+  `frozen=` keeps the parameters it names out of training (no optimizer
+  state, no backward pass through them), and `init_params` (one model's
+  parameters: a pretrained checkpoint's, or `ens.params` of a 1-member fit)
+  starts every member from those it holds (ensemble/methods/sharing.py).
+
   `early_stopping=N` with `validation=(x_val, y_val)` (rows the members do
   not train on; or, without it, the held-out slice of `heldout_fraction`)
   scores the validation NLL after every epoch, stops once N epochs pass
@@ -737,6 +745,9 @@ def fit(model: Any, train: Any, test: Any = None, *, ensemble_size: int | None =
     _check_flag(name, value)
   _check_flag('progress', progress, none=True)
   validation = _validation(validation, early_stopping, fields)
+  for key in ('shared', 'frozen'):
+    if fields.get(key) is not None:
+      fields[key] = sharing.as_filters(fields[key], key)
   settings = fit_recipe(config, {'ensemble_size': ensemble_size, 'epochs': epochs, 'method': method,
                                  'early_stopping': early_stopping or None, **fields})
   dataset = _dataset(train, test, settings)
@@ -745,7 +756,8 @@ def fit(model: Any, train: Any, test: Any = None, *, ensemble_size: int | None =
     raise UsageError(f'augment={settings.augment!r} transforms images, and these inputs are {dataset.inputs}: '
                      "leave augment out, or set it to 'none'")
   return fit_dataset(model, dataset, settings, workdir=workdir, init=init, keep_optimizer=keep_optimizer,
-                     keep_freed_memory=keep_freed_memory, progress=progress, validation=validation)
+                     keep_freed_memory=keep_freed_memory, progress=progress, validation=validation,
+                     init_params=init_params)
 
 
 def _validation(validation: Any, early_stopping: Any, fields: dict[str, Any]) -> Any:
@@ -780,7 +792,8 @@ def _validation_split(validation: Any, dataset: data.Dataset, settings: recipe_l
 
 def fit_dataset(model: Any, dataset: data.Dataset, settings: recipe_lib.Recipe, *, workdir: str | None = None,
                 init: 'Ensemble | None' = None, keep_optimizer: bool = False, keep_freed_memory: bool = False,
-                progress: bool | None = True, validation: data.Split | None = None) -> Ensemble:
+                progress: bool | None = True, validation: data.Split | None = None,
+                init_params: Any = None) -> Ensemble:
   """`fit` once its arrays are a checked `dataset` and its keywords a recipe: what `ensemble.distill` trains its
   student with, on labels that no array of `fit` carries (the teacher's probabilities)."""
   model_object = None
@@ -807,10 +820,15 @@ def fit_dataset(model: Any, dataset: data.Dataset, settings: recipe_lib.Recipe, 
     from ensemble import trainer  # pylint: disable=g-import-not-at-top  # only here: its writers import TensorFlow
     workdir = os.path.abspath(os.path.expanduser(workdir))
     trainer.train_and_evaluate(recipe, workdir, dataset=dataset, model=model_object, progress=progress,
-                               devices=devices, validation=validation)
+                               devices=devices, validation=validation, init_params=init_params)
     return load(workdir, model=model_object)
   run = loop.prepare(recipe, devices, dataset, model_object, validation=validation)
+  if init is not None and init_params is not None:
+    raise UsageError('init= starts every member from an ensemble\'s members, init_params= from one model\'s '
+                     'parameters: give one of them')
   state = run.init() if init is None else _warm_start(run, init, keep_optimizer)
+  if init_params is not None:
+    state = loop.with_init_params(run, state, init_params)
   state, summary = loop.train(run, state, progress=progress)
   devices = predictor.evaluation_devices(recipe.ensemble_size)
   if devices != run.devices:  # members spread over several devices each (backend jit): one device's worth each

@@ -122,6 +122,12 @@ class Recipe:
   swag_rank: int = 10
   swag_start: float = 0.75
   swag_learning_rate: float = 0.0
+  # Module paths ('backbone', 'backbone/Dense_0', a tuple of them; ensemble/methods/sharing.py) whose parameters all
+  # members share, one copy trained by them together (methods independent and bagging: K heads on one backbone), and
+  # whose parameters are not trained (no optimizer state, no backward pass through them); ensemble.fit's init_params
+  # starts them from a pretrained model.
+  shared: tuple[str, ...] = ()
+  frozen: tuple[str, ...] = ()
   # 'shared': every member sees the same batches (the classic recipe). 'shuffled': each
   # member its own order of the training set, for more diversity between members. Method bagging sets
   # 'bootstrap': each member its own resample.

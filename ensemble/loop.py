@@ -36,6 +36,7 @@ from ensemble import backends, console, data, devices as devices_lib, distribute
 from ensemble import recipe as recipe_lib
 from ensemble.defaults import Recipe
 from ensemble.errors import UsageError
+from ensemble.methods import sharing
 from ensemble.models import user
 
 # A training set up to this size (its inputs and labels, one copy per device) goes to the devices once, and a whole
@@ -308,6 +309,14 @@ def prepare(recipe: Recipe, devices: Sequence[jax.Device], dataset: data.Dataset
   return Run(recipe=recipe, devices=devices, dataset=dataset, train=train, test=test, data_info=data_info,
              member=programs.member, task=tasks.create(recipe, data_info), backend=programs.backend,
              steps_per_epoch=steps_per_epoch, steps_per_dispatch=per_dispatch, validation=validation)
+
+
+def with_init_params(run: Run, state: Any, init_params: Any) -> Any:
+  """`state` (fresh members, the backend's layout) with every parameter that `init_params` (one model's tree: a
+  pretrained checkpoint's, a 1-member fit's `params`) holds, for every member (methods/sharing.py's `fill_from`);
+  the optimizer's state is a fresh one's either way."""
+  canonical = run.backend.to_canonical(state)
+  return run.backend.from_canonical(canonical.replace(params=sharing.fill_from(init_params, canonical.params)))
 
 
 def train_before(dataset: data.Dataset, recipe: Recipe) -> data.Split:

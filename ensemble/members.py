@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ensemble import methods, models, optim, steps, tasks
+from ensemble.methods import sharing
 from ensemble.errors import UsageError
 
 
@@ -40,7 +41,7 @@ def member(config: Any, data_info: dict[str, Any], steps_per_epoch: int = 1,
                       augment=config.augment if inputs == 'images' else 'none',
                       method=methods.create(config, steps_per_epoch), inputs=inputs,
                       dtype=config.dtype, task=tasks.create(config, data_info),
-                      adversarial_epsilon=config.adversarial_epsilon)
+                      adversarial_epsilon=config.adversarial_epsilon, frozen=tuple(config.frozen))
 
 
 def data_info(image_shape: Sequence[int], num_classes: int, mean: Sequence[float], std: Sequence[float],
@@ -99,6 +100,8 @@ def check_model(member: steps.Member, num_classes: int, method: str) -> int:
     got = getattr(logits, 'shape', type(logits).__name__)
     raise UsageError(f'the model maps inputs {shape} to {got}, not to (batch, {num_classes}) logits, one per class; '
                      f'give its last layer {num_classes} outputs (the labels run 0..{num_classes - 1})')
+  sharing.check(member.method.shared_filters, variables['params'], 'shared')
+  sharing.check(member.frozen, variables['params'], 'frozen')
   if method == 'batchensemble' and not any('shared' in jax.tree_util.keystr(path)
                                            for path, _ in jax.tree_util.tree_flatten_with_path(variables)[0]):
     raise UsageError('method batchensemble needs a model built with rank-1 layers, and this one has none: build it '

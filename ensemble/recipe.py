@@ -192,6 +192,9 @@ def _check_field(name: str, value: Any):
                                      for v in value) and value[0] <= value[1],
              f'{name}={value!r} must be a range (low, high) of positive numbers with low <= high, '
              f"e.g. --config.{name}='(0.05, 0.2)'")
+  elif name in ('shared', 'frozen'):
+    _require(all(isinstance(v, str) and v.strip('/') for v in value),
+             f"{name}={value!r} must be module paths, e.g. --config.{name}=\"('backbone',)\"")
   elif name == 'model':
     _require(value in models.MODELS or user.is_import_path(value),
              f'unknown model {value!r}: set --config.model to one of {sorted(models.MODELS)}, or name a model of '
@@ -307,9 +310,32 @@ def _single_model(r: Recipe, devices: Sequence[jax.Device]) -> dict[str, Any]:
   return {'ensemble_size': 1, 'mesh_shape': shape}
 
 
+# The methods whose members may share parameters (`shared`) or keep them frozen (`frozen`), and why the others may
+# not.
+SHARING_METHODS = ('independent', 'bagging')
+FREEZING_METHODS = ('independent', 'bagging', 'snapshot', 'multiswag')
+SHARING_METHODS_REFUSE = {
+    'hyper': "gives each member its own learning rate and weight decay in its optimizer's state",
+    'snapshot': "averages each member's snapshots of all its parameters",
+    'multiswag': "samples each member's parameters from its own Gaussian",
+    'batchensemble': 'already shares the weights of its rank-1 layers, by their name',
+    'mc_dropout': 'already shares every weight',
+    'mimo': 'already shares every weight',
+    'packed': 'builds each member at its own width',
+}
+
+
 def _check_method(r: Recipe):
   """The rules between a method and the other fields."""
   method, k = r.method, r.ensemble_size
+  _require(not r.shared or method in SHARING_METHODS,
+           f'shared={list(r.shared)} makes those parameters one copy that every member trains, and method {method} '
+           f'{SHARING_METHODS_REFUSE.get(method, "keeps its own per member")}: use method independent or bagging, or '
+           'leave shared out')
+  _require(not r.frozen or method in FREEZING_METHODS,
+           f'frozen={list(r.frozen)} keeps those parameters out of training, and method {method} '
+           f'{SHARING_METHODS_REFUSE.get(method, "changes them otherwise")}: use one of {list(FREEZING_METHODS)}, or '
+           'leave frozen out')
   if method == 'hyper':
     (low, high), rate = r.hyper_learning_rate, r.learning_rate
     _require(low <= rate <= high,  # else the rate set would be silently replaced by draws far from it
@@ -460,6 +486,8 @@ def resolve(fields: Any, available: Sequence[jax.Device], *, model: Any = None,
            f'num_devices={r.num_devices} but {len(available)} devices are available; set --config.num_devices '
            f'between 1 and {len(available)} (0 uses all), or run with --cpu_devices=N to simulate N CPU devices')
   single_model = r.backend in backends.MESH_MODELS
+  _require(not (single_model and (r.shared or r.frozen)), f'backend {r.backend!r} trains one model on a mesh, and '
+           'shared and frozen name parameters of an ensemble\'s members: set --config.backend=pmap or jit')
   k = r.ensemble_size
   if r.num_devices:
     devices = list(available[:r.num_devices])
@@ -604,6 +632,13 @@ def check_warm_start(r: Recipe, started: Recipe, keep_optimizer: bool):
            f'init= is an ensemble of method {started.method}, and this fit trains method {r.method}: '
            f'{"their members share weights or are built for their method" if not same else ""}, so no member carries '
            f'over; start from an ensemble of method {r.method}, or leave init= out')
+  _require(tuple(r.shared) == tuple(started.shared),
+           f'init= is an ensemble whose members share {list(started.shared) or "no parameters"}, and this fit shares '
+           f'{list(r.shared) or "none"}: no member carries over as it was; start from one model\'s parameters with '
+           'init_params= instead, or give the same shared=')
+  _require(not keep_optimizer or tuple(r.frozen) == tuple(started.frozen),
+           f'keep_optimizer=True keeps an optimizer state without one for the frozen {list(started.frozen)}, and this '
+           f'fit freezes {list(r.frozen)}: set keep_optimizer=False, or give the same frozen=')
   _require(not keep_optimizer or (same and r.optimizer == started.optimizer),
            f'keep_optimizer=True keeps the optimizer state of an ensemble of method {started.method} with optimizer '
            f'{started.optimizer}, and this fit trains method {r.method} with {r.optimizer}: set keep_optimizer=False')

@@ -18,7 +18,7 @@ from flax.training import train_state
 
 from ensemble.data import augment as augment_lib
 from ensemble.keys import member_keys  # also where the backends and tests find it
-from ensemble.methods import adversarial
+from ensemble.methods import adversarial, sharing
 from ensemble.methods.independent import Independent
 from ensemble.tasks import classification
 # The classification task's functions, where the backends and tests have always found them.
@@ -82,6 +82,7 @@ class Member:
   dtype: str = 'float32'  # of the forward pass (`apply`); the state is float32 either way
   task: Any = classification.Classification()
   adversarial_epsilon: float = 0.0  # > 0: each step also trains on FGSM's perturbed inputs (methods/adversarial.py)
+  frozen: tuple[str, ...] = ()  # module paths of parameters not trained (methods/sharing.py)
 
   def prepare(self, images: jnp.ndarray, key: jax.Array | None = None) -> jnp.ndarray:
     """Inputs as they arrive -> the model's input; images with a `key` are augmented first (training only)."""
@@ -204,6 +205,7 @@ class Member:
     inputs = self.unstandardized(images, augment_key)
 
     def loss_fn(params, inputs):  # the method's grouping (MIMO's) inside: FGSM perturbs the batch as it arrived
+      params = sharing.stop_frozen(self.frozen, params)
       model_inputs, model_labels = self.method.training_batch(self.standardize(inputs), labels)
       logits, batch_stats = self.apply(state, params, model_inputs, train=True, key=dropout_key)
       loss, metrics = self.method.loss(self.task, logits, model_labels)

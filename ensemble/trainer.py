@@ -257,13 +257,14 @@ def _position(ckpt: checkpoint.Checkpointer, key: int, steps_per_epoch: int) -> 
 @_releases_the_workdir
 def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | None = None, model: Any = None,
                        progress: bool | None = None, devices: list[jax.Device] | None = None,
-                       validation: data.Split | None = None) -> tuple[Any, dict[str, float]]:
+                       validation: data.Split | None = None, init_params: Any = None) -> tuple[Any, dict[str, float]]:
   """Trains (or resumes) the ensemble in `workdir`; returns its canonical state and last summary.
 
   `config` is a config (an ml_collections ConfigDict, a dict of fields), resolved here (ensemble/recipe.py); or,
   with `devices`, a recipe `ensemble.fit` already resolved for its `dataset`. `dataset` replaces the data the
   config names (arrays in memory), `model` the model it names (a user's model object). `progress`: as
-  `loop.train`'s; `validation`: as `loop.prepare`'s (early stopping's; default: the held-out slice).
+  `loop.train`'s; `validation`: as `loop.prepare`'s (early stopping's; default: the held-out slice);
+  `init_params`: as `loop.with_init_params`', for a fresh start (a resume goes on from its checkpoint).
   """
   # Everything that can refuse the run does so before the workdir is written; a resume with other data
   # settings before any data is read.
@@ -311,6 +312,8 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
       logging.info('Resumed from %s at epoch %d.', ckpt.directory, start_epoch)
   else:
     state = run.init()
+    if init_params is not None:
+      state = loop.with_init_params(run, state, init_params)
   if saved_config is not None:
     _log_changes(config, saved_config, workdir)
 

@@ -319,12 +319,12 @@ def predict_members(fn, member: steps.Member, devices: Sequence[jax.Device]):
 
 def once_per_device(member: steps.Member, state: Any) -> Any:
   """A device's stacked members' state with the leaves they share (BatchEnsemble's) kept once: (1, ...)."""
-  return batchensemble.map_shared(lambda x: x[:1], state) if member.method.shares_weights else state
+  return member.method.map_shared(lambda x: x[:1], state) if member.method.shares_weights else state
 
 
-def for_each_member(state: Any, size: int) -> Any:
+def for_each_member(member: steps.Member, state: Any, size: int) -> Any:
   """Undoes `once_per_device` for `size` members, without copying; shared leaves already (size, ...) stay."""
-  return batchensemble.map_shared(lambda x: jax.numpy.broadcast_to(x, (size, *x.shape[1:])), state)
+  return member.method.map_shared(lambda x: jax.numpy.broadcast_to(x, (size, *x.shape[1:])), state)
 
 
 def init_members(member: steps.Member):
@@ -353,7 +353,7 @@ def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_ax
 
   def one(state, images, labels):
     """The device's one copy of the shared leaves serves each member, and one copy of their update is kept."""
-    state = for_each_member(state, len(state.step))
+    state = for_each_member(member, state, len(state.step))
     grads, aux = gradients(state, images, labels)
     state, metrics = jax.vmap(member.update)(state, member.method.average_shared(grads, ensemble_axis), aux)
     return once_per_device(member, state), metrics

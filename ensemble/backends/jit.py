@@ -31,7 +31,6 @@ from ensemble import distributed, steps
 from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, MODEL_AXIS, EpochPrograms, abstract_member_state,
                                devices_per_member, ensemble_mesh, evaluate_members, gathering_batches, init_members,
                                train_epochs_function, train_functions, train_program)
-from ensemble.methods import batchensemble
 from ensemble.parallel import logical
 
 
@@ -102,6 +101,7 @@ class JitBackend:
     # Shared leaves (BatchEnsemble) hold a copy per device: a member's, repeated for the device's members.
     per_device = ensemble_size // mesh.shape[ENSEMBLE_AXIS] if member.method.shares_weights else 1
     self._repeat_shared = self._first_of_each = None
+    self._method = member.method
     if per_device > 1:
       on_devices = functools.partial(jax.jit, out_shardings=NamedSharding(mesh, members))
       self._repeat_shared = on_devices(lambda x: jax.numpy.repeat(x, per_device, axis=0))
@@ -180,9 +180,9 @@ class JitBackend:
   def to_canonical(self, state):
     if self._repeat_shared is None:
       return state
-    return batchensemble.map_shared(self._repeat_shared, state)
+    return self._method.map_shared(self._repeat_shared, state)
 
   def from_canonical(self, state):
     if self._repeat_shared is None:
       return state
-    return batchensemble.map_shared(self._first_of_each, state)
+    return self._method.map_shared(self._first_of_each, state)

@@ -22,7 +22,6 @@ from ensemble import distributed, steps
 from ensemble.backends import (ENSEMBLE_AXIS, EpochPrograms, abstract_member_state, evaluate_members,
                                gathering_batches, init_members, member_sharding, train_epochs_function,
                                train_functions, train_program)
-from ensemble.methods import batchensemble
 
 
 class PmapBackend:
@@ -43,8 +42,9 @@ class PmapBackend:
     data_axis = None if self._shared_data else 0
     pmap = functools.partial(jax.pmap, axis_name=ENSEMBLE_AXIS, devices=self.devices)
     self._init = pmap(init_members(member))
-    # Shared leaves (BatchEnsemble) hold a copy per device: (D, 1, ...) where the others are (D, K/D, ...).
+    # Shared leaves (BatchEnsemble's, `shared=`) hold a copy per device: (D, 1, ...) where the others are (D, K/D, ...).
     self._shares_weights = member.method.shares_weights
+    self._sharing = member.method if self._shares_weights else None
     train, many = train_functions(member, self.devices, data_axis)
     self._train = train_program(pmap(whole(train) if self._shared_data else train, donate_argnums=0), devices,
                                 config, member)
@@ -141,17 +141,17 @@ class PmapBackend:
     return self._map_shared(functools.partial(convert, keep=1), convert, state)
 
   def _programs(self):
-    return _conversions(tuple(self.devices), self.ensemble_size, self._shares_weights)
+    return _conversions(tuple(self.devices), self.ensemble_size, self._sharing)
 
   def _map_shared(self, shared, other, state):
-    return _map_shared(self._shares_weights, shared, other, state)
+    return _map_shared(self._sharing, shared, other, state)
 
 
-def _map_shared(shares_weights: bool, shared, other, state):
-  """`shared` on the leaves the members share (BatchEnsemble's), `other` on the rest."""
-  if not shares_weights:
+def _map_shared(sharing, shared, other, state):
+  """`shared` on the leaves the members share (`sharing`, the method, where they share any), `other` on the rest."""
+  if sharing is None:
     return jax.tree.map(other, state)
-  return batchensemble.map_shared(shared, state, other)
+  return sharing.map_shared(shared, state, other)
 
 
 def _pmapped(devices: Sequence[jax.Device]) -> NamedSharding:
@@ -161,15 +161,15 @@ def _pmapped(devices: Sequence[jax.Device]) -> NamedSharding:
 
 
 @functools.lru_cache(maxsize=32)
-def _conversions(devices: tuple[jax.Device, ...], ensemble_size: int, shares_weights: bool):
+def _conversions(devices: tuple[jax.Device, ...], ensemble_size: int, sharing):
   """(to canonical, from canonical) as jitted programs of a whole state: reshapes that move nothing between
   devices. Kept per layout, for every backend of that layout (a loop of fits, the tests' many runs): shard by
   shard, every shard's reshape compiled a program of its own."""
   per_device, num_devices = ensemble_size // len(devices), len(devices)
   merge = lambda repeats: lambda x: jnp.repeat(x, repeats, axis=1).reshape(-1, *x.shape[2:])
   split = lambda keep: lambda x: x.reshape(num_devices, per_device, *x.shape[1:])[:, :keep]
-  to_canonical = jax.jit(functools.partial(_map_shared, shares_weights, merge(per_device), merge(1)),
+  to_canonical = jax.jit(functools.partial(_map_shared, sharing, merge(per_device), merge(1)),
                          out_shardings=member_sharding(devices))
-  from_canonical = jax.jit(functools.partial(_map_shared, shares_weights, split(1), split(per_device)),
+  from_canonical = jax.jit(functools.partial(_map_shared, sharing, split(1), split(per_device)),
                            out_shardings=_pmapped(devices))
   return to_canonical, from_canonical

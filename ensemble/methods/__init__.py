@@ -27,8 +27,10 @@ from ensemble.methods import batchensemble, hyper, mc_dropout, mimo, multiswag, 
 from ensemble.methods.independent import Independent
 
 METHODS = {
-    'independent': lambda config, steps_per_epoch: Independent(),
-    'bagging': lambda config, steps_per_epoch: Independent(name='bagging'),
+    'independent': lambda config, steps_per_epoch: Independent(shared_filters=tuple(config.shared),
+                                                               seed=config.seed if config.shared else 0),
+    'bagging': lambda config, steps_per_epoch: Independent(name='bagging', shared_filters=tuple(config.shared),
+                                                           seed=config.seed if config.shared else 0),
     'hyper': lambda config, steps_per_epoch: hyper.Hyper.from_config(config),
     'snapshot': lambda config, steps_per_epoch: snapshot.Snapshot.from_config(config, steps_per_epoch),
     'batchensemble': lambda config, steps_per_epoch: batchensemble.BatchEnsemble(seed=config.seed),

@@ -46,6 +46,8 @@ METHODS = {
     'multiswag': {'method': 'multiswag', 'swag_start': 0.5, 'swag_rank': 2, 'swag_samples': 2,
                   'swag_learning_rate': 0.005},
     'adversarial': {'adversarial_epsilon': 0.01},
+    # K heads on one trunk (methods/sharing.py): its first layer frozen, its second trained by all members together.
+    'shared_trunk': {'shared': ('Dense_0', 'Dense_1'), 'frozen': ('Dense_0',)},
 }
 # What a workdir run checkpoints: every 2 steps, mid-epoch and at each epoch's end (steps 2, 4, 6, 8).
 WORKDIR_FIELDS = {'checkpoint_every_steps': 2, 'checkpoints_to_keep': 10}

@@ -1,0 +1,113 @@
+"""Which parameters the members share (one copy, trained by all of them) or keep frozen (never trained): filters of
+module paths, as `fit(shared=..., frozen=...)` and `--config.shared` / `--config.frozen` name them.
+
+A filter is a module path, 'backbone' or 'backbone/Dense_0' (its '/'-separated
+names), and matches every parameter under a module of that path, at any depth:
+'Dense_0' matches 'Dense_0/kernel' and 'head/Dense_0/bias'. The same names
+find the parameter's optimizer state, which holds the parameters' tree. A
+shared leaf is held once per device, as BatchEnsemble's shared weights are
+(methods/batchensemble.py); a frozen leaf gets no optimizer state
+(`optax.multi_transform` with `set_to_zero`) and no gradient: the backward
+pass stops at it (`stop_frozen`), so a frozen backbone under trained heads costs
+one forward pass a step.
+"""
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from ensemble.errors import UsageError
+
+# The parts of a member's state that hold the parameters' tree; the model's statistics, the key and the step are
+# each member's own.
+_PARAMETER_PARTS = ('params', 'opt_state')
+
+
+def _name(key) -> str | None:
+  for attribute in ('key', 'name'):  # DictKey, GetAttrKey
+    if hasattr(key, attribute):
+      return str(getattr(key, attribute))
+  return None
+
+
+def names(path) -> tuple[str, ...]:
+  """A key path's names (dict keys and attributes), indices left out."""
+  return tuple(name for name in map(_name, path) if name is not None)
+
+
+def as_filters(value: Any, name: str) -> tuple[str, ...]:
+  """`value` (a module path, or a tuple or list of them) as a tuple of paths; a one-line error otherwise."""
+  value = (value,) if isinstance(value, str) else value
+  if not isinstance(value, (tuple, list)) or not all(isinstance(v, str) and v.strip('/') for v in value):
+    raise UsageError(f"{name}={value!r}: give a module path such as 'backbone' (or a tuple of them), whose "
+                     'parameters it names')
+  return tuple(v.strip('/') for v in value)
+
+
+def matches(filters: Sequence[str], path_names: Sequence[str]) -> bool:
+  """Whether any filter's names occur in `path_names`, one after another."""
+  for f in filters:
+    parts = tuple(f.split('/'))
+    if any(tuple(path_names[i:i + len(parts)]) == parts for i in range(len(path_names) - len(parts) + 1)):
+      return True
+  return False
+
+
+def mask(filters: Sequence[str], params: Any) -> Any:
+  """`params`' tree of bools: True where a filter matches the parameter's path."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: matches(filters, names(path)), params)
+
+
+def in_state(filters: Sequence[str], path) -> bool:
+  """Whether the leaf at `path` of a member's state (its parameters or their optimizer state) is matched."""
+  found = names(path)
+  return bool(found) and found[0] in _PARAMETER_PARTS and matches(filters, found[1:])
+
+
+def check(filters: Sequence[str], params: Any, name: str):
+  """Refuses, in one line, a filter that matches no parameter of the model (naming a few paths it has)."""
+  paths = [names(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+  for f in filters:
+    if not any(matches((f,), path) for path in paths):
+      shown = ', '.join('/'.join(path) for path in paths[:4]) + (f' and {len(paths) - 4} more' if len(paths) > 4
+                                                                  else '')
+      raise UsageError(f"{name}={f!r} matches no parameter of the model, whose parameters are {shown}: name one of "
+                       'their module paths')
+
+
+def stop_frozen(filters: Sequence[str], params: Any) -> Any:
+  """`params` with the frozen leaves behind `stop_gradient`: nothing flows back into them, so XLA drops the part of
+  the backward pass that only they needed."""
+  if not filters:
+    return params
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p: jax.lax.stop_gradient(p) if matches(filters, names(path)) else p, params)
+
+
+def labels(filters: Sequence[str]):
+  """`optax.multi_transform`'s labels of a parameter tree: 'frozen' or 'trained'."""
+  return lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: 'frozen' if matches(filters, names(path)) else 'trained', params)
+
+
+def fill_from(init_params: Any, params: Any) -> Any:
+  """The stacked members' `params` ((K, ...) per leaf) with every leaf that `init_params` (one model's tree) holds at
+  the same path replaced by it, for every member. One of another shape, or at a path the model lacks, is refused in
+  one line naming the path; a leaf that `init_params` lacks stays as the member's key drew it."""
+  given = {names(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(init_params)}
+  known = {names(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+  if given and all(path in known and tuple(leaf.shape) == (1, *known[path].shape[1:]) for path, leaf in given.items()):
+    given = {path: leaf[0] for path, leaf in given.items()}  # a 1-member ensemble's params, (1, ...) per leaf
+  for path, leaf in given.items():
+    if path not in known:
+      raise UsageError(f"init_params holds {'/'.join(path)}, where the model has no parameter; give the parameters "
+                       "of this model (a 1-member fit's ens.params[0], or a checkpoint of the model)")
+    if tuple(leaf.shape) != tuple(known[path].shape[1:]):
+      raise UsageError(f"init_params holds {'/'.join(path)} as {tuple(leaf.shape)}, where the model has "
+                       f'{tuple(known[path].shape[1:])}; give the parameters of this model')
+
+  def fill(path, leaf):
+    found = given.get(names(path))
+    return leaf if found is None else jnp.broadcast_to(jnp.asarray(found, leaf.dtype), leaf.shape)
+  return jax.tree_util.tree_map_with_path(fill, params)

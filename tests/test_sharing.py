@@ -1,0 +1,104 @@
+"""Ensembles on a shared or pretrained backbone (`fit(shared=..., frozen=..., init_params=...)`): K heads on one
+copy of a backbone, frozen or trained by all members together, started from one model's parameters; refusals in one
+line."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+import ensemble
+from ensemble import loop, recipe as recipe_lib
+from ensemble.errors import UsageError
+
+FIT = {'ensemble_size': 4, 'epochs': 2, 'batch_size': 32, 'progress': False, 'optimizer': 'adamw',
+       'learning_rate': 0.01, 'weight_decay': 0.0}
+
+
+class Backbone(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.relu(nn.Dense(32)(nn.relu(nn.Dense(32)(x))))
+
+
+class Net(nn.Module):
+  """A backbone (two hidden layers) and a head, as a pretrained model's parameters are laid out."""
+
+  @nn.compact
+  def __call__(self, x, train=False):
+    return nn.Dense(3, name='head')(Backbone(name='backbone')(x))
+
+
+def _classes(n: int, seed: int):
+  rng = np.random.default_rng(seed)
+  y = rng.integers(0, 3, n).astype(np.int32)
+  return (rng.normal(size=(n, 4)) + np.eye(3, 4)[y] * 2).astype(np.float32), y
+
+
+def _one(tree):
+  return jax.tree.map(lambda leaf: np.asarray(leaf), tree)
+
+
+@pytest.fixture(scope='module')
+def pretrained():
+  """One model's parameters, as a 1-member fit leaves them."""
+  return ensemble.fit(Net(), _classes(256, 0), **{**FIT, 'ensemble_size': 1})
+
+
+def test_heads_on_a_frozen_shared_backbone(pretrained, tmp_path):
+  """The backbone is the pretrained one, the same for every member and untouched by training (and has no optimizer
+  state); each head starts where its key draws it and trains apart; the ensemble predicts, counts the backbone once,
+  and saves and loads as it is."""
+  backbone = _one(pretrained.params)['backbone']
+  ens = ensemble.fit(Net(), _classes(256, 0), test=_classes(100, 1), shared='backbone', frozen='backbone',
+                     init_params={'backbone': jax.tree.map(lambda leaf: leaf[0], backbone)}, **FIT)
+  params = _one(ens.params)
+  for got, want in zip(jax.tree.leaves(params['backbone']), jax.tree.leaves(backbone), strict=True):
+    np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
+  heads = params['head']['kernel']
+  assert not np.allclose(heads[0], heads[1]) and ens.summary['test_accuracy'] > 0.6, ens.summary
+  assert not jax.tree.leaves(ens.state.opt_state.inner_states['trained'].inner_state[0].mu['backbone'])
+  assert ens.member.method.num_params(jax.tree.map(lambda leaf: leaf[0], ens.state.params), 4) == (
+      sum(leaf[0].size for leaf in jax.tree.leaves(params['backbone']))
+      + 4 * sum(leaf[0].size for leaf in jax.tree.leaves(params['head'])))
+  x = _classes(50, 2)[0]
+  loaded = ensemble.load(ens.save(str(tmp_path / 'saved')).workdir, model=Net())
+  np.testing.assert_allclose(loaded.predict(x)['probs'], ens.predict(x)['probs'], rtol=1e-6)
+
+
+def test_a_shared_backbone_that_trains_stays_one_copy(pretrained):
+  """Not frozen, the shared backbone trains (it moves from where it started) on every member's loss, and stays the
+  same for all of them; on 2 devices, each holds it once, where it holds each of its members' heads."""
+  start = jax.tree.map(lambda leaf: np.asarray(leaf)[0], pretrained.params)
+  ens = ensemble.fit(Net(), _classes(256, 0), shared='backbone', init_params=start, num_devices=2, **FIT)
+  kernel = np.asarray(ens.params['backbone']['Dense_1']['kernel'])
+  assert all(np.array_equal(kernel[0], kernel[i]) for i in range(4))
+  assert not np.allclose(kernel[0], start['backbone']['Dense_1']['kernel'])
+  run = loop.prepare(ens.config, jax.devices()[:2], ensemble.data.arrays.from_arrays(_classes(256, 0), None,
+                                                                                     'features', 'classification'),
+                     Net())
+  state = run.init()
+  assert state.params['backbone']['Dense_0']['kernel'].shape[:2] == (2, 1)  # (devices, one copy)
+  assert state.params['head']['kernel'].shape[:2] == (2, 2)  # (devices, members each)
+
+
+@pytest.mark.parametrize('fields, message', [
+    ({'shared': 'trunk'}, r"shared='trunk' matches no parameter of the model, whose parameters are backbone/"),
+    ({'frozen': ('backbone', 'neck')}, r"frozen='neck' matches no parameter"),
+    ({'shared': 3}, r"shared=3: give a module path such as 'backbone'"),
+    ({'shared': 'backbone', 'method': 'hyper'}, "method hyper gives each member its own learning rate"),
+    ({'frozen': 'backbone', 'method': 'mimo'}, 'frozen=.*method mimo already shares every weight'),
+    ({'init_params': {'backbone': {'Dense_0': {'kernel': np.zeros((5, 32))}}}},
+     r'init_params holds backbone/Dense_0/kernel as \(5, 32\), where the model has \(32, 32\)'),
+    ({'init_params': {'neck': {'kernel': np.zeros((4, 32))}}}, 'init_params holds neck/kernel, where the model has no'),
+])
+def test_sharing_is_refused_in_one_line(fields, message):
+  with pytest.raises(UsageError, match=message) as refused:
+    ensemble.fit(Net(), _classes(64, 0), **{**FIT, 'epochs': 1, **fields})
+  assert '\n' not in str(refused.value)
+
+
+def test_the_cli_refuses_sharing_on_a_mesh_backend():
+  with pytest.raises(UsageError, match="backend 'fsdp' trains one model on a mesh"):
+    recipe_lib.resolve({'backend': 'fsdp', 'model': 'mlp', 'num_layers': 1, 'depth': 8, 'mesh_shape': (-1, 1),
+                        'frozen': ('Dense_0',)}, jax.devices())
