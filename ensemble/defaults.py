@@ -128,6 +128,9 @@ class Recipe:
   # starts them from a pretrained model.
   shared: tuple[str, ...] = ()
   frozen: tuple[str, ...] = ()
+  # r > 0: each member a rank-r adapter (LoRA) of the shared layers' kernels, which are then frozen (frozen defaults
+  # to shared): K adapters on one model.
+  adapter_rank: int = 0
   # 'shared': every member sees the same batches (the classic recipe). 'shuffled': each
   # member its own order of the training set, for more diversity between members. Method bagging sets
   # 'bootstrap': each member its own resample.

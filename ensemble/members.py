@@ -41,7 +41,8 @@ def member(config: Any, data_info: dict[str, Any], steps_per_epoch: int = 1,
                       augment=config.augment if inputs == 'images' else 'none',
                       method=methods.create(config, steps_per_epoch), inputs=inputs,
                       dtype=config.dtype, task=tasks.create(config, data_info),
-                      adversarial_epsilon=config.adversarial_epsilon, frozen=tuple(config.frozen))
+                      adversarial_epsilon=config.adversarial_epsilon, frozen=tuple(config.frozen),
+                      adapter_rank=config.adapter_rank)
 
 
 def data_info(image_shape: Sequence[int], num_classes: int, mean: Sequence[float], std: Sequence[float],
@@ -102,6 +103,7 @@ def check_model(member: steps.Member, num_classes: int, method: str) -> int:
                      f'give its last layer {num_classes} outputs (the labels run 0..{num_classes - 1})')
   sharing.check(member.method.shared_filters, variables['params'], 'shared')
   sharing.check(member.frozen, variables['params'], 'frozen')
+  sharing.check_adapted(member.method.shared_filters, variables['params'], member.adapter_rank)
   if method == 'batchensemble' and not any('shared' in jax.tree_util.keystr(path)
                                            for path, _ in jax.tree_util.tree_flatten_with_path(variables)[0]):
     raise UsageError('method batchensemble needs a model built with rank-1 layers, and this one has none: build it '

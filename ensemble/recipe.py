@@ -151,6 +151,7 @@ def _check_field(name: str, value: Any):
       'warmup_epochs': (lambda v: v >= 0, '0 or a positive number of epochs'),
       'seed': (lambda v: 0 <= v <= MAX_SEED, f'in [0, {MAX_SEED}]: set --config.seed'),
       'heldout_fraction': (lambda v: _range(0, 1, v), 'in [0, 1)'),
+      'adapter_rank': (lambda v: v >= 0, 'a whole number, the rank of each member\'s adapters, or 0 for none'),
       'early_stopping': (lambda v: v >= 0, 'a whole number of epochs without a lower validation NLL after which '
                                            'training stops, or 0 to train every epoch'),
       'eval_every': (lambda v: v >= 0, '0 (a test pass after the last epoch only) or a positive number of epochs'),
@@ -486,6 +487,11 @@ def resolve(fields: Any, available: Sequence[jax.Device], *, model: Any = None,
            f'num_devices={r.num_devices} but {len(available)} devices are available; set --config.num_devices '
            f'between 1 and {len(available)} (0 uses all), or run with --cpu_devices=N to simulate N CPU devices')
   single_model = r.backend in backends.MESH_MODELS
+  if r.adapter_rank:
+    _require(r.shared, f'adapter_rank={r.adapter_rank} adapts the kernels of the shared layers, and shared names '
+             "none: set shared (e.g. --config.shared=\"('backbone',)\"), or adapter_rank=0")
+    if not r.frozen:  # the adapted kernels are the pretrained ones: they stay as they are
+      r = r.replace(frozen=r.shared)
   _require(not (single_model and (r.shared or r.frozen)), f'backend {r.backend!r} trains one model on a mesh, and '
            'shared and frozen name parameters of an ensemble\'s members: set --config.backend=pmap or jit')
   k = r.ensemble_size

@@ -83,6 +83,7 @@ class Member:
   task: Any = classification.Classification()
   adversarial_epsilon: float = 0.0  # > 0: each step also trains on FGSM's perturbed inputs (methods/adversarial.py)
   frozen: tuple[str, ...] = ()  # module paths of parameters not trained (methods/sharing.py)
+  adapter_rank: int = 0  # > 0: each member a rank-r adapter of the shared kernels (methods/sharing.py)
 
   def prepare(self, images: jnp.ndarray, key: jax.Array | None = None) -> jnp.ndarray:
     """Inputs as they arrive -> the model's input; images with a `key` are augmented first (training only)."""
@@ -132,11 +133,17 @@ class Member:
   def init_variables(self, key: jax.Array) -> dict[str, Any]:
     return self.model.init(key, self.method.model_input(self.example_input()), train=False)
 
+  def initial_params(self, key: jax.Array) -> Any:
+    """The model's parameters drawn from `key`, with the member's adapters where it has them."""
+    variables = self.init_variables(key)
+    return sharing.with_adapters(self.method.shared_filters, self.adapter_rank, variables['params'],
+                                 jax.random.fold_in(key, 1)), variables
+
   def init(self, key: jax.Array) -> TrainState:
     """A fresh member from its key: the parameters from one half, the member's own `key` from the other."""
     init_key, own_key = jax.random.split(key)
-    variables = self.init_variables(init_key)
-    state = TrainState.create(apply_fn=self.model.apply, params=variables['params'], tx=self.tx,
+    params, variables = self.initial_params(init_key)
+    state = TrainState.create(apply_fn=self.model.apply, params=params, tx=self.tx,
                               batch_stats=_held(variables), key=jax.random.key_data(own_key))
     # A typed step, as a trained or restored state has (flax's 0 is weakly typed): one program serves all three.
     state = state.replace(step=jnp.zeros((), jnp.int32))
@@ -172,7 +179,7 @@ class Member:
     compute = functools.partial(_cast_floats, dtype=jnp.dtype(self.dtype))
     collections = self._collections(state.batch_stats)
     sent = compute(collections)
-    variables = {'params': compute(params), **sent}
+    variables = {'params': compute(sharing.merged(params)), **sent}
     images, rngs = compute(images), ({} if key is None else {'dropout': key})
     if not collections:
       return _float32(state.apply_fn(variables, images, train=train, rngs=rngs)), state.batch_stats

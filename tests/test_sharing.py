@@ -91,6 +91,8 @@ def test_a_shared_backbone_that_trains_stays_one_copy(pretrained):
     ({'init_params': {'backbone': {'Dense_0': {'kernel': np.zeros((5, 32))}}}},
      r'init_params holds backbone/Dense_0/kernel as \(5, 32\), where the model has \(32, 32\)'),
     ({'init_params': {'neck': {'kernel': np.zeros((4, 32))}}}, 'init_params holds neck/kernel, where the model has no'),
+    ({'adapter_rank': 2}, 'adapter_rank=2 adapts the kernels of the shared layers, and shared names none'),
+    ({'adapter_rank': 2, 'shared': 'head/bias'}, r"adapter_rank=2 adapts .* shared=\['head/bias'\] holds none"),
 ])
 def test_sharing_is_refused_in_one_line(fields, message):
   with pytest.raises(UsageError, match=message) as refused:
@@ -102,3 +104,30 @@ def test_the_cli_refuses_sharing_on_a_mesh_backend():
   with pytest.raises(UsageError, match="backend 'fsdp' trains one model on a mesh"):
     recipe_lib.resolve({'backend': 'fsdp', 'model': 'mlp', 'num_layers': 1, 'depth': 8, 'mesh_shape': (-1, 1),
                         'frozen': ('Dense_0',)}, jax.devices())
+
+
+def test_adapters_on_a_frozen_shared_backbone(pretrained, tmp_path):
+  """`adapter_rank=r`: the backbone one frozen copy (frozen follows shared), each member its own rank-r adapters of
+  its kernels, which start at zero (B) and train apart; the members then differ in what the backbone computes, and
+  save, load and export predict the same."""
+  from ensemble import export  # pylint: disable=g-import-not-at-top
+  from ensemble.methods import sharing  # pylint: disable=g-import-not-at-top
+  start = jax.tree.map(lambda leaf: np.asarray(leaf)[0], pretrained.params)
+  ens = ensemble.fit(Net(), _classes(256, 0), test=_classes(100, 1), shared='backbone', adapter_rank=2,
+                     init_params=start, **FIT)
+  assert ens.config.frozen == ('backbone',)
+  params = _one(ens.params)
+  for got, want in zip(jax.tree.leaves(params['backbone']), jax.tree.leaves(start['backbone']), strict=True):
+    np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
+  adapter = params[sharing.ADAPTERS]['backbone']['Dense_0']['kernel']
+  assert adapter['a'].shape == (4, 32, 2) and adapter['b'].shape == (4, 2, 32)
+  assert np.abs(adapter['b']).max() > 0 and not np.allclose(adapter['b'][0], adapter['b'][1])
+  assert 'bias' not in params[sharing.ADAPTERS]['backbone']['Dense_0']  # kernels only
+  x = _classes(50, 2)[0]
+  member_probs = ens.member_probs(x)
+  assert not np.allclose(member_probs[0], member_probs[1]) and ens.summary['test_accuracy'] > 0.6
+  saved = ens.save(str(tmp_path / 'saved'))
+  np.testing.assert_allclose(ensemble.load(saved.workdir, model=Net()).predict(x)['probs'], ens.predict(x)['probs'],
+                             rtol=1e-6)
+  served = jax.export.deserialize(bytearray(export.export(ens, ['cpu']).serialize()))
+  np.testing.assert_allclose(np.asarray(served.call(x)['probs']), ens.predict(x)['probs'], rtol=1e-4, atol=1e-6)

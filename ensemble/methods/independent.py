@@ -49,9 +49,9 @@ class Independent:
     if not self.shares_weights:
       return state
     shared_key = jax.random.fold_in(jax.random.key(self.seed), _SHARED_INIT)
-    reference = member.init_variables(shared_key)
+    reference, _ = member.initial_params(shared_key)
     params = jax.tree.map(lambda own, common, shared: common if shared else own,
-                          state.params, reference['params'], self.shared(state.params))
+                          state.params, reference, self.shared(state.params))
     return state.replace(params=params, opt_state=state.tx.init(params))
 
   def average_shared(self, grads, axis_name: str | None):

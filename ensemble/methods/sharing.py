@@ -12,6 +12,7 @@ pass stops at it (`stop_frozen`), so a frozen backbone under trained heads costs
 one forward pass a step.
 """
 
+import math
 from typing import Any, Sequence
 
 import jax
@@ -22,6 +23,9 @@ from ensemble.errors import UsageError
 # The parts of a member's state that hold the parameters' tree; the model's statistics, the key and the step are
 # each member's own.
 _PARAMETER_PARTS = ('params', 'opt_state')
+# Where a member's low-rank adapters (`adapter_rank`) sit in its parameters, beside the model's: each member's own,
+# never matched by a filter, merged into the kernels they adapt before the model runs (`merged`).
+ADAPTERS = '_adapters'
 
 
 def _name(key) -> str | None:
@@ -46,7 +50,9 @@ def as_filters(value: Any, name: str) -> tuple[str, ...]:
 
 
 def matches(filters: Sequence[str], path_names: Sequence[str]) -> bool:
-  """Whether any filter's names occur in `path_names`, one after another."""
+  """Whether any filter's names occur in `path_names`, one after another (never in an adapter's path)."""
+  if ADAPTERS in path_names:
+    return False
   for f in filters:
     parts = tuple(f.split('/'))
     if any(tuple(path_names[i:i + len(parts)]) == parts for i in range(len(path_names) - len(parts) + 1)):
@@ -111,3 +117,51 @@ def fill_from(init_params: Any, params: Any) -> Any:
     found = given.get(names(path))
     return leaf if found is None else jnp.broadcast_to(jnp.asarray(found, leaf.dtype), leaf.shape)
   return jax.tree_util.tree_map_with_path(fill, params)
+
+
+def _kernels(filters: Sequence[str], params: Any) -> dict[tuple[str, ...], Any]:
+  """The matched leaves that are kernels (2 or more axes: Dense (in, out), Conv (..., in, out)), by path."""
+  return {names(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+          if matches(filters, names(path)) and len(leaf.shape) >= 2}
+
+
+def check_adapted(filters: Sequence[str], params: Any, rank: int):
+  """Refuses `adapter_rank` where the shared parameters hold no kernel to adapt."""
+  if rank and not _kernels(filters, params):
+    raise UsageError(f'adapter_rank={rank} adapts the kernels of the shared layers, and shared={list(filters)} holds '
+                     'none (no parameter of 2 or more axes): name layers with a kernel (Dense, Conv), or set '
+                     'adapter_rank=0')
+
+
+def with_adapters(filters: Sequence[str], rank: int, params: Any, key: jax.Array) -> Any:
+  """One member's `params` and, for each kernel the filters match, a rank-`rank` adapter of its own: A (fan in,
+  rank) drawn from `key` at 1/sqrt(fan in), B (rank, out) zeros, so that the member starts as the model (LoRA, Hu et
+  al. 2021; an ensemble of them, Wang et al. 2023)."""
+  if not rank:
+    return params
+  adapters = {}
+  for i, (path, kernel) in enumerate(sorted(_kernels(filters, params).items())):
+    fan_in, out = int(math.prod(kernel.shape[:-1])), kernel.shape[-1]
+    node = adapters
+    for name in path[:-1]:
+      node = node.setdefault(name, {})
+    a = jax.random.normal(jax.random.fold_in(key, i), (fan_in, rank), kernel.dtype) / math.sqrt(fan_in)
+    node[path[-1]] = {'a': a, 'b': jnp.zeros((rank, out), kernel.dtype)}
+  return {**params, ADAPTERS: adapters}
+
+
+def merged(params: Any) -> Any:
+  """The model's parameters: `params` without the adapters, each adapted kernel plus A B (reshaped to it)."""
+  if not isinstance(params, dict) or ADAPTERS not in params:
+    return params
+  adapters = params[ADAPTERS]
+  model = {key: value for key, value in params.items() if key != ADAPTERS}
+
+  def merge(path, kernel):
+    node = adapters
+    for name in names(path):
+      node = node.get(name) if isinstance(node, dict) else None
+      if node is None:
+        return kernel
+    return kernel + (node['a'] @ node['b']).reshape(kernel.shape).astype(kernel.dtype)
+  return jax.tree_util.tree_map_with_path(merge, model)

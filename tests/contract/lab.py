@@ -48,6 +48,8 @@ METHODS = {
     'adversarial': {'adversarial_epsilon': 0.01},
     # K heads on one trunk (methods/sharing.py): its first layer frozen, its second trained by all members together.
     'shared_trunk': {'shared': ('Dense_0', 'Dense_1'), 'frozen': ('Dense_0',)},
+    # K rank-2 adapters (LoRA) of one frozen trunk.
+    'adapters': {'shared': ('Dense_0', 'Dense_1'), 'adapter_rank': 2},
 }
 # What a workdir run checkpoints: every 2 steps, mid-epoch and at each epoch's end (steps 2, 4, 6, 8).
 WORKDIR_FIELDS = {'checkpoint_every_steps': 2, 'checkpoints_to_keep': 10}
