@@ -95,3 +95,15 @@ def test_compare_methods_scores_runs_in_the_background_and_distils_in_a_process_
                f'--out={out}', '--methods=independent,distilled')
   assert again.returncode == 0 and again.stdout == result.stdout  # finished runs kept, and their rows
   assert (out / 'independent' / 'eval' / 'metrics.json').stat().st_mtime_ns == scored
+
+
+def test_backbone_prints_its_table(tmp_path):
+  """scripts/backbone.py on a few rows: a row per ensemble, every figure a number."""
+  result = _run('scripts/backbone.py', '--rows=256', '--epochs=1', '--ensemble_size=2', '--sections=memory,quality')
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = [line for line in result.stdout.splitlines() if line.startswith('| ') and not line.startswith('| ensemble')]
+  assert [row.split(' | ')[0] for row in rows] == ['| deep ensemble', '| heads (frozen)', '| heads (tuned)',
+                                                   '| adapters (r=4)']
+  for row in rows:
+    figures = [cell.strip() for cell in row.strip('|').split('|')[4:]]
+    assert all(float(figure) == float(figure) for figure in figures), row  # memory and quality: no NaN

@@ -131,3 +131,16 @@ def test_adapters_on_a_frozen_shared_backbone(pretrained, tmp_path):
                              rtol=1e-6)
   served = jax.export.deserialize(bytearray(export.export(ens, ['cpu']).serialize()))
   np.testing.assert_allclose(np.asarray(served.call(x)['probs']), ens.predict(x)['probs'], rtol=1e-4, atol=1e-6)
+
+
+def test_the_guide_s_backbone_example_runs_as_written(capsys):
+  """docs/python-api.md's pretrained-backbone example runs as written: heads and adapters both learn the digits."""
+  import os  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'docs', 'python-api.md')
+  with open(path, encoding='utf-8') as f:
+    section = f.read().split('## A pretrained backbone', 1)[1]
+  code = re.search(r'```python\n(.*?)```', section, re.S).group(1)
+  exec(compile(code, path, 'exec'), {'__name__': 'guide'})  # pylint: disable=exec-used
+  heads, adapters = map(float, capsys.readouterr().out.split()[-2:])
+  assert heads > 0.75 and adapters > 0.75, (heads, adapters)

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ensemble.errors import UsageError
 
@@ -113,9 +114,11 @@ def fill_from(init_params: Any, params: Any) -> Any:
       raise UsageError(f"init_params holds {'/'.join(path)} as {tuple(leaf.shape)}, where the model has "
                        f'{tuple(known[path].shape[1:])}; give the parameters of this model')
 
-  def fill(path, leaf):
+  def fill(path, leaf):  # placed as the member's leaf is: over the members' devices
     found = given.get(names(path))
-    return leaf if found is None else jnp.broadcast_to(jnp.asarray(found, leaf.dtype), leaf.shape)
+    if found is None:
+      return leaf
+    return jax.device_put(np.broadcast_to(np.asarray(found, leaf.dtype), leaf.shape), leaf.sharding)
   return jax.tree_util.tree_map_with_path(fill, params)
 
 
