@@ -726,7 +726,8 @@ def fit(model: Any, train: Any, test: Any = None, *, ensemble_size: int | None =
   convolutional members trained 1.44x faster): a setting of the whole
   process, never undone, so only if asked.
 
-  `shared='backbone'` (a module path, or a tuple of them) makes those
+  `shared='backbone'` (a module path, a tuple of them, or a predicate of a
+  parameter's path such as 'backbone/Dense_0/kernel') makes those
   parameters one copy that every member trains (K heads on one backbone),
   `frozen=` keeps the parameters it names out of training (no optimizer
   state, no backward pass through them), and `init_params` (one model's
@@ -745,12 +746,15 @@ def fit(model: Any, train: Any, test: Any = None, *, ensemble_size: int | None =
     _check_flag(name, value)
   _check_flag('progress', progress, none=True)
   validation = _validation(validation, early_stopping, fields)
+  predicates = {key: fields.pop(key) for key in ('shared', 'frozen') if callable(fields.get(key))}
   for key in ('shared', 'frozen'):
     if fields.get(key) is not None:
       fields[key] = sharing.as_filters(fields[key], key)
   settings = fit_recipe(config, {'ensemble_size': ensemble_size, 'epochs': epochs, 'method': method,
                                  'early_stopping': early_stopping or None, **fields})
   dataset = _dataset(train, test, settings)
+  if predicates:
+    settings = recipe_lib.of(_accepted_paths(model, dataset, settings, predicates), base=settings)
   validation = _validation_split(validation, dataset, settings)
   if dataset.inputs != 'images' and settings.augment != 'none' and 'augment' in fields:  # else the recipe sets it
     raise UsageError(f'augment={settings.augment!r} transforms images, and these inputs are {dataset.inputs}: '
@@ -758,6 +762,28 @@ def fit(model: Any, train: Any, test: Any = None, *, ensemble_size: int | None =
   return fit_dataset(model, dataset, settings, workdir=workdir, init=init, keep_optimizer=keep_optimizer,
                      keep_freed_memory=keep_freed_memory, progress=progress, validation=validation,
                      init_params=init_params)
+
+
+def _accepted_paths(model: Any, dataset: data.Dataset, settings: recipe_lib.Recipe,
+                    predicates: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+  """`shared=` or `frozen=` given as a predicate of a parameter's path ('backbone/Dense_0/kernel') -> the paths of
+  the model's parameters it accepts: what config.json records, and a resume or `load` reads."""
+  outputs = 2 * dataset.num_classes if dataset.task == 'regression' else dataset.num_classes
+  info = members.data_info(dataset.image_shape, outputs, [0.0], [1.0], inputs=dataset.inputs)
+  recipe = settings.replace(shared=(), frozen=(), adapter_rank=0)
+  if isinstance(model, str):
+    recipe, model = recipe.replace(model=model), None
+  member = members.member(recipe, info, model=model)
+  params = jax.eval_shape(member.init_variables, jax.random.key(0))['params']
+  paths = ['/'.join(sharing.names(path)) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+  accepted = {}
+  for key, predicate in predicates.items():
+    accepted[key] = tuple(path for path in paths if predicate(path))
+    if not accepted[key]:
+      raise UsageError(f'{key}={getattr(predicate, "__name__", predicate)} accepts none of the model\'s parameter '
+                       f'paths ({", ".join(paths[:4])}{", ..." if len(paths) > 4 else ""}): it is called with each '
+                       'of them, a string such as those')
+  return accepted
 
 
 def _validation(validation: Any, early_stopping: Any, fields: dict[str, Any]) -> Any:

@@ -144,3 +144,42 @@ def test_the_guide_s_backbone_example_runs_as_written(capsys):
   exec(compile(code, path, 'exec'), {'__name__': 'guide'})  # pylint: disable=exec-used
   heads, adapters = map(float, capsys.readouterr().out.split()[-2:])
   assert heads > 0.75 and adapters > 0.75, (heads, adapters)
+
+
+def test_a_predicate_names_the_parameters_by_path():
+  """`shared=` and `frozen=` as predicates of a parameter's path: the recipe records the paths they accept, and the
+  members share (and keep frozen) exactly those."""
+  ens = ensemble.fit(Net(), _classes(128, 0), shared=lambda path: path.startswith('backbone/'),
+                     frozen=lambda path: path == 'backbone/Dense_1/kernel', **FIT)
+  assert ens.config.shared == ('backbone/Dense_0/bias', 'backbone/Dense_0/kernel', 'backbone/Dense_1/bias',
+                               'backbone/Dense_1/kernel')
+  assert ens.config.frozen == ('backbone/Dense_1/kernel',)
+  params = _one(ens.params)
+  for leaf in jax.tree.leaves(params['backbone']):
+    assert all(np.array_equal(leaf[0], leaf[i]) for i in range(4))
+  with pytest.raises(UsageError, match="shared=<lambda> accepts none of the model's parameter paths"):
+    ensemble.fit(Net(), _classes(64, 0), shared=lambda path: False, **FIT)
+
+
+def test_an_nnx_model_shares_its_backbone():
+  """An NNX model's parameters are named by its attributes: `shared='backbone'` finds them as it finds a linen
+  module's."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  class NNXNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+      self.backbone = nnx.Linear(4, 32, rngs=rngs)
+      self.head = nnx.Linear(32, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(nnx.relu(self.backbone(x)))
+
+  ens = ensemble.fit(NNXNet, _classes(128, 0), shared='backbone', frozen='backbone', **FIT)
+  leaves = jax.tree_util.tree_leaves_with_path(ens.params)
+  backbone = [leaf for path, leaf in leaves if 'backbone' in jax.tree_util.keystr(path)]
+  head = [leaf for path, leaf in leaves if 'head' in jax.tree_util.keystr(path)]
+  assert backbone and head
+  for leaf in backbone:
+    assert all(np.array_equal(leaf[0], leaf[i]) for i in range(4))
+  assert not np.allclose(head[0][0], head[0][1])
+  assert ens.summary['train_accuracy'] > 0.5
