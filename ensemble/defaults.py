@@ -131,6 +131,13 @@ class Recipe:
   # r > 0: each member a rank-r adapter (LoRA) of the shared layers' kernels, which are then frozen (frozen defaults
   # to shared): K adapters on one model.
   adapter_rank: int = 0
+  # A workdir (a run's, or Ensemble.save's) whose first member's parameters start every member of a fresh run: those
+  # of the layers `shared` names where it names any, else all of them (ensemble.fit's init_params, from the command
+  # line). '' for none.
+  init_from: str = ''
+  # > 0: each member's copy of what init_params (init_from) gave, but the shared parameters, plus Gaussian noise of
+  # this standard deviation, each member its own draw (from the seed): members that start from one model differ.
+  init_noise: float = 0.0
   # 'shared': every member sees the same batches (the classic recipe). 'shuffled': each
   # member its own order of the training set, for more diversity between members. Method bagging sets
   # 'bootstrap': each member its own resample.

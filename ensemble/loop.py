@@ -313,10 +313,12 @@ def prepare(recipe: Recipe, devices: Sequence[jax.Device], dataset: data.Dataset
 
 def with_init_params(run: Run, state: Any, init_params: Any) -> Any:
   """`state` (fresh members, the backend's layout) with every parameter that `init_params` (one model's tree: a
-  pretrained checkpoint's, a 1-member fit's `params`) holds, for every member (methods/sharing.py's `fill_from`);
-  the optimizer's state is a fresh one's either way."""
+  pretrained checkpoint's, a 1-member fit's `params`) holds, for every member (methods/sharing.py's `fill_from`),
+  and `recipe.init_noise` added to the members' own copies; the optimizer's state is a fresh one's either way."""
   canonical = run.backend.to_canonical(state)
-  return run.backend.from_canonical(canonical.replace(params=sharing.fill_from(init_params, canonical.params)))
+  params = sharing.fill_from(init_params, canonical.params, run.recipe.init_noise, run.recipe.seed,
+                             run.member.method.shared(canonical.params))
+  return run.backend.from_canonical(canonical.replace(params=params))
 
 
 def train_before(dataset: data.Dataset, recipe: Recipe) -> data.Split:

@@ -151,6 +151,7 @@ def _check_field(name: str, value: Any):
       'warmup_epochs': (lambda v: v >= 0, '0 or a positive number of epochs'),
       'seed': (lambda v: 0 <= v <= MAX_SEED, f'in [0, {MAX_SEED}]: set --config.seed'),
       'heldout_fraction': (lambda v: _range(0, 1, v), 'in [0, 1)'),
+      'init_noise': (lambda v: v >= 0 and math.isfinite(v), '0 or a positive standard deviation'),
       'adapter_rank': (lambda v: v >= 0, 'a whole number, the rank of each member\'s adapters, or 0 for none'),
       'early_stopping': (lambda v: v >= 0, 'a whole number of epochs without a lower validation NLL after which '
                                            'training stops, or 0 to train every epoch'),
@@ -193,6 +194,10 @@ def _check_field(name: str, value: Any):
                                      for v in value) and value[0] <= value[1],
              f'{name}={value!r} must be a range (low, high) of positive numbers with low <= high, '
              f"e.g. --config.{name}='(0.05, 0.2)'")
+  elif name == 'init_from':
+    _require(not value or os.path.isdir(os.path.expanduser(value)),
+             f'init_from={value!r} is no folder: give the workdir of a trained run (a 1-member run of the same model, '
+             'or an ensemble saved with Ensemble.save)')
   elif name in ('shared', 'frozen'):
     _require(all(isinstance(v, str) and v.strip('/') for v in value),
              f"{name}={value!r} must be module paths, e.g. --config.{name}=\"('backbone',)\"")
@@ -540,7 +545,7 @@ def resolve(fields: Any, available: Sequence[jax.Device], *, model: Any = None,
 NOT_IN_PROGRAMS = ('seed', 'dataset', 'data_dir', 'train_split', 'test_split', 'heldout_fraction', 'target',
                    'checkpoints_to_keep', 'compilation_cache', 'eval_every', 'data_fingerprint', 'inputs',
                    'standardize_features', 'eval_batch_size', 'steps_per_dispatch', 'streaming',
-                   'checkpoint_every_steps', 'num_devices', 'early_stopping')
+                   'checkpoint_every_steps', 'num_devices', 'early_stopping', 'init_from', 'init_noise')
 _MESH_FIELDS = ('mesh_shape', 'num_layers', 'depth', 'use_scan', 'logical', 'num_minibatches', 'min_weight_size')
 # Fields that only some recipes read, and which: another recipe's programs do not depend on them.
 _READ_BY = {

@@ -312,6 +312,9 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
       logging.info('Resumed from %s at epoch %d.', ckpt.directory, start_epoch)
   else:
     state = run.init()
+    if init_params is None and config.init_from:
+      from ensemble import api  # pylint: disable=g-import-not-at-top  # api imports this module
+      init_params = api.params_to_start_from(config.init_from, config.shared)
     if init_params is not None:
       state = loop.with_init_params(run, state, init_params)
   if saved_config is not None:

@@ -183,3 +183,38 @@ def test_an_nnx_model_shares_its_backbone():
     assert all(np.array_equal(leaf[0], leaf[i]) for i in range(4))
   assert not np.allclose(head[0][0], head[0][1])
   assert ens.summary['train_accuracy'] > 0.5
+
+
+def test_the_cli_starts_heads_from_a_pretrained_workdir(make_config, tmp_path):
+  """`--config.init_from=WORKDIR` with `--config.shared`: the backbone is that run's first member's (only the layers
+  shared names), one frozen copy; the heads are drawn from the members' keys; a folder that is not there is refused
+  before anything is written."""
+  from ensemble import trainer  # pylint: disable=g-import-not-at-top
+  backbone = ('Conv_0', 'Conv_1', 'Dense_0')
+  pretrained = str(tmp_path / 'pretrained')
+  trainer.train_and_evaluate(make_config(ensemble_size=1), pretrained)
+  heads = str(tmp_path / 'heads')
+  trainer.train_and_evaluate(make_config(shared=backbone, frozen=backbone, init_from=pretrained), heads)
+  before, after = _one(ensemble.load(pretrained).params), _one(ensemble.load(heads).params)
+  for name in backbone:
+    for key in ('kernel', 'bias'):
+      np.testing.assert_array_equal(after[name][key], np.broadcast_to(before[name][key][0], after[name][key].shape))
+  assert not np.allclose(after['Dense_1']['kernel'][0], before['Dense_1']['kernel'][0])
+  assert not np.allclose(after['Dense_1']['kernel'][0], after['Dense_1']['kernel'][1])
+  with pytest.raises(UsageError, match="init_from='/nowhere' is no folder"):
+    trainer.train_and_evaluate(make_config(init_from='/nowhere'), str(tmp_path / 'refused'))
+  assert not (tmp_path / 'refused').exists()
+
+
+def test_init_noise_makes_members_that_start_from_one_model_differ(pretrained):
+  """`init_noise=s`: every member's copy of the pretrained head plus its own Gaussian draw of standard deviation s
+  (the shared backbone stays one copy, untouched); without it, they start equal."""
+  start = jax.tree.map(lambda leaf: np.asarray(leaf)[0], pretrained.params)
+  fields = {**FIT, 'epochs': 1, 'learning_rate': 1e-9, 'shared': 'backbone', 'init_params': start}
+  same = _one(ensemble.fit(Net(), _classes(64, 0), **fields).params)
+  noisy = _one(ensemble.fit(Net(), _classes(64, 0), init_noise=0.01, **fields).params)
+  np.testing.assert_allclose(same['head']['kernel'][1], same['head']['kernel'][0], atol=1e-6)
+  spread = noisy['head']['kernel'] - start['head']['kernel']
+  assert 0.007 < spread.std() < 0.013 and not np.allclose(spread[0], spread[1])
+  for got, want in zip(jax.tree.leaves(noisy['backbone']), jax.tree.leaves(same['backbone'])):
+    np.testing.assert_allclose(got, want, atol=1e-6)

@@ -98,10 +98,12 @@ def labels(filters: Sequence[str]):
       lambda path, _: 'frozen' if matches(filters, names(path)) else 'trained', params)
 
 
-def fill_from(init_params: Any, params: Any) -> Any:
+def fill_from(init_params: Any, params: Any, noise: float = 0.0, seed: int = 0, shared: Any = None) -> Any:
   """The stacked members' `params` ((K, ...) per leaf) with every leaf that `init_params` (one model's tree) holds at
-  the same path replaced by it, for every member. One of another shape, or at a path the model lacks, is refused in
-  one line naming the path; a leaf that `init_params` lacks stays as the member's key drew it."""
+  the same path replaced by it, for every member, plus Gaussian `noise` (a standard deviation; each member and leaf
+  its own draw from `seed`) where `shared` (a tree of bools) does not say the leaf is one copy. One of another
+  shape, or at a path the model lacks, is refused in one line naming the path; a leaf that `init_params` lacks
+  stays as the member's key drew it."""
   given = {names(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(init_params)}
   known = {names(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
   if given and all(path in known and tuple(leaf.shape) == (1, *known[path].shape[1:]) for path, leaf in given.items()):
@@ -114,12 +116,18 @@ def fill_from(init_params: Any, params: Any) -> Any:
       raise UsageError(f"init_params holds {'/'.join(path)} as {tuple(leaf.shape)}, where the model has "
                        f'{tuple(known[path].shape[1:])}; give the parameters of this model')
 
-  def fill(path, leaf):  # placed as the member's leaf is: over the members' devices
+  rng = np.random.default_rng([seed, 0x1a17])
+
+  def fill(path, leaf, one_copy):  # placed as the member's leaf is: over the members' devices
     found = given.get(names(path))
     if found is None:
       return leaf
-    return jax.device_put(np.broadcast_to(np.asarray(found, leaf.dtype), leaf.shape), leaf.sharding)
-  return jax.tree_util.tree_map_with_path(fill, params)
+    value = np.broadcast_to(np.asarray(found, leaf.dtype), leaf.shape)
+    if noise and not one_copy:
+      value = (value + noise * rng.standard_normal(leaf.shape)).astype(leaf.dtype)
+    return jax.device_put(value, leaf.sharding)
+  shared = jax.tree.map(lambda _: False, params) if shared is None else shared
+  return jax.tree_util.tree_map_with_path(fill, params, shared)
 
 
 def _kernels(filters: Sequence[str], params: Any) -> dict[tuple[str, ...], Any]:
