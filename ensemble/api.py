@@ -496,7 +496,7 @@ class Ensemble:
                                json.dumps(self.config.to_dict(), indent=2, sort_keys=True))  # with the data's hash
         meta = {'model': self.config.model, 'ensemble_size': self.size, 'data': self._data_info}
         step = int(np.asarray(self.state.step).reshape(-1)[0])
-        ckpt = checkpoint.Checkpointer(partial)
+        ckpt = checkpoint.Checkpointer(partial, method=self.member.method)
         try:
           ckpt.save(self.epoch, self.state, meta, summary=(step, self.summary))
         finally:

@@ -19,6 +19,7 @@ running one writes.
 import contextlib
 import errno
 import fcntl
+import functools
 import gc
 import logging as py_logging
 import os
@@ -37,6 +38,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 from flax import serialization, traverse_util
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ensemble import distributed
 from ensemble.errors import UsageError
@@ -215,14 +217,63 @@ def read_record(workdir: str, epoch: int) -> dict[str, Any]:
     handler.close()
 
 
+def _writes_shared_once(method: Any) -> bool:
+  """Whether checkpoints hold the members' shared parameters once: those `shared=` names (methods/sharing.py).
+  BatchEnsemble's checkpoints have always held a copy per member, and keep doing so."""
+  return bool(getattr(method, 'shared_filters', ()))
+
+
+def shared_once(method: Any, state: Any) -> Any:
+  """The canonical state ((K, ...) per leaf; arrays or their shapes) as checkpoints hold it: the leaves that all
+  members share (`method.map_shared`) once, (1, ...), replicated."""
+  if not _writes_shared_once(method):
+    return state
+
+  def once(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+      sharding = x.sharding
+      if isinstance(sharding, NamedSharding):
+        sharding = NamedSharding(sharding.mesh, PartitionSpec())
+      return jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype, sharding=sharding)
+    return _first(x)
+  return method.map_shared(once, state)
+
+
+@jax.jit
+def _first(x):
+  return x[:1]
+
+
+def shared_repeated(method: Any, state: Any, like: Any) -> Any:
+  """Undoes `shared_once`: each shared leaf repeated for the members, laid out as `like`'s leaf."""
+  if not _writes_shared_once(method):
+    return state
+  shapes = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(like)}
+
+  def repeated(path, x):
+    if not method.is_shared_path(path):
+      return x
+    full = shapes[jax.tree_util.keystr(path)]
+    return _repeat(tuple(full.shape), full.sharding)(x)
+  return jax.tree_util.tree_map_with_path(repeated, state)
+
+
+@functools.lru_cache(maxsize=256)
+def _repeat(shape: tuple[int, ...], sharding: Any):
+  """A program that broadcasts a (1, ...) leaf to `shape`, laid out by `sharding`: one per leaf's shape."""
+  return jax.jit(lambda y: jax.numpy.broadcast_to(y, shape), out_shardings=sharding)
+
+
 class Checkpointer:
   """Saves one checkpoint per epoch (or step) under `workdir/checkpoints/<epoch>` and keeps the last few."""
 
-  def __init__(self, workdir: str, max_to_keep: int = 3, asynchronous: bool = False, folder: str = CHECKPOINTS_DIR):
+  def __init__(self, workdir: str, max_to_keep: int = 3, asynchronous: bool = False, folder: str = CHECKPOINTS_DIR,
+               method: Any = None):
     """`asynchronous`: `save(..., wait=False)` returns once the state is on the host and writes the files in the
     background (orbax's async checkpointing), so that training goes on meanwhile. `folder`: STOPPED_DIR for the
-    step SIGTERM stopped a run at."""
+    step SIGTERM stopped a run at. `method`: the members' (`shared_once`)."""
     self.workdir = os.path.abspath(workdir)
+    self.method = method
     self.directory = os.path.join(self.workdir, folder)
     self._manager = ocp.CheckpointManager(
         self.directory,
@@ -280,13 +331,15 @@ class Checkpointer:
     DamagedCheckpoint.
     """
     saved = self._read_meta(epoch)
-    self._check_compatible(epoch, saved, {**meta, 'signature': signature(abstract_state)})
-    target = serialization.to_state_dict(abstract_state)
+    on_disk = shared_once(self.method, abstract_state)
+    self._check_compatible(epoch, saved, {**meta, 'signature': signature(on_disk)})
+    target = serialization.to_state_dict(on_disk)
 
     def read(path):
       fitted = _fit_to_disk(target, self._state_handler.metadata(path).tree)
       return _with_empty_fields(target, self._state_handler.restore(path, args=ocp.args.StandardRestore(fitted)))
-    return serialization.from_state_dict(abstract_state, self._read(epoch, 'state', read))
+    return shared_repeated(self.method, serialization.from_state_dict(on_disk, self._read(epoch, 'state', read)),
+                           abstract_state)
 
   def check_fits(self, abstract_state: Any, meta: dict[str, Any]):
     """Refuses a config that the workdir's checkpoints do not fit, from their small JSON records alone.
@@ -294,7 +347,7 @@ class Checkpointer:
     Cheap, and it writes nothing, so a run can be refused before it takes the
     workdir's lock; the restore checks every checkpoint it reads again.
     """
-    expected = {**meta, 'signature': signature(abstract_state)}
+    expected = {**meta, 'signature': signature(shared_once(self.method, abstract_state))}
     for epoch in reversed(self.epochs()):
       try:
         saved = self._read_meta(epoch)
@@ -379,6 +432,7 @@ class Checkpointer:
     complete it, and raise its error.
     """
     self.wait()
+    state = shared_once(self.method, state)
     record = {**meta, 'epoch': epoch, 'signature': signature(state)}
     if summary is not None:
       record['summary'] = {'step': summary[0], 'scalars': summary[1]}

@@ -81,6 +81,7 @@ def restore(workdir: str, config: recipe_lib.Recipe, step: int | None, devices: 
   if step is not None and step not in epochs:
     raise UsageError(f'--step={step}: no such checkpoint in {ckpt.directory}; choose one of {epochs}')
   member = members.member(config, _recorded_data(ckpt, epochs if step is None else [step]), model=model)
+  ckpt.method = member.method  # how its checkpoints hold the shared parameters
   target = backends.abstract_member_state(member, config.ensemble_size, devices)
   meta = {'model': config.model, 'ensemble_size': config.ensemble_size}
   try:

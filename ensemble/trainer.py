@@ -158,12 +158,12 @@ def _remove_stopped(workdir: str):
 
 
 def _resume_from_stop(workdir: str, abstract_state: Any, meta: dict[str, Any], start: loop.Position,
-                      steps_per_epoch: int) -> tuple[loop.Position, Any]:
+                      steps_per_epoch: int, method: Any) -> tuple[loop.Position, Any]:
   """(position, state) of the step SIGTERM saved in STOPPED_DIR where it is further than `start` (the newest
   epoch's checkpoint); else (start, None), and a step that is not further is removed."""
   if not _stopped_steps(workdir):
     return start, None
-  stopped = checkpoint.Checkpointer(workdir, max_to_keep=1, folder=checkpoint.STOPPED_DIR)
+  stopped = checkpoint.Checkpointer(workdir, max_to_keep=1, folder=checkpoint.STOPPED_DIR, method=method)
   try:
     step, state = stopped.restore_newest_intact(abstract_state, meta, move_aside=True)
     position = _position(stopped, step, steps_per_epoch) if step else start
@@ -212,7 +212,8 @@ class _SavesInBackground(loop.Hook):
       self.save_point(epoch, position, state, summary)
       return
     self.finish()
-    stopped = checkpoint.Checkpointer(self._ckpt.workdir, max_to_keep=1, folder=checkpoint.STOPPED_DIR)
+    stopped = checkpoint.Checkpointer(self._ckpt.workdir, max_to_keep=1, folder=checkpoint.STOPPED_DIR,
+                                      method=self._ckpt.method)
     try:
       stopped.save(position.step, state, {**self._meta, 'position': dataclasses.asdict(position)})
     finally:
@@ -282,6 +283,7 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
   if not resolved:
     recipe, devices = recipe_lib.resolve(recipe, devices, model=model, dataset=dataset)
   run = loop.prepare(recipe, devices, dataset, model, validation=validation)
+  ckpt.method = run.member.method  # how its checkpoints hold the shared parameters
   config, backend = recipe, run.backend
   ckpt_meta = {'model': config.model, 'ensemble_size': config.ensemble_size, 'data': run.data_info}
 
@@ -298,7 +300,8 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
     return restored, {**best.summary, 'best_epoch': best.epoch}
   resumed_from, resumed_stop = ckpt.path(start_key), 0
   if config.checkpoint_unit == 'epoch':  # where SIGTERM stopped the run, if past that epoch
-    stop, stopped_state = _resume_from_stop(workdir, backend.abstract_state(), ckpt_meta, start, run.steps_per_epoch)
+    stop, stopped_state = _resume_from_stop(workdir, backend.abstract_state(), ckpt_meta, start, run.steps_per_epoch,
+                                            run.member.method)
     if stopped_state is not None:
       start, restored, resumed_stop = stop, stopped_state, stop.step
       resumed_from = os.path.join(workdir, checkpoint.STOPPED_DIR, str(stop.step))

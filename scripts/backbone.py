@@ -13,13 +13,14 @@ The backbone is the built-in CNN's convolutions and hidden layer (Conv_0, Conv_1
   adapters (r=4)    K rank-4 adapters of its frozen kernels, and K heads (shared=, adapter_rank=4, init_params=)
 
 Speed is a steady-state fit (the same fit run twice; the second compiles nothing) of the same steps. Memory is the
-members' state (parameters and optimizer state) as the backend lays it out on one device. Quality is on the test
-split: accuracy, NLL, ECE, and the AUROC of telling the test digits from their pixels permuted by the members'
-disagreement (mutual information) and by the predictive entropy.
+members' state (parameters and optimizer state) as the backend lays it out on one device, and what `save` writes.
+Quality is on the test split: accuracy, NLL, ECE, and the AUROC of telling the test digits from their pixels
+permuted by the members' disagreement (mutual information) and by the predictive entropy.
 """
 
 import os
 import sys
+import tempfile
 import time
 
 # Run from a checkout: import the `ensemble` package that sits next to this script.
@@ -65,6 +66,14 @@ def _state_bytes(ens, train) -> int:
   return backends.bytes_per_device((state.params, state.opt_state))
 
 
+def _checkpoint_bytes(ens) -> int:
+  """The size of what `save` writes (the checkpoint holds a shared part once)."""
+  with tempfile.TemporaryDirectory() as folder:
+    path = os.path.join(folder, 'saved')
+    ens.save(path)
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+
 def _quality(ens, test) -> dict:
   scores = ens.evaluate(*test)['ensemble']
   shifted = evaluation.permute_pixels(test[0])
@@ -87,8 +96,8 @@ def main(argv):
   one = ensemble.fit('cnn', train, ensemble_size=1, epochs=FLAGS.epochs, progress=False)
   pretrained = jax.tree.map(lambda leaf: np.asarray(leaf)[0], one.params)
   print(f'pretraining (1 member): {time.perf_counter() - started:.1f} s', flush=True)
-  print('| ensemble | first fit s | steady fit s | speed-up | state MB | accuracy | NLL | ECE | '
-        'AUROC (MI) | AUROC (entropy) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|', flush=True)
+  print('| ensemble | first fit s | steady fit s | speed-up | state MB | checkpoint MB | accuracy | NLL | ECE | '
+        'AUROC (MI) | AUROC (entropy) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|', flush=True)
   reference = None
   for name, fields in ROWS.items():
     started = time.perf_counter()
@@ -101,9 +110,10 @@ def main(argv):
       steady = time.perf_counter() - started
     reference = reference or steady
     megabytes = _state_bytes(ens, train) / 1e6 if 'memory' in FLAGS.sections else float('nan')
+    saved = _checkpoint_bytes(ens) / 1e6 if 'memory' in FLAGS.sections else float('nan')
     q = _quality(ens, test) if 'quality' in FLAGS.sections else dict.fromkeys(
         ('accuracy', 'nll', 'ece', 'auroc_mi', 'auroc_entropy'), float('nan'))
-    print(f'| {name} | {first:.1f} | {steady:.1f} | {reference / steady:.2f}x | {megabytes:.2f} | '
+    print(f'| {name} | {first:.1f} | {steady:.1f} | {reference / steady:.2f}x | {megabytes:.2f} | {saved:.2f} | '
           f"{q['accuracy']:.4f} | {q['nll']:.4f} | {q['ece']:.4f} | {q['auroc_mi']:.3f} | {q['auroc_entropy']:.3f} |",
           flush=True)
 

@@ -105,5 +105,5 @@ def test_backbone_prints_its_table(tmp_path):
   assert [row.split(' | ')[0] for row in rows] == ['| deep ensemble', '| heads (frozen)', '| heads (tuned)',
                                                    '| adapters (r=4)']
   for row in rows:
-    figures = [cell.strip() for cell in row.strip('|').split('|')[4:]]
+    figures = [cell.strip() for cell in row.strip('|').split('|')[4:]]  # the state's MB on
     assert all(float(figure) == float(figure) for figure in figures), row  # memory and quality: no NaN

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ensemble
-from ensemble import loop, recipe as recipe_lib
+from ensemble import checkpoint, loop, recipe as recipe_lib
 from ensemble.errors import UsageError
 
 FIT = {'ensemble_size': 4, 'epochs': 2, 'batch_size': 32, 'progress': False, 'optimizer': 'adamw',
@@ -64,6 +64,11 @@ def test_heads_on_a_frozen_shared_backbone(pretrained, tmp_path):
   x = _classes(50, 2)[0]
   loaded = ensemble.load(ens.save(str(tmp_path / 'saved')).workdir, model=Net())
   np.testing.assert_allclose(loaded.predict(x)['probs'], ens.predict(x)['probs'], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(loaded.state), jax.tree.leaves(ens.state), strict=True):
+    np.testing.assert_array_equal(a, b)
+  # The checkpoint holds the backbone once, each head per member.
+  written = checkpoint.read_record(str(tmp_path / 'saved'), ens.epoch)['signature']
+  assert written['params/backbone/Dense_0/kernel'][0] == [1, 32, 32] and written['params/head/kernel'][0] == [4, 32, 3]
 
 
 def test_a_shared_backbone_that_trains_stays_one_copy(pretrained):

@@ -351,10 +351,22 @@ def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_ax
             map_members(many, (0, None, None, data_axis), devices, member))
   gradients = map_members(member.gradients, (0, data_axis, data_axis), devices, member)
 
+  def shared_gradients(state, images, labels):
+    """The members' gradients with the shared parameters left unmapped (one copy, in_axes None): what depends on
+    them alone (a frozen backbone's forward pass on a batch all members share, unaugmented) is computed once, and a
+    shared kernel meets all members' rows in one matmul. Members that are unrolled (`unrolls`) get a copy each."""
+    if unroll:
+      return gradients(for_each_member(member, state, len(state.step)), images, labels)
+    shared = member.method.shared(state.params)
+    params = jax.tree.map(lambda x, one: x[0] if one else x, state.params, shared)
+    state = state.replace(params=params, opt_state=None)
+    axes = jax.tree.map(lambda _: 0, state).replace(params=jax.tree.map(lambda one: None if one else 0, shared))
+    return jax.vmap(member.gradients, in_axes=(axes, data_axis, data_axis))(state, images, labels)
+
   def one(state, images, labels):
     """The device's one copy of the shared leaves serves each member, and one copy of their update is kept."""
+    grads, aux = shared_gradients(state, images, labels)
     state = for_each_member(member, state, len(state.step))
-    grads, aux = gradients(state, images, labels)
     state, metrics = jax.vmap(member.update)(state, member.method.average_shared(grads, ensemble_axis), aux)
     return once_per_device(member, state), metrics
 
