@@ -223,3 +223,17 @@ def test_init_noise_makes_members_that_start_from_one_model_differ(pretrained):
   assert 0.007 < spread.std() < 0.013 and not np.allclose(spread[0], spread[1])
   for got, want in zip(jax.tree.leaves(noisy['backbone']), jax.tree.leaves(same['backbone'])):
     np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize('method, fields', [('bagging', {}), ('snapshot', {'snapshot_cycles': 2}),
+                                            ('multiswag', {'swag_start': 0.5, 'swag_rank': 2, 'swag_samples': 2})])
+def test_frozen_parameters_stay_as_they_start_under_every_method_that_takes_them(pretrained, method, fields):
+  """The methods that keep each member's parameters their own take `frozen=` (and bagging `shared=`): the frozen
+  backbone ends as init_params started it (a snapshot or a SWAG sample of it is itself), the ensemble predicts."""
+  start = jax.tree.map(lambda leaf: np.asarray(leaf)[0], pretrained.params)
+  sharing_fields = {'shared': 'backbone'} if method == 'bagging' else {}
+  ens = ensemble.fit(Net(), _classes(128, 0), method=method, frozen='backbone', init_params={'backbone':
+                     start['backbone']}, **sharing_fields, **fields, **{**FIT, 'epochs': 2})
+  for got, want in zip(jax.tree.leaves(_one(ens.state.params)['backbone']), jax.tree.leaves(start['backbone'])):
+    np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
+  assert np.isfinite(ens.predict(_classes(20, 3)[0])['probs']).all()

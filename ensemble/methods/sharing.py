@@ -9,7 +9,8 @@ shared leaf is held once per device, as BatchEnsemble's shared weights are
 (methods/batchensemble.py); a frozen leaf gets no optimizer state
 (`optax.multi_transform` with `set_to_zero`) and no gradient: the backward
 pass stops at it (`stop_frozen`), so a frozen backbone under trained heads costs
-one forward pass a step.
+one forward pass a step. With `adapter_rank`, each member also has low-rank
+adapters of the shared kernels, its own (`with_adapters`, `merged`).
 """
 
 import math
