@@ -193,7 +193,7 @@ def _check_field(name: str, value: Any):
     _require(len(value) == 2 and all(isinstance(v, numbers.Real) and not isinstance(v, bool) and _positive(v)
                                      for v in value) and value[0] <= value[1],
              f'{name}={value!r} must be a range (low, high) of positive numbers with low <= high, '
-             f"e.g. --config.{name}='(0.05, 0.2)'")
+             f"e.g. --config.{name}='{getattr(_DEFAULTS, name)}' (the default)")
   elif name == 'init_from':
     _require(not value or os.path.isdir(os.path.expanduser(value)),
              f'init_from={value!r} is no folder: give the workdir of a trained run (a 1-member run of the same model, '
