@@ -35,7 +35,7 @@ from ensemble import recipe as recipe_lib, steps
 from ensemble.data import arrays
 from ensemble.errors import UsageError
 from ensemble.tasks import regression
-from ensemble.methods import sharing
+from ensemble import sharing
 from ensemble.uncertainty import conformal, decomposition, selective
 
 DEFAULT_FLAG_RISK = 0.01
@@ -598,20 +598,6 @@ def load(workdir: str, step: int | None = None, *, model: Any = None, batch_size
   return ens._calibrated(conformal_calibration=saved.get('conformal'))  # pylint: disable=protected-access
 
 
-def params_to_start_from(workdir: str, shared: Sequence[str] = ()) -> Any:
-  """`init_from`'s parameters (one model's tree, for `init_params`): the first member's of `workdir`'s latest
-  checkpoint; those under `shared` where it names any (a pretrained backbone for K heads), else all of them."""
-  if not os.path.isdir(os.path.expanduser(workdir)):
-    raise UsageError(f'init_from={workdir!r} is no folder: give the workdir of a trained run (a 1-member run of the '
-                     'same model, or an ensemble saved with Ensemble.save)')
-  params = jax.tree.map(lambda leaf: jax.device_get(leaf)[0], load(os.path.expanduser(workdir)).state.params)
-  params = {key: value for key, value in params.items() if key != sharing.ADAPTERS}
-  if not shared:
-    return params
-  return jax.tree_util.tree_map_with_path(
-      lambda path, leaf: leaf if sharing.matches(shared, sharing.names(path)) else None, params)
-
-
 def keep_flag_threshold(workdir: str):
   """Fits the flag thresholds that `python -m ensemble.predict` applies by default (for the latest checkpoint, at
   its temperature) and keeps them in the workdir: what the end of training and `python -m ensemble.evaluate` (which
@@ -746,7 +732,7 @@ def fit(model: Any, train: Any, test: Any = None, *, ensemble_size: int | None =
   `frozen=` keeps the parameters it names out of training (no optimizer
   state, no backward pass through them), and `init_params` (one model's
   parameters: a pretrained checkpoint's, or `ens.params` of a 1-member fit)
-  starts every member from those it holds (ensemble/methods/sharing.py).
+  starts every member from those it holds (ensemble/sharing.py).
 
   `early_stopping=N` with `validation=(x_val, y_val)` (rows the members do
   not train on; or, without it, the held-out slice of `heldout_fraction`)
@@ -868,7 +854,7 @@ def fit_dataset(model: Any, dataset: data.Dataset, settings: recipe_lib.Recipe, 
                      'parameters: give one of them')
   state = run.init() if init is None else _warm_start(run, init, keep_optimizer)
   if init_params is None and recipe.init_from and init is None:
-    init_params = params_to_start_from(recipe.init_from, recipe.shared)
+    init_params = _evaluation().first_member_params(recipe.init_from, recipe.shared)
   if init_params is not None:
     state = loop.with_init_params(run, state, init_params)
   state, summary = loop.train(run, state, progress=progress)

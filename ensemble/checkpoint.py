@@ -218,7 +218,7 @@ def read_record(workdir: str, epoch: int) -> dict[str, Any]:
 
 
 def _writes_shared_once(method: Any) -> bool:
-  """Whether checkpoints hold the members' shared parameters once: those `shared=` names (methods/sharing.py).
+  """Whether checkpoints hold the members' shared parameters once: those `shared=` names (ensemble/sharing.py).
   BatchEnsemble's checkpoints have always held a copy per member, and keep doing so."""
   return bool(getattr(method, 'shared_filters', ()))
 

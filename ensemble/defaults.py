@@ -122,7 +122,7 @@ class Recipe:
   swag_rank: int = 10
   swag_start: float = 0.75
   swag_learning_rate: float = 0.0
-  # Module paths ('backbone', 'backbone/Dense_0', a tuple of them; ensemble/methods/sharing.py) whose parameters all
+  # Module paths ('backbone', 'backbone/Dense_0', a tuple of them; ensemble/sharing.py) whose parameters all
   # members share, one copy trained by them together (methods independent and bagging: K heads on one backbone), and
   # whose parameters are not trained (no optimizer state, no backward pass through them); ensemble.fit's init_params
   # starts them from a pretrained model.

@@ -24,7 +24,7 @@ import scipy.ndimage
 from absl import logging
 
 from ensemble import backends, calibration, checkpoint, console, data, regression_report, report, steps
-from ensemble import members, recipe as recipe_lib
+from ensemble import members, recipe as recipe_lib, sharing
 from ensemble.data import tfds
 from ensemble.predictor import Predictor, evaluation_devices
 from ensemble.errors import UsageError
@@ -98,6 +98,20 @@ def restore(workdir: str, config: recipe_lib.Recipe, step: int | None, devices: 
     raise UsageError(f'{os.path.join(workdir, "config.json")} does not describe its checkpoint: {e}') from None
   ckpt.close()
   return member, state, epoch
+
+
+def first_member_params(workdir: str, shared: Sequence[str] = ()) -> Any:
+  """`init_from`'s parameters (one model's tree, for `init_params`): the first member's of `workdir`'s latest
+  checkpoint; those under `shared` where it names any (a pretrained backbone for K heads), else all of them."""
+  config = load_run_config(workdir)
+  refuse_single_model(config, workdir)
+  _, state, _ = restore(workdir, config, None, jax.local_devices()[:1])
+  params = jax.tree.map(lambda leaf: jax.device_get(leaf)[0], state.params)
+  params = {key: value for key, value in params.items() if key != sharing.ADAPTERS}
+  if not shared:
+    return params
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: leaf if sharing.matches(shared, sharing.names(path)) else None, params)
 
 
 def checkpoint_id(workdir: str, epoch: int) -> str:

@@ -36,7 +36,7 @@ from ensemble import backends, console, data, devices as devices_lib, distribute
 from ensemble import recipe as recipe_lib
 from ensemble.defaults import Recipe
 from ensemble.errors import UsageError
-from ensemble.methods import sharing
+from ensemble import sharing
 from ensemble.models import user
 
 # A training set up to this size (its inputs and labels, one copy per device) goes to the devices once, and a whole
@@ -313,7 +313,7 @@ def prepare(recipe: Recipe, devices: Sequence[jax.Device], dataset: data.Dataset
 
 def with_init_params(run: Run, state: Any, init_params: Any) -> Any:
   """`state` (fresh members, the backend's layout) with every parameter that `init_params` (one model's tree: a
-  pretrained checkpoint's, a 1-member fit's `params`) holds, for every member (methods/sharing.py's `fill_from`),
+  pretrained checkpoint's, a 1-member fit's `params`) holds, for every member (ensemble/sharing.py's `fill_from`),
   and `recipe.init_noise` added to the members' own copies; the optimizer's state is a fresh one's either way."""
   canonical = run.backend.to_canonical(state)
   params = sharing.fill_from(init_params, canonical.params, run.recipe.init_noise, run.recipe.seed,

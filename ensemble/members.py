@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ensemble import methods, models, optim, steps, tasks
-from ensemble.methods import sharing
+from ensemble import sharing
 from ensemble.errors import UsageError
 
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ensemble.methods import sharing
+from ensemble import sharing
 
 
 OPTIMIZERS = {
@@ -80,7 +80,7 @@ def create(config, steps_per_epoch: int) -> optax.GradientTransformation:
   own values (methods/hyper.py); the schedule's shape scales the member's rate.
   """
   rate = schedule(config, steps_per_epoch)
-  if config.frozen:  # frozen parameters get neither an update nor any optimizer state (methods/sharing.py)
+  if config.frozen:  # frozen parameters get neither an update nor any optimizer state (ensemble/sharing.py)
     return optax.multi_transform({'trained': _recipe(config, rate, config.weight_decay or None),
                                   'frozen': optax.set_to_zero()}, sharing.labels(tuple(config.frozen)))
   if config.method != 'hyper':

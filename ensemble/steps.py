@@ -16,9 +16,10 @@ import optax
 from flax import struct
 from flax.training import train_state
 
+from ensemble import sharing
 from ensemble.data import augment as augment_lib
 from ensemble.keys import member_keys  # also where the backends and tests find it
-from ensemble.methods import adversarial, sharing
+from ensemble.methods import adversarial
 from ensemble.methods.independent import Independent
 from ensemble.tasks import classification
 # The classification task's functions, where the backends and tests have always found them.
@@ -82,8 +83,8 @@ class Member:
   dtype: str = 'float32'  # of the forward pass (`apply`); the state is float32 either way
   task: Any = classification.Classification()
   adversarial_epsilon: float = 0.0  # > 0: each step also trains on FGSM's perturbed inputs (methods/adversarial.py)
-  frozen: tuple[str, ...] = ()  # module paths of parameters not trained (methods/sharing.py)
-  adapter_rank: int = 0  # > 0: each member a rank-r adapter of the shared kernels (methods/sharing.py)
+  frozen: tuple[str, ...] = ()  # module paths of parameters not trained (ensemble/sharing.py)
+  adapter_rank: int = 0  # > 0: each member a rank-r adapter of the shared kernels (ensemble/sharing.py)
 
   def prepare(self, images: jnp.ndarray, key: jax.Array | None = None) -> jnp.ndarray:
     """Inputs as they arrive -> the model's input; images with a `key` are augmented first (training only)."""

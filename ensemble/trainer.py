@@ -265,7 +265,8 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
   with `devices`, a recipe `ensemble.fit` already resolved for its `dataset`. `dataset` replaces the data the
   config names (arrays in memory), `model` the model it names (a user's model object). `progress`: as
   `loop.train`'s; `validation`: as `loop.prepare`'s (early stopping's; default: the held-out slice);
-  `init_params`: as `loop.with_init_params`', for a fresh start (a resume goes on from its checkpoint).
+  `init_params`: as `loop.with_init_params`', for a fresh start (a resume goes on from its checkpoint); without
+  them, `init_from`'s.
   """
   # Everything that can refuse the run does so before the workdir is written; a resume with other data
   # settings before any data is read.
@@ -316,8 +317,8 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
   else:
     state = run.init()
     if init_params is None and config.init_from:
-      from ensemble import api  # pylint: disable=g-import-not-at-top  # api imports this module
-      init_params = api.params_to_start_from(config.init_from, config.shared)
+      from ensemble import evaluation  # pylint: disable=g-import-not-at-top  # only to start from another run
+      init_params = evaluation.first_member_params(config.init_from, config.shared)
     if init_params is not None:
       state = loop.with_init_params(run, state, init_params)
   if saved_config is not None:

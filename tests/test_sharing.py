@@ -116,7 +116,7 @@ def test_adapters_on_a_frozen_shared_backbone(pretrained, tmp_path):
   its kernels, which start at zero (B) and train apart; the members then differ in what the backbone computes, and
   save, load and export predict the same."""
   from ensemble import export  # pylint: disable=g-import-not-at-top
-  from ensemble.methods import sharing  # pylint: disable=g-import-not-at-top
+  from ensemble import sharing  # pylint: disable=g-import-not-at-top
   start = jax.tree.map(lambda leaf: np.asarray(leaf)[0], pretrained.params)
   ens = ensemble.fit(Net(), _classes(256, 0), test=_classes(100, 1), shared='backbone', adapter_rank=2,
                      init_params=start, **FIT)

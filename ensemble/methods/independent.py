@@ -5,7 +5,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from ensemble.methods import sharing
+from ensemble import sharing
 
 # fold_in tag for the shared weights' key, so that they differ from every member's own parameters.
 _SHARED_INIT = 0x5368_6172
@@ -16,7 +16,7 @@ class Independent:
   """Members differ by their initialisation, their data order and their augmentation, nothing else.
 
   Bagging is this method on bootstrap resamples (the recipe's member_data 'bootstrap', see `data.batches`).
-  With `shared_filters` (`fit(shared=...)`, methods/sharing.py) the parameters they name are one copy that all
+  With `shared_filters` (`fit(shared=...)`, ensemble/sharing.py) the parameters they name are one copy that all
   members train together, as BatchEnsemble's shared weights are: the members are heads (or whatever the rest is)
   on one backbone.
   """

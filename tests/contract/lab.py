@@ -46,7 +46,7 @@ METHODS = {
     'multiswag': {'method': 'multiswag', 'swag_start': 0.5, 'swag_rank': 2, 'swag_samples': 2,
                   'swag_learning_rate': 0.005},
     'adversarial': {'adversarial_epsilon': 0.01},
-    # K heads on one trunk (methods/sharing.py): its first layer frozen, its second trained by all members together.
+    # K heads on one trunk (ensemble/sharing.py): its first layer frozen, its second trained by all members together.
     'shared_trunk': {'shared': ('Dense_0', 'Dense_1'), 'frozen': ('Dense_0',)},
     # K rank-2 adapters (LoRA) of one frozen trunk.
     'adapters': {'shared': ('Dense_0', 'Dense_1'), 'adapter_rank': 2},
