@@ -832,6 +832,9 @@ def fit_dataset(model: Any, dataset: data.Dataset, settings: recipe_lib.Recipe, 
                      'out to train in memory')
   if init is not None and not isinstance(init, Ensemble):
     raise UsageError(f'init={type(init).__name__}: give an Ensemble (what fit or load returned) to start from')
+  if init is not None and init_params is not None:
+    raise UsageError('init= starts every member from an ensemble\'s members, init_params= from one model\'s '
+                     'parameters: give one of them')
   if workdir is not None and init is not None:
     raise UsageError('init= starts a fit in memory, and a workdir resumes from its own checkpoints: leave out one of '
                      'init= and workdir=')
@@ -849,9 +852,6 @@ def fit_dataset(model: Any, dataset: data.Dataset, settings: recipe_lib.Recipe, 
                                devices=devices, validation=validation, init_params=init_params)
     return load(workdir, model=model_object)
   run = loop.prepare(recipe, devices, dataset, model_object, validation=validation)
-  if init is not None and init_params is not None:
-    raise UsageError('init= starts every member from an ensemble\'s members, init_params= from one model\'s '
-                     'parameters: give one of them')
   state = run.init() if init is None else _warm_start(run, init, keep_optimizer)
   if init_params is None and recipe.init_from and init is None:
     init_params = _evaluation().first_member_params(recipe.init_from, recipe.shared)

@@ -184,9 +184,8 @@ def preemption_synced() -> bool:
   """Whether SIGTERM reaches this run through JAX's preemption service: several processes under
   `jax.distributed`, whose coordination client catches the signal on any host and tells the others, so that all
   stop at one step (`reached_preemption_sync_point`). A handler of Python's own would take the signal from it."""
-  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
-  state = jax_distributed.global_state
-  return jax.process_count() > 1 and state.client is not None and state.preemption_sync_manager is not None
+  return (jax.process_count() > 1 and jax.distributed.is_initialized()
+          and bool(jax.config.jax_enable_preemption_service))
 
 
 def stop_agreed(dispatch: int) -> bool:

@@ -568,10 +568,10 @@ _READ_BY = {
 def for_programs(r: Recipe) -> Recipe:
   """`r` with what its programs do not depend on set to the defaults (`NOT_IN_PROGRAMS`, and the fields only
   other recipes read): the key under which a loop of fits shares its compiled programs (ensemble/loop.py). The
-  methods whose shared weights are drawn from the seed keep it."""
+  methods whose shared weights are drawn from the seed keep it, and so do members that share parameters."""
   unread = {name: getattr(_DEFAULTS, name) for name, read in _READ_BY.items() if not read(r)}
   kept = {name: getattr(_DEFAULTS, name) for name in NOT_IN_PROGRAMS
-          if not (name == 'seed' and r.method in methods.SEEDED)}
+          if not (name == 'seed' and (r.method in methods.SEEDED or r.shared))}
   # The programs know only whether the members share their batches; which rows each draws is the host's.
   data = {'member_data': 'shared' if r.member_data == 'shared' else 'shuffled'}
   # Bagging is the deep ensemble on other rows: the same programs.

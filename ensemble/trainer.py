@@ -134,15 +134,15 @@ def _best_so_far(ckpt: checkpoint.Checkpointer, key: int, restored: Any) -> loop
   return loop.Best(scalars['validation_loss'], key, loop.copied(restored), scalars)
 
 
-def _stopped_early(workdir: str, best: loop.Best, patience: int) -> bool:
-  """Whether the run ended by early stopping already: metrics.jsonl has `patience` epochs after the best one, none
-  of them better."""
+def _stopped_early(workdir: str, best: loop.Best, patience: int) -> int:
+  """The epochs trained, where the run ended by early stopping already (metrics.jsonl has `patience` epochs after
+  the best one, none of them better); else 0."""
   try:
     lines = writers.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
   except OSError:
-    return False
+    return 0
   after = [line['epoch'] for line in lines if line.get('best_epoch') == best.epoch and line['epoch'] > best.epoch]
-  return bool(after) and max(after) - best.epoch >= patience
+  return max(after) if after and max(after) - best.epoch >= patience else 0
 
 
 def _stopped_steps(workdir: str) -> list[int]:
@@ -294,11 +294,12 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
   start_key, restored = ckpt.restore_newest_intact(backend.abstract_state(), ckpt_meta, move_aside=True)
   start = _position(ckpt, start_key, run.steps_per_epoch)
   best = _best_so_far(ckpt, start_key, restored) if config.early_stopping else None
-  if best is not None and _stopped_early(workdir, best, config.early_stopping):
+  trained = _stopped_early(workdir, best, config.early_stopping) if best is not None else 0
+  if trained:
     logging.info('%s stopped early: no lower validation NLL in %d epochs after epoch %d, its last checkpoint; '
                  'nothing to train (raise --config.early_stopping to train further).', workdir,
                  config.early_stopping, best.epoch)
-    return restored, {**best.summary, 'best_epoch': best.epoch}
+    return restored, {**best.summary, 'best_epoch': best.epoch, 'epochs_trained': trained}
   resumed_from, resumed_stop = ckpt.path(start_key), 0
   if config.checkpoint_unit == 'epoch':  # where SIGTERM stopped the run, if past that epoch
     stop, stopped_state = _resume_from_stop(workdir, backend.abstract_state(), ckpt_meta, start, run.steps_per_epoch,

@@ -237,3 +237,11 @@ def test_frozen_parameters_stay_as_they_start_under_every_method_that_takes_them
   for got, want in zip(jax.tree.leaves(_one(ens.state.params)['backbone']), jax.tree.leaves(start['backbone'])):
     np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
   assert np.isfinite(ens.predict(_classes(20, 3)[0])['probs']).all()
+
+
+def test_the_shared_weights_follow_the_seed_in_a_loop_of_fits():
+  """Fits that differ by their seed share their compiled programs; the shared weights are drawn from the seed, so
+  each fit's are its own (the programs must not keep the first fit's seed)."""
+  fields = {**FIT, 'epochs': 1, 'learning_rate': 1e-9, 'shared': 'backbone', 'frozen': 'backbone'}
+  first, second = (_one(ensemble.fit(Net(), _classes(64, 0), seed=seed, **fields).params) for seed in (0, 1))
+  assert not np.allclose(first['backbone']['Dense_0']['kernel'], second['backbone']['Dense_0']['kernel'])

@@ -26,11 +26,14 @@ every method runs on both ensemble backends and is scored by the same report.
 from ensemble.methods import batchensemble, hyper, mc_dropout, mimo, multiswag, packed, snapshot
 from ensemble.methods.independent import Independent
 
+def _independent(config, name: str) -> Independent:
+  """The deep ensemble (or bagging), with the parameters `shared` names one copy, drawn from the seed."""
+  return Independent(name=name, shared_filters=tuple(config.shared), seed=config.seed if config.shared else 0)
+
+
 METHODS = {
-    'independent': lambda config, steps_per_epoch: Independent(shared_filters=tuple(config.shared),
-                                                               seed=config.seed if config.shared else 0),
-    'bagging': lambda config, steps_per_epoch: Independent(name='bagging', shared_filters=tuple(config.shared),
-                                                           seed=config.seed if config.shared else 0),
+    'independent': lambda config, steps_per_epoch: _independent(config, 'independent'),
+    'bagging': lambda config, steps_per_epoch: _independent(config, 'bagging'),
     'hyper': lambda config, steps_per_epoch: hyper.Hyper.from_config(config),
     'snapshot': lambda config, steps_per_epoch: snapshot.Snapshot.from_config(config, steps_per_epoch),
     'batchensemble': lambda config, steps_per_epoch: batchensemble.BatchEnsemble(seed=config.seed),

@@ -16,8 +16,8 @@ import pytest
 
 import ensemble
 from conftest import compiles
-from lab import (STEPS_PER_EPOCH, TARGET_SCALES, WORKDIR_FIELDS, Cell, Lab, assert_same_members, assert_same_summary,
-                 cut, folder_digest, leaves, problem, timeless, train_folder)
+from lab import (STEPS_PER_EPOCH, TARGET_SCALES, WORKDIR_FIELDS, Cell, Lab, as_source, assert_same_members,
+                 assert_same_summary, cut, folder_digest, leaves, problem, timeless, train_folder)
 
 # The methods whose members are K independent networks of one architecture: a warm start from one of them into
 # another keeps each member's network (converted, as docs/python-api.md says). The other methods' members share
@@ -222,10 +222,18 @@ def calibration_is_kept(cell: Cell, lab: Lab):
 def early_stopping_keeps_the_best_epoch(cell: Cell, lab: Lab):
   """`early_stopping=N` with `validation=`: the summary names the best epoch, no later than the epochs trained, and
   the members returned score on the validation rows the validation NLL it reports (they are that epoch's); in a
-  workdir, the last checkpoint is that epoch and holds the members the same fit in memory returns."""
+  workdir, the last checkpoint is that epoch and holds the members the same fit in memory returns; streamed, the
+  same members as in memory."""
   train, test = problem(cell.task)
   validation = problem(cell.task, seed=7)[0]
   fields = cell.fields(epochs=4, early_stopping=1)
+  if cell.path == 'source':
+    in_memory = lab.early_stopped(cell._replace(path='arrays'))
+    ens = ensemble.fit('mlp', as_source(train), test=as_source(test), validation=validation, progress=False,
+                       **fields)
+    assert_same_members(ens, in_memory)
+    assert_same_summary(ens.summary, in_memory.summary)
+    return
   if cell.path == 'workdir':
     in_memory = lab.early_stopped(cell._replace(path='arrays'))
     ens = ensemble.fit('mlp', train, test=test, validation=validation, progress=False,
