@@ -131,6 +131,10 @@ class Recipe:
   # r > 0: each member a rank-r adapter (LoRA) of the shared layers' kernels, which are then frozen (frozen defaults
   # to shared): K adapters on one model.
   adapter_rank: int = 0
+  # Where the shared parameters lie (backend jit): 'replicated', a copy on every device; 'fsdp', each large one and
+  # its optimizer state split over all the devices (weights of fewer than min_weight_size values stay whole),
+  # gathered for each step, its gradient reduce-scattered: a backbone that one device cannot hold K heads beside.
+  shared_sharding: str = 'replicated'
   # A workdir (a run's, or Ensemble.save's) whose first member's parameters start every member of a fresh run: those
   # of the layers `shared` names where it names any, else all of them (ensemble.fit's init_params, from the command
   # line). '' for none.
@@ -217,8 +221,8 @@ class Recipe:
   # model) devices, whose product is the device count, one of them may be -1; the mesh MLP's or the classifier's
   # DotReluDot blocks (num_layers of depth hidden units; 0 layers: the plain MLP, what every other backend trains),
   # stacked with nn.scan (use_scan), annotated with logical axis names mapped by logical_axis_rules (logical); each
-  # device's slice of a batch processed in num_minibatches chunks; fsdp keeps weights of fewer than
-  # min_weight_size values whole.
+  # device's slice of a batch processed in num_minibatches chunks; fsdp (and shared_sharding=fsdp) keeps weights of
+  # fewer than min_weight_size values whole.
   mesh_shape: tuple[int, ...] = ()
   num_layers: int = 0
   depth: int = 0

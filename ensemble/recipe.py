@@ -70,6 +70,7 @@ MEMBERWISE = ('independent', 'bagging', 'hyper', 'snapshot', 'multiswag')
 # Values each field takes, where they are names: checked alone, before anything is read.
 CHOICES = {
     'backend': backends.NAMES, 'member_sharding': backends.MEMBER_SHARDINGS, 'method': methods.NAMES,
+    'shared_sharding': backends.SHARED_SHARDINGS,
     'task': TASKS, 'loss': regression.LOSSES, 'member_data': MEMBER_DATA, 'streaming': stream.MODES,
     'inputs': ('auto', *steps.INPUTS), 'augment': tuple(augment.AUGMENTATIONS), 'optimizer': tuple(optim.OPTIMIZERS),
     'schedule': tuple(optim.SCHEDULES), 'dtype': DTYPES,
@@ -342,6 +343,11 @@ def _check_method(r: Recipe):
            f'frozen={list(r.frozen)} keeps those parameters out of training, and method {method} '
            f'{SHARING_METHODS_REFUSE.get(method, "changes them otherwise")}: use one of {list(FREEZING_METHODS)}, or '
            'leave frozen out')
+  _require(r.shared_sharding == 'replicated' or (r.backend == 'jit' and (r.shared or method == 'batchensemble')),
+           f'shared_sharding={r.shared_sharding} splits the parameters that all members share over the devices, on '
+           f'backend jit; ' + ('here the members share none' if r.backend == 'jit' else f'backend {r.backend!r} '
+                               'holds a copy on each device') + ': set --config.backend=jit and --config.shared (or '
+           'method batchensemble), or leave --config.shared_sharding at replicated')
   if method == 'hyper':
     (low, high), rate = r.hyper_learning_rate, r.learning_rate
     _require(low <= rate <= high,  # else the rate set would be silently replaced by draws far from it
@@ -546,7 +552,7 @@ NOT_IN_PROGRAMS = ('seed', 'dataset', 'data_dir', 'train_split', 'test_split', '
                    'checkpoints_to_keep', 'compilation_cache', 'eval_every', 'data_fingerprint', 'inputs',
                    'standardize_features', 'eval_batch_size', 'steps_per_dispatch', 'streaming',
                    'checkpoint_every_steps', 'num_devices', 'early_stopping', 'init_from', 'init_noise')
-_MESH_FIELDS = ('mesh_shape', 'num_layers', 'depth', 'use_scan', 'logical', 'num_minibatches', 'min_weight_size')
+_MESH_FIELDS = ('mesh_shape', 'num_layers', 'depth', 'use_scan', 'logical', 'num_minibatches')
 # Fields that only some recipes read, and which: another recipe's programs do not depend on them.
 _READ_BY = {
     **dict.fromkeys(('hyper_learning_rate', 'hyper_weight_decay'), lambda r: r.method == 'hyper'),
@@ -559,9 +565,10 @@ _READ_BY = {
     # The built-in models' dropout is method mc_dropout's (and the mesh classifier's); a user's model keeps its own.
     'dropout_rate': lambda r: r.method == 'mc_dropout' or r.model == 'classifier',
     **dict.fromkeys(('resnet_depth', 'resnet_width'), lambda r: r.model == 'resnet'),
-    'member_sharding': lambda r: r.backend == 'jit',
+    **dict.fromkeys(('member_sharding', 'shared_sharding'), lambda r: r.backend == 'jit'),
     'logical_axis_rules': lambda r: r.backend != 'pmap',
     **dict.fromkeys(_MESH_FIELDS, lambda r: r.backend in backends.MESH_MODELS or bool(r.num_layers)),
+    'min_weight_size': lambda r: r.backend in backends.MESH_MODELS or bool(r.num_layers) or r.shared_sharding == 'fsdp',
 }
 
 

@@ -347,6 +347,9 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
                  '(replicated: %.2f MB).', 'model' if layout == 'model' else 'data',
                  len(devices) // config.ensemble_size, layout,
                  backends.bytes_per_device(state) / 1e6, member_bytes / config.ensemble_size / 1e6)
+  if config.shared_sharding == 'fsdp':
+    logging.info('The shared parameters and their optimizer state split over %s (shared_sharding=fsdp): %.2f MB of '
+                 'the state per device.', console.count(len(devices), 'device'), backends.bytes_per_device(state) / 1e6)
   saves = _SavesInBackground(ckpt, writer, ckpt_meta, start_key, config.checkpoint_unit == 'step')
   saves.resumed_stop = resumed_stop
   try:

@@ -103,7 +103,11 @@ def test_backbone_prints_its_table(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   rows = [line for line in result.stdout.splitlines() if line.startswith('| ') and not line.startswith('| ensemble')]
   assert [row.split(' | ')[0] for row in rows] == ['| deep ensemble', '| heads (frozen)', '| heads (tuned)',
-                                                   '| adapters (r=4)']
+                                                   '| adapters (r=4)', '| heads (tuned, split)']
   for row in rows:
-    figures = [cell.strip() for cell in row.strip('|').split('|')[4:]]  # the state's MB on
-    assert all(float(figure) == float(figure) for figure in figures), row  # memory and quality: no NaN
+    figures = [cell.strip() for cell in row.strip('|').split('|')[1:]]
+    assert figures[1:3] == ['–', '–'] and figures[5] == '–', row  # speed and peak memory: not asked for
+    measured = figures[:1] + figures[3:5] + figures[6:]  # first fit, memory and quality
+    assert all(float(figure) == float(figure) for figure in measured), row  # numbers, no NaN
+  refused = _run('scripts/backbone.py', '--rows=256', '--peak')
+  assert refused.returncode == 2 and 'error: --peak' in refused.stderr, refused.stderr[-3000:]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ensemble
-from ensemble import checkpoint, loop, recipe as recipe_lib
+from ensemble import backends, checkpoint, loop, recipe as recipe_lib
 from ensemble.errors import UsageError
 
 FIT = {'ensemble_size': 4, 'epochs': 2, 'batch_size': 32, 'progress': False, 'optimizer': 'adamw',
@@ -87,6 +87,30 @@ def test_a_shared_backbone_that_trains_stays_one_copy(pretrained):
   assert state.params['head']['kernel'].shape[:2] == (2, 2)  # (devices, members each)
 
 
+@pytest.mark.parametrize('ensemble_size', [8, 16, 2])
+def test_a_shared_backbone_split_over_the_devices_trains_the_same_members(pretrained, ensemble_size):
+  """shared_sharding=fsdp on backend jit, 8 devices: each holds 1/8 of the shared backbone and of its optimizer
+  state (its biases too, under min_weight_size=1), whatever the members per device (1, 2, or a member spread over 4
+  devices), and the members are those of the replicated layout."""
+  start = jax.tree.map(lambda leaf: np.asarray(leaf)[0], pretrained.params)
+  fields = {**FIT, 'ensemble_size': ensemble_size, 'backend': 'jit', 'shared': 'backbone', 'init_params': start,
+            'min_weight_size': 1}
+  split = ensemble.fit(Net(), _classes(256, 0), shared_sharding='fsdp', **fields)
+  whole = ensemble.fit(Net(), _classes(256, 0), **fields)
+  for got, want in zip(jax.tree.leaves(split.params), jax.tree.leaves(whole.params), strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(split.params['backbone']['Dense_1']['kernel'][0], start['backbone']['Dense_1']['kernel'])
+  data = ensemble.data.arrays.from_arrays(_classes(256, 0), None, 'features', 'classification')
+  state = loop.prepare(split.config, jax.devices(), data, Net()).init()
+  moments = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+             if "['backbone']['Dense_1']['kernel']" in jax.tree_util.keystr(path)]
+  assert len(moments) == 2  # Adam's two
+  for leaf in (state.params['backbone']['Dense_1']['kernel'], *moments, state.params['backbone']['Dense_0']['bias']):
+    assert leaf.shape[0] == 1 and {shard.data.size for shard in leaf.addressable_shards} == {leaf.size // 8}
+  replicated = loop.prepare(whole.config, jax.devices(), data, Net()).init()
+  assert backends.bytes_per_device(state) < backends.bytes_per_device(replicated)
+
+
 @pytest.mark.parametrize('fields, message', [
     ({'shared': 'trunk'}, r"shared='trunk' matches no parameter of the model, whose parameters are backbone/"),
     ({'frozen': ('backbone', 'neck')}, r"frozen='neck' matches no parameter"),
@@ -98,6 +122,10 @@ def test_a_shared_backbone_that_trains_stays_one_copy(pretrained):
     ({'init_params': {'neck': {'kernel': np.zeros((4, 32))}}}, 'init_params holds neck/kernel, where the model has no'),
     ({'adapter_rank': 2}, 'adapter_rank=2 adapts the kernels of the shared layers, and shared names none'),
     ({'adapter_rank': 2, 'shared': 'head/bias'}, r"adapter_rank=2 adapts .* shared=\['head/bias'\] holds none"),
+    ({'shared_sharding': 'fsdp', 'shared': 'backbone'}, "shared_sharding=fsdp splits .* backend 'pmap' holds a copy"),
+    ({'shared_sharding': 'fsdp', 'backend': 'jit'}, 'shared_sharding=fsdp splits .* here the members share none'),
+    ({'shared_sharding': 'zero3'},
+     r"unknown shared_sharding 'zero3': set shared_sharding= to one of \['replicated', 'fsdp'\]"),
 ])
 def test_sharing_is_refused_in_one_line(fields, message):
   with pytest.raises(UsageError, match=message) as refused:

@@ -12,6 +12,7 @@ from typing import Any, Protocol, Sequence
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -29,6 +30,8 @@ MEMBER_AXIS = 'member'  # the members that one device holds
 # 'replicated' (a copy on each), 'fsdp' (each leaf split over them, as parallel/fsdp.py splits one model) or
 # 'model' (the leaves its model annotates split along 'model', as the mesh MLP's are; the others copied).
 MEMBER_SHARDINGS = ('replicated', 'fsdp', 'model')
+# Where the leaves that all members share lie (backend jit): a copy on each device, or split over all of them.
+SHARED_SHARDINGS = ('replicated', 'fsdp')
 # An fsdp member's leaves with fewer values stay whole, as configs/fsdp.py's min_weight_size keeps them.
 FSDP_MIN_WEIGHT_SIZE = 2**14
 NAMES = ('pmap', 'jit', 'sharded', 'dp', 'fsdp')
@@ -127,6 +130,74 @@ def bytes_per_device(state: Any) -> int:
     for shard in leaf.addressable_shards:
       per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
   return max(per_device.values())
+
+
+class SharedSplit:
+  """The leaves that all members share split over all the devices (backend jit, shared_sharding=fsdp), as FSDP
+  splits one model's.
+
+  A shared leaf of the parameters or of their optimizer state is one (1, ...) global array split along its largest
+  dimension that the device count divides (`fsdp.split_dimension`; leaves under `min_weight_size` values stay
+  whole, a copy on each device), so each device stores 1/D of the shared part. A step gathers the shared
+  parameters (not their optimizer state), computes every member's gradients with them, reduce-scatters the shared
+  gradients' mean over all members, and updates each device's slice only: the optimizers (ensemble/optim.py)
+  update every value alone, so the slices follow the replicated layout's trajectory. Inside `shard_map`, which
+  maps 'ensemble' alone, the collectives run over 'ensemble', and XLA splits the rest over a member's other axes.
+  """
+
+  def __init__(self, method, abstract_state: Any, mesh: Mesh, min_weight_size: int):
+    self._axis = ENSEMBLE_AXIS if mesh.shape[ENSEMBLE_AXIS] > 1 else None  # one member: no collective (see above)
+    every_device = tuple(mesh.axis_names)
+
+    def layout(path, x):
+      """(the leaf's sharding, its spec inside shard_map, its split dimension or -1)."""
+      if not method.is_shared_path(path):
+        return x.sharding, P(ENSEMBLE_AXIS), -1
+      splits = path[0].name in ('params', 'opt_state')  # a shared model variable (BatchNorm's) stays whole
+      dim = fsdp.split_dimension(x.shape[1:], mesh.devices.size, min_weight_size) if splits else None
+      if dim is None:
+        return NamedSharding(mesh, P()), P(), -1
+      spec = [None] * x.ndim
+      return (NamedSharding(mesh, P(*spec[:dim + 1], every_device)),
+              P(*spec[:dim + 1], ENSEMBLE_AXIS), dim + 1)
+
+    paths, tree = jax.tree_util.tree_flatten_with_path(abstract_state)
+    layouts = [layout(path, x) for path, x in paths]
+    self.shardings, self.specs, self.dims = (tree.unflatten(part) for part in zip(*layouts))
+    self._method = method
+
+  def _map(self, fn, tree, dims):
+    return jax.tree.map(lambda x, dim: x if dim < 0 or self._axis is None else fn(x, dim), tree, dims)
+
+  def gather(self, params):
+    """A device's slices of the shared parameters, (1, ...) each, whole."""
+    return self._map(lambda x, dim: jax.lax.all_gather(x, self._axis, axis=dim, tiled=True), params,
+                     self.dims.params)
+
+  def gathering(self, fn):
+    """`fn(state, ...)` fed the state with its shared parameters whole."""
+    return lambda state, *args: fn(state.replace(params=self.gather(state.params)), *args)
+
+  def slice(self, state):
+    """A device's members' state, its shared leaves whole, with each split one cut to the device's slice."""
+    def cut(x, dim):
+      part = x.shape[dim] // jax.lax.axis_size(self._axis)
+      return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(self._axis) * part, part, axis=dim)
+    return self._map(cut, state, self.dims)
+
+  def average(self, grads):
+    """A device's members' gradients (M, ...): the shared ones replaced by their mean over all members, those
+    split cut to the device's slice (one reduce-scatter); `method.average_shared`'s for split leaves."""
+    def average(grad, dim, shared):
+      if not shared:
+        return grad
+      mean = jnp.mean(grad, axis=0)
+      if self._axis is not None:
+        mean = (jax.lax.pmean(mean, self._axis) if dim < 0 else
+                jax.lax.psum_scatter(mean, self._axis, scatter_dimension=dim - 1, tiled=True)
+                / jax.lax.axis_size(self._axis))
+      return jnp.broadcast_to(mean, (grad.shape[0], *mean.shape))
+    return jax.tree.map(average, grads, self.dims.params, self._method.shared(grads))
 
 
 class Backend(Protocol):
@@ -333,7 +404,7 @@ def init_members(member: steps.Member):
 
 
 def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_axis: int | None,
-                    ensemble_axis: str | None = ENSEMBLE_AXIS):
+                    ensemble_axis: str | None = ENSEMBLE_AXIS, split: SharedSplit | None = None):
   """(one step, many steps) of the members a device holds, inside pmap or shard_map over 'ensemble'.
 
   `data_axis` is 0 when each member has its own batch, None when all share it.
@@ -343,6 +414,7 @@ def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_ax
   the device's members: their gradients, the shared ones averaged over all
   members (`method.average_shared`), then each member's update; the fast path
   loops over such steps. `ensemble_axis` None: the devices hold one member in all (see `evaluate_members`).
+  `split`: the shared leaves lie split over the devices (`SharedSplit`), and each step gathers them.
   """
   unroll = unrolls(devices, member)
   if not member.method.shares_weights:
@@ -365,9 +437,11 @@ def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_ax
 
   def one(state, images, labels):
     """The device's one copy of the shared leaves serves each member, and one copy of their update is kept."""
-    grads, aux = shared_gradients(state, images, labels)
+    whole = state if split is None else state.replace(params=split.gather(state.params))
+    grads, aux = shared_gradients(whole, images, labels)
+    grads = member.method.average_shared(grads, ensemble_axis) if split is None else split.average(grads)
     state = for_each_member(member, state, len(state.step))
-    state, metrics = jax.vmap(member.update)(state, member.method.average_shared(grads, ensemble_axis), aux)
+    state, metrics = jax.vmap(member.update)(state, grads, aux)
     return once_per_device(member, state), metrics
 
   def many(state, images, labels, indices):

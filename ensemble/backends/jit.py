@@ -28,9 +28,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
-from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, MODEL_AXIS, EpochPrograms, abstract_member_state,
-                               devices_per_member, ensemble_mesh, evaluate_members, gathering_batches, init_members,
-                               train_epochs_function, train_functions, train_program)
+from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, MODEL_AXIS, EpochPrograms, SharedSplit,
+                               abstract_member_state, devices_per_member, ensemble_mesh, evaluate_members,
+                               gathering_batches, init_members, train_epochs_function, train_functions, train_program)
 from ensemble.parallel import logical
 
 
@@ -47,8 +47,14 @@ class JitBackend:
     mesh = ensemble_mesh(self.devices, ensemble_size, layout)
     self._mesh, self._rules = mesh, rules if MODEL_AXIS in mesh.axis_names else None
     self._abstract_state = functools.partial(abstract_member_state, member, ensemble_size, devices, layout, rules)
-    self._state = jax.tree.map(lambda x: x.sharding, self.abstract_state())
+    self._state = self._canonical = jax.tree.map(lambda x: x.sharding, self.abstract_state())
     members, whole = P(ENSEMBLE_AXIS), P()
+    # The state's specs inside shard_map: the members over 'ensemble', and under shared_sharding=fsdp the leaves
+    # they share split over all the devices (`backends.SharedSplit`).
+    self._split, state = None, members
+    if config is not None and config.shared_sharding == 'fsdp':
+      self._split = SharedSplit(member.method, self.abstract_state(), mesh, config.min_weight_size)
+      self._state, state = self._split.shardings, self._split.specs
     # Fewer members than devices: a member's batch rows are split over its row of the mesh, 'data', which
     # shard_map leaves to XLA's partitioner. It then computes each member's step data-parallel, as jit does
     # one model's: gradients and BatchNorm statistics over the member's whole batch, reduced among its
@@ -86,9 +92,10 @@ class JitBackend:
       mapped = jax.shard_map(member_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False,
                              axis_names={ENSEMBLE_AXIS})
       named = lambda spec: NamedSharding(mesh, spec)
-      inputs = [named(split(spec) if i >= len(in_specs) - batches else spec) for i, spec in enumerate(in_specs)]
+      inputs = [None if i == 0 and state_in else named(split(spec) if i >= len(in_specs) - batches else spec)
+                for i, spec in enumerate(in_specs)]
       outputs = list(out_specs) if isinstance(out_specs, tuple) else [out_specs]
-      outputs = [jax.tree.map(named, spec) for spec in outputs]
+      outputs = [None if i == 0 and state_out else named(spec) for i, spec in enumerate(outputs)]
       if state_in:
         inputs[0] = self._state
       if state_out:
@@ -97,9 +104,11 @@ class JitBackend:
                      out_shardings=tuple(outputs) if isinstance(out_specs, tuple) else outputs[0],
                      donate_argnums=donate)
 
-    self._init = compile_mapped(init_members(member), (members,), members, state_in=False)
+    init = init_members(member)
+    self._init = compile_mapped(init if self._split is None else lambda keys: self._split.slice(init(keys)),
+                                (members,), state, state_in=False)
     # Shared leaves (BatchEnsemble) hold a copy per device: a member's, repeated for the device's members.
-    per_device = ensemble_size // mesh.shape[ENSEMBLE_AXIS] if member.method.shares_weights else 1
+    per_device = ensemble_size // mesh.shape[ENSEMBLE_AXIS] if member.method.shares_weights and not self._split else 1
     self._repeat_shared = self._first_of_each = None
     self._method = member.method
     if per_device > 1:
@@ -108,24 +117,31 @@ class JitBackend:
       self._first_of_each = on_devices(lambda x: x[::per_device])
     # One member over all the devices: no collective over 'ensemble' (`backends.evaluate_members`).
     ensemble_axis = ENSEMBLE_AXIS if mesh.shape[ENSEMBLE_AXIS] > 1 else None
-    train, many = train_functions(member, self.devices, data_axis, ensemble_axis)
+    train, many = train_functions(member, self.devices, data_axis, ensemble_axis, self._split)
     self._train = train_program(compile_mapped(
-        gather(train) if self._shared_data else train, (members, data_spec, data_spec), (members, members),
+        gather(train) if self._shared_data else train, (state, data_spec, data_spec), (state, members),
         donate=0, batches=2, split=data_rows), devices, config, member)
     self._train_steps = train_program(compile_mapped(
-        many, (members, whole, whole, index_spec), (members, members), donate=0, batches=1, split=index_rows),
+        many, (state, whole, whole, index_spec), (state, members), donate=0, batches=1, split=index_rows),
         devices, config, member)
     # Whole fits in one program (`train_epochs`): members on devices of their own, in one process.
     self.trains_epochs = not spread and not split
     self._epochs = EpochPrograms(
         lambda *shape: train_program(compile_mapped(
-            train_epochs_function(many, member_data, *shape), (members, whole, whole, members, whole, whole, whole),
-            (members, members, members), donate=0), devices, config, member),
+            train_epochs_function(many, member_data, *shape), (state, whole, whole, members, whole, whole, whole),
+            (state, members, members), donate=0), devices, config, member),
         jax.device_put(np.arange(ensemble_size, dtype=np.int32), NamedSharding(mesh, members)))
     self._keys = {}
-    self._eval = compile_mapped(gather(evaluate_members(member, self.devices, ensemble_axis)),
-                                (members, batch_spec, batch_spec), members, batches=2, state_out=False,
-                                split=shared_rows)
+    evaluate = evaluate_members(member, self.devices, ensemble_axis)
+    if self._split is not None:
+      evaluate = self._split.gathering(evaluate)
+    self._eval = compile_mapped(gather(evaluate), (state, batch_spec, batch_spec), members, batches=2,
+                                state_out=False, split=shared_rows)
+    if self._split is not None:  # the canonical layout: the shared leaves repeated for the members
+      self._to_canonical = jax.jit(lambda state: member.method.map_shared(
+          lambda x: jax.numpy.broadcast_to(x, (ensemble_size, *x.shape[1:])), state), out_shardings=self._canonical)
+      self._from_canonical = jax.jit(lambda state: member.method.map_shared(lambda x: x[:1], state),
+                                     out_shardings=self._state)
 
   def _context(self):
     """Where a member's annotations find the mesh and the logical rules while traced (member_sharding=model)."""
@@ -178,11 +194,15 @@ class JitBackend:
     return distributed.to_numpy(tree)
 
   def to_canonical(self, state):
+    if self._split is not None:
+      return self._to_canonical(state)
     if self._repeat_shared is None:
       return state
     return self._method.map_shared(self._repeat_shared, state)
 
   def from_canonical(self, state):
+    if self._split is not None:
+      return self._from_canonical(state)
     if self._repeat_shared is None:
       return state
     return self._method.map_shared(self._first_of_each, state)

@@ -50,6 +50,10 @@ METHODS = {
     'shared_trunk': {'shared': ('Dense_0', 'Dense_1'), 'frozen': ('Dense_0',)},
     # K rank-2 adapters (LoRA) of one frozen trunk.
     'adapters': {'shared': ('Dense_0', 'Dense_1'), 'adapter_rank': 2},
+    # The K heads' trunk split over all the devices (backend jit on every path: the members spread over 8 devices),
+    # its small weights too.
+    'shared_trunk_split': {'shared': ('Dense_0', 'Dense_1'), 'frozen': ('Dense_0',), 'backend': 'jit',
+                           'shared_sharding': 'fsdp', 'min_weight_size': 1},
 }
 # What a workdir run checkpoints: every 2 steps, mid-epoch and at each epoch's end (steps 2, 4, 6, 8).
 WORKDIR_FIELDS = {'checkpoint_every_steps': 2, 'checkpoints_to_keep': 10}
@@ -68,7 +72,7 @@ class Cell(NamedTuple):
 
   def fields(self, **more) -> dict[str, Any]:
     """`fit`'s keywords for this cell."""
-    return {**COMMON, **METHODS[self.method], 'task': self.task, 'backend': self.backend, **more}
+    return {**COMMON, 'backend': self.backend, **METHODS[self.method], 'task': self.task, **more}
 
 
 def problem(task: str, seed: int = 0, scale: float = 1.0, features: int = 3):
