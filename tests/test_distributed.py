@@ -25,6 +25,8 @@ import jax
 import numpy as np
 import pytest
 
+import ensemble
+
 from conftest import SAME_SUMS, checkpoint_state, small_config, synthetic_mnist, write_mnist
 from ensemble import backends, checkpoint, data, distributed, trainer, writers
 from ensemble.errors import UsageError
@@ -56,6 +58,7 @@ def _train_args(workdir: str, mnist_dir: str, **overrides) -> list[str]:
   config = small_config(mnist_dir, **overrides)
   fields = ('data_dir', 'num_epochs', 'batch_size', 'eval_batch_size', 'ensemble_size', 'heldout_fraction',
             'backend', 'member_data', 'steps_per_dispatch', 'learning_rate')
+  fields += tuple(name for name in overrides if name not in fields)
   return [f'--workdir={workdir}', '--config=configs/classic.py', *(f'--config.{k}={config[k]}' for k in fields)]
 
 
@@ -206,22 +209,27 @@ def test_two_processes_train_the_same_ensemble_as_one(runs, recipe, workdirs, ep
 
 
 SPANNING = {'backend': 'jit', 'ensemble_size': 1, 'member_data': 'shuffled', 'steps_per_dispatch': 4}
+# K=2 heads whose backbone is split over all 8 devices: its gathers and reduce-scatters cross the processes.
+SHARED_SPLIT = {'backend': 'jit', 'ensemble_size': 2, 'member_data': 'shuffled', 'steps_per_dispatch': 4,
+                'shared': ('Conv_0', 'Conv_1', 'Dense_0'), 'shared_sharding': 'fsdp', 'min_weight_size': 64}
 
 
-def test_a_member_spanning_two_processes_trains_as_on_one(tmp_path):
-  """K=1 member data-parallel over 2 processes x 4 devices (the fast path: its own batches' indices split over
-  its devices, which are both processes') against 1 process x 8, by its metrics and its parameters."""
+@pytest.mark.parametrize('fields', [SPANNING, SHARED_SPLIT], ids=['a_member_spanning_them', 'a_split_backbone'])
+def test_two_processes_train_as_one(tmp_path, fields):
+  """2 processes x 4 devices against 1 process x 8, by the metrics and the parameters: K=1 member data-parallel
+  over both processes (the fast path: its own batches' indices split over its devices, which are both
+  processes'), and K=2 heads on one backbone split over all 8 devices (shared_sharding=fsdp)."""
   mnist_dir = write_mnist(str(tmp_path / 'mnist'))
   two, one = str(tmp_path / 'two'), str(tmp_path / 'one')
   launched = subprocess.run([sys.executable, LAUNCHER, '--num_processes=2', '--cpu_devices=4', '--',
-                             *_train_args(two, mnist_dir, **SPANNING, num_epochs=1)],
+                             *_train_args(two, mnist_dir, **fields, num_epochs=1)],
                             cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
   assert launched.returncode == 0, launched.stdout[-3000:]
-  trainer.train_and_evaluate(small_config(mnist_dir, **SPANNING, **SAME_SUMS, num_epochs=1), one)
+  trainer.train_and_evaluate(small_config(mnist_dir, **fields, **SAME_SUMS, num_epochs=1), one)
   (two_line,), (one_line,) = _metrics(two), _metrics(one)
   for key in {key for key in one_line if not key.endswith('_seconds')}:
     np.testing.assert_allclose(two_line[key], one_line[key], rtol=1e-5, atol=1e-6, err_msg=key)
-  params = [_checkpoint_state(workdir, 1, ensemble_size=1)['params'] for workdir in (two, one)]
+  params = [ensemble.load(workdir).params for workdir in (two, one)]
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *params)
 
 
