@@ -222,8 +222,9 @@ def calibration_is_kept(cell: Cell, lab: Lab):
 def early_stopping_keeps_the_best_epoch(cell: Cell, lab: Lab):
   """`early_stopping=N` with `validation=`: the summary names the best epoch, no later than the epochs trained, and
   the members returned score on the validation rows the validation NLL it reports (they are that epoch's); in a
-  workdir, the last checkpoint is that epoch and holds the members the same fit in memory returns; streamed, the
-  same members as in memory."""
+  workdir, the last checkpoint is that epoch and holds the members the same fit in memory returns; streamed (from
+  a source, or from a folder by the command line, which scores the held-out slice), the same members as in
+  memory."""
   train, test = problem(cell.task)
   validation = problem(cell.task, seed=7)[0]
   fields = cell.fields(epochs=4, early_stopping=1)
@@ -233,6 +234,15 @@ def early_stopping_keeps_the_best_epoch(cell: Cell, lab: Lab):
                        **fields)
     assert_same_members(ens, in_memory)
     assert_same_summary(ens.summary, in_memory.summary)
+    return
+  if cell.path == 'folder':  # the command line scores the held-out slice of the streamed training split
+    held_out = {'epochs': 4, 'early_stopping': 1, 'heldout_fraction': 0.25}
+    in_memory = ensemble.fit('mlp', train, test=test, progress=False, **cell.fields(**held_out))
+    workdir = lab.workdir(cell, 'early-stopped')
+    train_folder(cell, lab.folder(cell.task), workdir, **held_out)
+    ens = ensemble.load(workdir)
+    assert ens.epoch == in_memory.summary['best_epoch'], (ens.epoch, in_memory.summary)
+    assert_same_members(ens, in_memory)
     return
   if cell.path == 'workdir':
     in_memory = lab.early_stopped(cell._replace(path='arrays'))

@@ -209,7 +209,7 @@ def train_folder(cell: Cell, folder: str, workdir: str, **more):
   config = defaults.get_config()
   fields = cell.fields(**more)
   fields['num_epochs'] = fields.pop('epochs')
-  config.update({**fields, 'model': 'mlp', 'data_dir': folder, 'streaming': 'always', 'heldout_fraction': 0.0,
+  config.update({'heldout_fraction': 0.0, **fields, 'model': 'mlp', 'data_dir': folder, 'streaming': 'always',
                  'eval_every': 0, 'compilation_cache': '', 'augment': 'none'})
   for key in ('hyper_learning_rate',):
     if key in fields:

@@ -25,7 +25,8 @@ CHECKS = {
     ('arrays', 'jit'): ('same_members_as_in_memory',),
     # Each path's summary is the in-memory one's (same_members_as_in_memory): its unit is checked there.
     ('source', 'pmap'): ('same_members_as_in_memory', 'refit_compiles_nothing', 'early_stopping_keeps_the_best_epoch'),
-    ('folder', 'pmap'): ('same_members_as_in_memory', 'resume_equals_uninterrupted'),
+    ('folder', 'pmap'): ('same_members_as_in_memory', 'resume_equals_uninterrupted',
+                         'early_stopping_keeps_the_best_epoch'),
     ('workdir', 'pmap'): ('same_members_as_in_memory', 'save_load_predicts_the_same', 'resume_equals_uninterrupted',
                           'workdir_knows_its_data', 'calibration_is_kept', 'early_stopping_keeps_the_best_epoch',
                           'sigterm_resumes_exactly'),
