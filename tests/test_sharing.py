@@ -194,9 +194,12 @@ def test_a_predicate_names_the_parameters_by_path():
     ensemble.fit(Net(), _classes(64, 0), shared=lambda path: False, **FIT)
 
 
-def test_an_nnx_model_shares_its_backbone():
+@pytest.mark.parametrize('fields', [{'frozen': 'backbone'},
+                                    {'backend': 'jit', 'shared_sharding': 'fsdp', 'min_weight_size': 1}],
+                         ids=['frozen', 'trained_and_split'])
+def test_an_nnx_model_shares_its_backbone(fields):
   """An NNX model's parameters are named by its attributes: `shared='backbone'` finds them as it finds a linen
-  module's."""
+  module's, frozen, or trained and split over the devices."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   class NNXNet(nnx.Module):
@@ -207,7 +210,7 @@ def test_an_nnx_model_shares_its_backbone():
     def __call__(self, x):
       return self.head(nnx.relu(self.backbone(x)))
 
-  ens = ensemble.fit(NNXNet, _classes(128, 0), shared='backbone', frozen='backbone', **FIT)
+  ens = ensemble.fit(NNXNet, _classes(128, 0), shared='backbone', **fields, **FIT)
   leaves = jax.tree_util.tree_leaves_with_path(ens.params)
   backbone = [leaf for path, leaf in leaves if 'backbone' in jax.tree_util.keystr(path)]
   head = [leaf for path, leaf in leaves if 'head' in jax.tree_util.keystr(path)]
