@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import ensemble
+import user_models
 from ensemble import backends, checkpoint, loop, recipe as recipe_lib
 from ensemble.errors import UsageError
 
@@ -109,6 +110,19 @@ def test_a_shared_backbone_split_over_the_devices_trains_the_same_members(pretra
     assert leaf.shape[0] == 1 and {shard.data.size for shard in leaf.addressable_shards} == {leaf.size // 8}
   replicated = loop.prepare(whole.config, jax.devices(), data, Net()).init()
   assert backends.bytes_per_device(state) < backends.bytes_per_device(replicated)
+
+
+def test_a_split_shared_layer_beside_members_split_by_their_annotations():
+  """shared_sharding=fsdp with member_sharding=model: K=2 members spread over 4 devices each, their annotated
+  hidden units split over 'model', their shared first layer split over all 8 devices; the members of the
+  replicated shared layer."""
+  x, y = _classes(128, 0)
+  fields = {**FIT, 'ensemble_size': 2, 'backend': 'jit', 'member_sharding': 'model',
+            'logical_axis_rules': [('mlp', 'model')], 'shared': 'Dense_0', 'min_weight_size': 1}
+  split = ensemble.fit(user_models.Annotated(num_classes=3), (x, y), shared_sharding='fsdp', **fields)
+  whole = ensemble.fit(user_models.Annotated(num_classes=3), (x, y), **fields)
+  for got, want in zip(jax.tree.leaves(split.params), jax.tree.leaves(whole.params), strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('fields, message', [
