@@ -363,6 +363,13 @@ def test_training_programs_on_cpu_run_xlas_own_kernels_and_the_others_keep_jaxs(
   dense = make_member(model='user_models:TinyNet', augment='none')
   assert not backends.has_convolutions(dense) and backends.has_convolutions(make_member())
   assert backends.train_program(conv, jax.devices(), member=dense) is conv
+  # Nor does one whose convolutions run forward only: heads on a frozen convolutional backbone.
+  backbone = ('Conv_0', 'Conv_1', 'Dense_0')
+  heads = make_member(shared=backbone, frozen=backbone)
+  assert not backends.trains_through_convolutions(heads) and backends.trains_through_convolutions(make_member())
+  assert backends.trains_through_convolutions(make_member(frozen=('Conv_0',)))  # Conv_1's weights still train
+  assert backends.trains_through_convolutions(make_member(shared=backbone, adapter_rank=2))  # through its adapters
+  assert backends.train_program(conv, jax.devices(), member=heads) is conv
   for name in ('pmap', 'jit'):
     backend = _backend(name, ensemble_size=2, num_devices=2)
     assert isinstance(backend._train, backends.CompiledWith) and isinstance(backend._train_steps, backends.CompiledWith)
