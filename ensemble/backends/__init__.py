@@ -373,20 +373,19 @@ def _trains_through_convolutions(member: steps.Member) -> bool:
     return False
   dtype = jax.numpy.int32 if member.inputs == 'tokens' else jax.numpy.float32
   inputs = jax.ShapeDtypeStruct((1, *member.image_shape), dtype)
-  state = jax.eval_shape(member.init, jax.random.key(0))
 
-  def outputs(params, x):
+  def outputs(params, x, state):
     logits, _ = member.apply(state, sharing.stop_frozen(member.frozen, params), member.method.model_input(x),
                              train=True, key=jax.random.key(0))
     return sum(jax.numpy.sum(leaf) for leaf in jax.tree.leaves(logits))
 
-  def count(fn):
-    try:
-      return str(jax.make_jaxpr(fn)(state.params, inputs)).count('conv_general_dilated')
-    except Exception:  # pylint: disable=broad-except  # traceable only in its mesh's context: assume it does
-      return None
-  forward, step = count(outputs), count(jax.grad(outputs))
-  return forward is None or step is None or step > forward
+  def count(fn, state):
+    return str(jax.make_jaxpr(fn)(state.params, inputs, state)).count('conv_general_dilated')
+  try:
+    state = jax.eval_shape(member.init, jax.random.key(0))
+    return count(jax.grad(outputs), state) > count(outputs, state)
+  except Exception:  # pylint: disable=broad-except  # traceable only in its mesh's context (a mesh model): it may
+    return True
 
 
 def map_members(fn, in_axes: Sequence[int | None], devices: Sequence[jax.Device], member: steps.Member | None = None):
