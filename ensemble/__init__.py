@@ -14,7 +14,7 @@ from ensemble.errors import UsageError
 __all__ = ['Ensemble', 'UsageError', 'cpu_devices', 'distill', 'fit', 'load']
 # Each name of the API and the module that holds it, imported on first use (they import jax). `distill` lives in
 # ensemble/distillation.py: a module named distill would shadow the function once imported.
-_API = {'Ensemble': 'api', 'fit': 'api', 'load': 'api', 'distill': 'distillation'}
+_API = {'Ensemble': 'trained', 'fit': 'api', 'load': 'api', 'distill': 'distillation'}
 
 
 def __getattr__(name: str):

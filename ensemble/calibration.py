@@ -88,15 +88,17 @@ def scores(probs: np.ndarray, labels: np.ndarray) -> dict[str, float]:
           'brier': brier(probs, labels), 'ece': ece(probs, labels)}
 
 
-def temperature_scale(probs: np.ndarray, temperature: float) -> np.ndarray:
+def temperature_scale(probs: np.ndarray, temperature: float, xp=np) -> np.ndarray:
   """softmax(log(probs) / T): T > 1 softens, T < 1 sharpens, T = 1 leaves `probs` as they are.
 
   Applied to the ensemble's mean probabilities, this is temperature scaling
-  after averaging (Ashukha et al. 2020), which needs no member logits.
+  after averaging (Ashukha et al. 2020), which needs no member logits. Traced
+  with `xp=jnp` (`ensemble.export`), in the probabilities' own precision.
   """
-  logits = np.log(np.maximum(probs, _TINY)) / temperature
-  logits -= logits.max(-1, keepdims=True)
-  scaled = np.exp(logits)
+  tiny = _TINY if xp is np else np.finfo(probs.dtype).tiny
+  logits = xp.log(xp.maximum(probs, tiny)) / temperature
+  logits = logits - logits.max(-1, keepdims=True)
+  scaled = xp.exp(logits)
   return scaled / scaled.sum(-1, keepdims=True)
 
 

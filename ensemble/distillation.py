@@ -77,7 +77,7 @@ def _inputs(ens: api.Ensemble, data: Any) -> np.ndarray:
   """The inputs of `data` (x, or (x, y) whose y is left aside), checked against the teacher's as `fit` checks its."""
   if isinstance(data, tuple) and len(data) == 2:
     data = data[0]
-  inputs = ens.check(data)
+  inputs = ens.check(data, 'distill')
   if len(inputs) < 1:
     raise UsageError('distill got 0 inputs; give the inputs to label with the ensemble (its training inputs)')
   return inputs
@@ -140,12 +140,12 @@ def distill(ens: api.Ensemble, student_model: Any, data: Any, *, temperature: fl
   """
   _check(ens, temperature, fit_kwargs)
   for name, value in (('keep_optimizer', keep_optimizer), ('keep_freed_memory', keep_freed_memory)):
-    api._check_flag(name, value)  # pylint: disable=protected-access
-  api._check_flag('progress', progress, none=True)  # pylint: disable=protected-access
+    api.check_flag(name, value)
+  api.check_flag('progress', progress, none=True)
   inputs = _inputs(ens, data)
   if test is not None:  # before the training it would score
     test = _test_pair(test)
-    ens.check(test[0])
+    ens.check(test[0], 'test')
   task = ens.task.name
   # What the student is, whatever `config` says: one network of the teacher's task, trained on every input given.
   settings = api.fit_recipe(config, {**fit_kwargs, 'ensemble_size': 1, 'method': 'independent', 'task': task,
@@ -158,8 +158,8 @@ def distill(ens: api.Ensemble, student_model: Any, data: Any, *, temperature: fl
     dataset = base.Dataset(train, None, source, ens.num_classes, inputs=ens.member.inputs)
   student = api.fit_dataset(student_model, dataset, settings, workdir=workdir, init=init, keep_optimizer=keep_optimizer,
                             keep_freed_memory=keep_freed_memory, progress=progress)
-  student.distillation = None if test is None else report(ens, student, *test)
-  if student.distillation is not None:
+  if test is not None:
+    student = student._replace(distillation=report(ens, student, *test))  # pylint: disable=protected-access
     logging.info('Distilled %s into one %s: %s', ens._name, student.config.model,  # pylint: disable=protected-access
                  ', '.join(f'{k} {v:.4g}' for k, v in student.distillation.as_dict().items()))
   return student

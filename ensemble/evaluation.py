@@ -10,13 +10,14 @@ download, and after temperature scaling of the average (Ashukha et al. 2020).
 `evaluate` writes metrics.json, report.md and PNG plots.
 """
 
+import collections
 import difflib
 import functools
 import hashlib
 import json
 import math
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -26,6 +27,7 @@ from absl import logging
 from ensemble import backends, calibration, checkpoint, console, data, regression_report, report, steps
 from ensemble import members, recipe as recipe_lib, sharing
 from ensemble.data import tfds
+from ensemble.models import user
 from ensemble.predictor import Predictor, evaluation_devices
 from ensemble.errors import UsageError
 from ensemble.uncertainty import conformal, decomposition, ood, selective
@@ -43,10 +45,11 @@ DEFAULT_ALPHAS = (0.1, 0.05, 0.01)
 SELECTIVE_COVERAGES = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.5)
 
 
-def load_run_config(workdir: str) -> recipe_lib.Recipe:
-  """The recipe that a run (or `Ensemble.save`) recorded next to its checkpoints."""
+def load_run_config(workdir: str,
+                    fix: str = '--workdir must name a folder written by python -m ensemble.train') -> recipe_lib.Recipe:
+  """The recipe that a run (or `Ensemble.save`) recorded next to its checkpoints; `fix` ends the refusal of a folder
+  without one (it names the flag or argument that gave `workdir`)."""
   path = os.path.join(workdir, 'config.json')
-  fix = '--workdir must name a folder written by python -m ensemble.train'
   config = recipe_lib.read_record(path, fix)
   missing = [key for key in recipe_lib.RECORD_KEYS if key not in config]
   if missing:
@@ -80,7 +83,7 @@ def restore(workdir: str, config: recipe_lib.Recipe, step: int | None, devices: 
                      f'--workdir={workdir}')
   if step is not None and step not in epochs:
     raise UsageError(f'--step={step}: no such checkpoint in {ckpt.directory}; choose one of {epochs}')
-  member = members.member(config, _recorded_data(ckpt, epochs if step is None else [step]), model=model)
+  member = restored_member(config, _recorded_data(ckpt, epochs if step is None else [step]), model)
   ckpt.method = member.method  # how its checkpoints hold the shared parameters
   target = backends.abstract_member_state(member, config.ensemble_size, devices)
   meta = {'model': config.model, 'ensemble_size': config.ensemble_size}
@@ -100,18 +103,48 @@ def restore(workdir: str, config: recipe_lib.Recipe, step: int | None, devices: 
   return member, state, epoch
 
 
+_RESTORED: 'collections.OrderedDict[Any, steps.Member]' = collections.OrderedDict()
+_RESTORED_KEPT = 16
+
+
+def restored_member(config: recipe_lib.Recipe, data_info: dict[str, Any], model: Any = None) -> steps.Member:
+  """The member a recipe and a data description make, one per what its programs compute (`recipe.for_programs`),
+  kept for the process: the ensembles restored alike share it, and so their compiled programs (a loop of
+  `ensemble.load` and `predict` compiles its predictions once)."""
+  key = (recipe_lib.for_programs(config), json.dumps(data_info, sort_keys=True), user.key(model))
+  if key not in _RESTORED:
+    _RESTORED[key] = members.member(config, data_info, model=model)
+    while len(_RESTORED) > _RESTORED_KEPT:
+      _RESTORED.popitem(last=False)
+  _RESTORED.move_to_end(key)
+  return _RESTORED[key]
+
+
 def first_member_params(workdir: str, shared: Sequence[str] = ()) -> Any:
   """`init_from`'s parameters (one model's tree, for `init_params`): the first member's of `workdir`'s latest
-  checkpoint; those under `shared` where it names any (a pretrained backbone for K heads), else all of them."""
-  config = load_run_config(workdir)
+  checkpoint; those under `shared` where it names any (a pretrained backbone for K heads), else all of them. Where
+  the run's model has collections besides its parameters (BatchNorm's running averages), its whole variables,
+  {'params': ..., 'batch_stats': ...}, those collections under `shared` alike."""
+  fix = ("--config.init_from must name a trained run's folder (written by python -m ensemble.train, by ensemble.fit "
+         'into a workdir, or by Ensemble.save)')
+  config = load_run_config(workdir, fix)
   refuse_single_model(config, workdir)
-  _, state, _ = restore(workdir, config, None, jax.local_devices()[:1])
-  params = jax.tree.map(lambda leaf: jax.device_get(leaf)[0], state.params)
-  params = {key: value for key, value in params.items() if key != sharing.ADAPTERS}
-  if not shared:
-    return params
-  return jax.tree_util.tree_map_with_path(
-      lambda path, leaf: leaf if sharing.matches(shared, sharing.names(path)) else None, params)
+  ckpt = checkpoint.Checkpointer(workdir)
+  try:
+    if not ckpt.epochs():
+      raise UsageError(f'{workdir} holds no checkpoint yet; {fix}')
+  finally:
+    ckpt.close()
+  member, state, _ = restore(workdir, config, None, jax.local_devices()[:1])
+  first = lambda tree: jax.tree.map(lambda leaf: jax.device_get(leaf)[0], tree)
+  params = {key: value for key, value in first(state.params).items() if key != sharing.ADAPTERS}
+  collections = first(member._collections(state.batch_stats))  # pylint: disable=protected-access
+  if shared:
+    params, collections = (jax.tree_util.tree_map_with_path(
+        lambda path, leaf: leaf if sharing.matches(shared, sharing.names(path)) else None, tree)
+                           for tree in (params, collections))
+  collections = {name: tree for name, tree in collections.items() if jax.tree.leaves(tree)}
+  return {'params': params, **collections} if collections else params
 
 
 def checkpoint_id(workdir: str, epoch: int) -> str:
@@ -238,21 +271,33 @@ def score_noise(predict: Predictor, test: data.Split) -> list[dict[str, Any]]:
 
 
 def heldout_split(train: data.Split, config: recipe_lib.Recipe) -> tuple[data.Split, bool]:
-  """The training examples to fit the temperature on (in memory: of a streamed split, only they are read), and
-  whether the members were trained on them."""
+  """The training examples to fit the temperature on, and whether the members were trained on them. Of a streamed
+  split, the slice stays streamed: whatever scores it reads it a batch at a time (`predict_split`, `Predictor`,
+  `data.stream.labels`), so that memory stays flat in the data's size."""
   fraction = config.heldout_fraction
   # Checked before `data.hold_out`, whose message asks for a setting to train with: the run has trained.
   if not data.heldout_count(len(train['label']), fraction or FALLBACK_HELDOUT_FRACTION):
     raise UsageError(f'heldout_fraction={fraction} of {len(train["label"])} training examples holds out none '
                      'to fit the temperature on; train with a larger --config.heldout_fraction')
   _, heldout = data.hold_out(train, fraction or FALLBACK_HELDOUT_FRACTION)
-  return data.stream.in_memory(heldout), not fraction
+  return heldout, not fraction
+
+
+def predict_split(predict: Callable[[np.ndarray], dict[str, np.ndarray]], split: data.Split,
+                  batch_size: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+  """`predict`'s per-example results (`Ensemble.predict`'s dict) for every example of `split`, and the split's
+  labels: `batch_size` examples read and predicted at a time, so a streamed slice is never read whole."""
+  results, labels = [], []
+  for images, batch_labels in data.stream.chunks(split, batch_size):
+    results.append(predict(images))
+    labels.append(batch_labels)
+  return {key: np.concatenate([r[key] for r in results]) for key in results[0]}, np.concatenate(labels)
 
 
 def score_temperature(predict: Predictor, heldout: data.Split, seen_in_training: bool,
                       test_probs: np.ndarray, test_labels: np.ndarray) -> dict[str, Any]:
   """Temperature scaling after averaging: fitted on held-out training data, judged on the test set."""
-  temperature = calibration.fit_temperature(predict(heldout).mean(0), heldout['label'])
+  temperature = calibration.fit_temperature(predict(heldout).mean(0), predict.labels(heldout))
   scaled = calibration.temperature_scale(test_probs, temperature)
   judge = lambda probs: {'nll': calibration.nll(probs, test_labels), 'ece': calibration.ece(probs, test_labels)}
   return {'temperature': temperature, 'fit_examples': len(heldout['label']), 'seen_in_training': seen_in_training,
@@ -367,13 +412,13 @@ def score_conformal(predict: Predictor, heldout: data.Split, seen_in_training: b
                     test_labels: np.ndarray, alphas: Sequence[float]) -> dict[str, Any]:
   """Split-conformal sets calibrated on the held-out slice, judged on the test set: coverage and mean set size of
   each score at each alpha, for the ensemble and (each member calibrated on its own) the mean member."""
-  heldout_member_probs = predict(heldout)
-  n = len(heldout['label'])
+  heldout_member_probs, heldout_labels = predict(heldout), predict.labels(heldout)
+  n = len(heldout_labels)
   finite = lambda q: q if math.isfinite(q) else None  # JSON has no infinity: no threshold, every class in the set
   rows = []
   for alpha in alphas:
     for score in conformal.SCORES:
-      fit = functools.partial(conformal.split_conformal, calibration_labels=heldout['label'],
+      fit = functools.partial(conformal.split_conformal, calibration_labels=heldout_labels,
                               test_labels=test_labels, alpha=alpha, score=score)
       ensemble = fit(heldout_member_probs.mean(0), test_probs=test_member_probs.mean(0))
       members = [fit(cal, test_probs=test) for cal, test in zip(heldout_member_probs, test_member_probs)]
@@ -399,7 +444,7 @@ def _evaluate_regression(workdir: str, config, member, state, devices, epoch: in
   heldout, seen_in_training = heldout_split(dataset.train, config)
   predict = Predictor(member, state, devices, config.eval_batch_size)
   components = lambda split: (*member.task.components(predict.log_probs(split)),
-                              split['label'].astype(np.float64))
+                              predict.labels(split).astype(np.float64))
   logging.info('Predicting the %d test examples and the %d held-out ones.', len(test['label']), len(heldout['label']))
   results = {'workdir': os.path.abspath(workdir), 'epoch': epoch, 'checkpoint_unit': config.checkpoint_unit,
              'checkpoint': checkpoint_id(workdir, epoch), 'ensemble_size': config.ensemble_size,

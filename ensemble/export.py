@@ -10,6 +10,7 @@ dependencies:
   out['probs']                 # (N, C): the members' mean, temperature-scaled as ensemble.predict does
   out['member_log_probs']      # (K, N, C): each member's log-probabilities, for the uncertainty split
   out['set']                   # (N, C) booleans: the conformal prediction sets, where Ensemble.conformal set them
+  out['flag']                  # (N,) booleans: the inputs to refer, where Ensemble.flags fitted them
 
 A regression workdir's artifact takes its features and returns what
 `Ensemble.predict` does, per target (N, D): 'mean', 'std', 'variance' =
@@ -33,8 +34,7 @@ from absl import flags, logging  # pylint: disable=g-import-not-at-top,g-multipl
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-from ensemble import api, backends, cli, files  # pylint: disable=g-import-not-at-top
-from ensemble.uncertainty import conformal  # pylint: disable=g-import-not-at-top
+from ensemble import api, backends, cli, files, posthoc  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
 # The artifact runs on any of these; lowering for a platform needs no device of it.
@@ -46,46 +46,44 @@ FLAGS = flags.FLAGS
 
 def forward(model: api.Ensemble) -> Callable[[jnp.ndarray], dict[str, jnp.ndarray]]:
   """float32 images (N, H, W, C) in [0, 1] (or the run's features, or int32 tokens) -> {'member_log_probs':
-  (K, N, C), 'probs': (N, C)} on one device.
+  (K, N, C), 'probs': (N, C)} on one device, after the ensemble's post-hoc chain (its temperature; 'set' and
+  'flag' where it has a conformal or a flags step).
 
   Each member's forward pass is `steps.Member.predict`, as in training and
   evaluation, mapped over the members as `backends.predict_members` maps
   them, the state fetched to the host so that it becomes the program's
-  constants.
+  constants; the chain is `posthoc.apply`, traced.
   """
   state = jax.device_get(model.state.replace(opt_state=None))
   output = lambda state, images: model.task.member_output(model.member.predict(state, images))
   members = backends.predict_members(output, model.member, jax.devices()[:1])
+  outputs = lambda inputs: members(state, model.standardise(inputs, xp=jnp))
   if model.task.name == 'regression':
-    return _regression_forward(model, state, members)
-
-  found = model.conformal_calibration
+    return _regression_forward(model, outputs)
 
   def fn(images):
-    member_log_probs = members(state, images)
-    mean_log_probs = jax.nn.logsumexp(member_log_probs, axis=0) - jnp.log(model.size)
-    out = {'member_log_probs': member_log_probs, 'probs': jax.nn.softmax(mean_log_probs / model.temperature)}
-    if found:  # `Ensemble.conformal`'s sets, as predict gives them
-      out['set'] = conformal.prediction_sets(out['probs'], found['quantile'], found['score'], xp=jnp)
-    return out
+    member_log_probs = outputs(images)
+    mean_probs = jnp.exp(jax.nn.logsumexp(member_log_probs, axis=0) - jnp.log(model.size))
+    chained = posthoc.apply(model.posthoc, {'member_probs': jnp.exp(member_log_probs), 'probs': mean_probs}, xp=jnp)
+    return {'member_log_probs': member_log_probs, 'probs': chained['probs'],
+            **{key: chained[key] for key in ('set', 'flag') if key in chained}}
   return fn
 
 
-def _regression_forward(model: api.Ensemble, state, members) -> Callable[[jnp.ndarray], dict[str, jnp.ndarray]]:
+def _regression_forward(model: api.Ensemble, outputs) -> Callable[[jnp.ndarray], dict[str, jnp.ndarray]]:
   """A regression ensemble's forward pass: what `Ensemble.predict` returns, each (N, D) and in float32
   (`tasks.regression.predictive`, the same code traced: 'mean', 'std', 'variance', 'aleatoric', 'epistemic' and the
-  mixture's central intervals 'lower_P', 'upper_P'), and the components 'member_means' and 'member_variances'
-  (K M, N, D) in the targets' units, their variances times the variance scale as predict's."""
+  mixture's central intervals 'lower_P', 'upper_P'; 'conformal_lower' and 'conformal_upper' where the chain has a
+  conformal step), and the components 'member_means' and 'member_variances' (K M, N, D) in the targets' units, as
+  the chain leaves them (times its variance scale)."""
   from ensemble.tasks import regression  # pylint: disable=g-import-not-at-top
 
   def fn(inputs):
-    means, variances = model.task.components(members(state, inputs), xp=jnp)
-    variances = variances * model.temperature  # the variance scale ensemble.evaluate fitted (1 without one)
-    out = {'member_means': means, 'member_variances': variances, **regression.predictive(means, variances, xp=jnp)}
-    if model.conformal_calibration:  # `Ensemble.conformal`'s intervals, as predict gives them
-      out['conformal_lower'], out['conformal_upper'] = regression.conformal_interval(
-          out['mean'], out['std'], model.conformal_calibration['quantile'], xp=jnp)
-    return out
+    means, variances = model.task.components(outputs(inputs), xp=jnp)
+    chained = posthoc.apply(model.posthoc, {'means': means, 'variances': variances}, xp=jnp)
+    return {'member_means': chained['means'], 'member_variances': chained['variances'],
+            **regression.predictive(chained['means'], chained['variances'], xp=jnp),
+            **{key: chained[key] for key in ('conformal_lower', 'conformal_upper') if key in chained}}
   return fn
 
 
@@ -110,7 +108,7 @@ def write(workdir: str, output: str, step: int | None = None,
     raise UsageError('--output is required: the file to write the exported ensemble to, e.g. model.jax')
   files.check_output('--output', output)
   check_platforms(platforms)
-  model = api.load(workdir, step)
+  model = api.read(workdir, step)
   exported = export(model, platforms)
   files.write_atomically(output, bytes(exported.serialize()))
   outputs = jax.tree_util.tree_unflatten(exported.out_tree, range(exported.out_tree.num_leaves))

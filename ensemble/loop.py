@@ -13,7 +13,9 @@ loop of fits of the same model and recipe on data of the same shapes traces
 and compiles once. What changes from fit to fit stays out of the programs:
 feature and target standardisation happen on the host, in float64, and the
 training set is padded to a size bucket, so a set that grows by a few rows
-reuses the programs (padded rows are never drawn into a batch).
+reuses the programs (padded rows are never drawn into a batch), and the seed
+enters them as arguments (the members' keys and the seed's, `keys.seed_key`),
+so a fit with another seed reuses them too, under any method.
 """
 
 import collections
@@ -32,11 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from ensemble import backends, console, data, devices as devices_lib, distributed, members, steps, tasks
+from ensemble import backends, console, data, devices as devices_lib, distributed, divergence, members, standardise
+from ensemble import steps, tasks
 from ensemble import recipe as recipe_lib
 from ensemble.defaults import Recipe
 from ensemble.errors import UsageError
-from ensemble import sharing
 from ensemble.models import user
 
 # A training set up to this size (its inputs and labels, one copy per device) goes to the devices once, and a whole
@@ -47,14 +49,6 @@ RESIDENT_LIMIT_BYTES = 64 << 20
 AUTO_DISPATCH = -2
 # How many runs' programs a process keeps.
 _CACHE_SIZE = 8
-class Diverged(UsageError):
-  """A member's loss or parameters stopped being finite in `epoch`: nothing of that epoch may be kept."""
-
-  def __init__(self, message: str, epoch: int):
-    super().__init__(message)
-    self.epoch = epoch
-
-
 class Stopped(KeyboardInterrupt):
   """SIGTERM asked the run to stop (a preemptible VM's notice, a scheduler's end of the job): raised at the end of
   the dispatch in progress, once the hooks have saved where it stands (`stop_on_sigterm`, `Hook.stop_point`)."""
@@ -190,85 +184,6 @@ def _programs(recipe: Recipe, program_info: dict, model: Any, devices, steps_per
   return programs
 
 
-def _standardise(dataset: data.Dataset, train: data.Split, recipe: Recipe):
-  """(train, test, data_info, program_info): the splits as the programs take them, and two descriptions of the data.
-
-  Regression targets, and features when `standardize_features` asks, are
-  standardised here on the host in float64 by the training split's mean and
-  standard deviation (a constant one's taken as 1), then cast: `data_info`
-  records those statistics for checkpoints (a restored member applies them on
-  the device), while `program_info` leaves them out, so that the programs do
-  not change when the data does: they compute in standardised units, for as
-  many targets as the data has. Images keep their per-channel statistics in
-  the programs (normalised after augmentation, on the device).
-  """
-  test, sample = dataset.test, data.stream.sample(train)
-  target_stats = None
-  if dataset.task == 'regression':
-    targets = sample['label'].astype(np.float64)
-    with np.errstate(over='ignore', invalid='ignore'):  # beyond float64: refused just below
-      target_mean, target_std = targets.mean(0), targets.std(0)
-    target_std = np.where(target_std > 0, target_std, 1.0)
-    in_float32(np.concatenate([target_mean, target_std]), "the targets' mean and standard deviation")
-    target_stats = (target_mean, target_std)
-    train = data.stream.transformed(train, label=functools.partial(_standardised, target_stats,
-                                                                   'the training targets, standardised'))
-    if test is not None:
-      test = data.stream.transformed(test, label=functools.partial(_standardised, target_stats,
-                                                                   'the test targets, standardised'))
-  mean, std = data.input_stats(sample['image'], dataset.inputs, recipe.standardize_features)
-  outputs = 2 * dataset.num_classes if target_stats else dataset.num_classes
-  data_info = members.data_info(dataset.image_shape, outputs, mean, std, inputs=dataset.inputs,
-                                target_stats=target_stats)
-  program_info = {k: v for k, v in data_info.items() if not k.startswith('target_')}
-  if dataset.inputs == 'features':  # standardised here, if at all: the programs take the features as they come
-    program_info.update(mean=[0.0], std=[1.0])
-    transform = feature_transform(data_info)
-    features = lambda name: functools.partial(_features, transform, f'the {name} features')
-    train = data.stream.transformed(train, image=features('training'))
-    test = data.stream.transformed(test, image=features('test')) if test is not None else None
-  return train, test, data_info, program_info
-
-
-def _standardised(stats: tuple[np.ndarray, np.ndarray], what: str, targets: np.ndarray) -> np.ndarray:
-  mean, std = stats
-  return in_float32((targets.astype(np.float64) - mean) / std, what)
-
-
-def _features(transform, what: str, features: np.ndarray) -> np.ndarray:
-  return in_float32(transform(features) if transform else features, what)
-
-
-def in_float32(values: np.ndarray, what: str) -> np.ndarray:
-  """`values` as the float32 the programs compute in; a value beyond its range (3.4e38) is a one-line error, where
-  training would only report divergence."""
-  with np.errstate(over='ignore'):
-    cast = values.astype(np.float32)
-  if not np.isfinite(cast).all():
-    fix = 'set standardize_features=True, or rescale them' if 'features' in what else 'rescale them'
-    raise UsageError(f'{what} reach {np.abs(values).max():.3g}, beyond float32 (3.4e38) that the members compute in; '
-                     f'{fix}')
-  return cast
-
-
-def feature_transform(data_info: dict[str, Any], xp=np):
-  """The host's standardisation of features by `data_info`'s per-feature statistics (in float64), or None where
-  the features are not standardised (their statistics are 0 and 1: they pass as they are). With xp=jnp, the same
-  traced (in float32), for `Ensemble.apply`."""
-  if data_info.get('inputs') != 'features':
-    return None
-  if all(m == 0.0 for m in data_info['mean']) and all(s == 1.0 for s in data_info['std']):
-    return None
-  dtype = np.float64 if xp is np else jnp.float32
-  mean, std = xp.asarray(data_info['mean'], dtype), xp.asarray(data_info['std'], dtype)
-  count = len(data_info['mean'])
-
-  def transform(features):
-    flat = features.reshape(len(features), count).astype(dtype)
-    return ((flat - mean) / std).reshape(features.shape)
-  return transform
-
-
 def prepare(recipe: Recipe, devices: Sequence[jax.Device], dataset: data.Dataset, model: Any = None,
             validation: data.Split | None = None) -> Run:
   """Builds (or reuses) the programs of a resolved recipe (ensemble/recipe.py) for `dataset`, and standardises the
@@ -283,13 +198,18 @@ def prepare(recipe: Recipe, devices: Sequence[jax.Device], dataset: data.Dataset
                        'or give ensemble.fit validation=(x_val, y_val)')
     validation = data.hold_out(dataset.train, recipe.heldout_fraction)[1]
   devices_lib.compilation_cache(recipe.compilation_cache)
-  train, test, data_info, program_info = _standardise(dataset, train_before(dataset, recipe), recipe)
+  train, test, data_info, program_info = standardise.splits(dataset, train_before(dataset, recipe), recipe)
   if validation is not None:  # converted as a test split is, by the training split's statistics
-    validation = _standardise(dataclasses.replace(dataset, test=validation), train_before(dataset, recipe),
-                              recipe)[1]
+    validation = standardise.splits(dataclasses.replace(dataset, test=validation), train_before(dataset, recipe),
+                                    recipe)[1]
   steps_per_epoch = data.steps_per_epoch(len(train['label']), recipe.batch_size)
   programs = _programs(recipe, program_info, model, devices, steps_per_epoch)
   data_info = {**data_info, 'num_classes': programs.num_outputs}
+  if dataset.inputs == 'tokens' and recipe.inputs == 'auto' and not members.embeds(programs.member):
+    where = 'train' if dataset.source == data.ARRAYS else dataset.source
+    raise UsageError(f'{where}: the inputs are integers, which are token ids only to a model that embeds them, and '
+                     'this model has no embedding table (nn.Embed): set --config.inputs=features if they are numbers '
+                     '(counts, codes, levels), or --config.inputs=tokens if the model takes ids its own way')
   vocabulary = members.vocabulary(programs.member) is not None
 
   def checked(split, name):
@@ -307,18 +227,9 @@ def prepare(recipe: Recipe, devices: Sequence[jax.Device], dataset: data.Dataset
   if per_dispatch == AUTO_DISPATCH:
     per_dispatch = -1 if resident_eligible(train, programs.member, devices) else 0
   return Run(recipe=recipe, devices=devices, dataset=dataset, train=train, test=test, data_info=data_info,
-             member=programs.member, task=tasks.create(recipe, data_info), backend=programs.backend,
+             member=programs.member, task=tasks.create(recipe, data_info),
+             backend=backends.for_seed(programs.backend, recipe.seed),  # programs shared by every seed
              steps_per_epoch=steps_per_epoch, steps_per_dispatch=per_dispatch, validation=validation)
-
-
-def with_init_params(run: Run, state: Any, init_params: Any) -> Any:
-  """`state` (fresh members, the backend's layout) with every parameter that `init_params` (one model's tree: a
-  pretrained checkpoint's, a 1-member fit's `params`) holds, for every member (ensemble/sharing.py's `fill_from`),
-  and `recipe.init_noise` added to the members' own copies; the optimizer's state is a fresh one's either way."""
-  canonical = run.backend.to_canonical(state)
-  params = sharing.fill_from(init_params, canonical.params, run.recipe.init_noise, run.recipe.seed,
-                             run.member.method.shared(canonical.params))
-  return run.backend.from_canonical(canonical.replace(params=params))
 
 
 def train_before(dataset: data.Dataset, recipe: Recipe) -> data.Split:
@@ -366,42 +277,6 @@ def _train_summary(outputs: list[dict[str, np.ndarray]], earlier: tuple[int, dic
   done, before = earlier
   steps = sum(np.size(chunk['loss']) for chunk in outputs) // ensemble_size
   return {name: (before[name] * done + mean * steps) / (done + steps) for name, mean in means.items()}
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _finite_rows(x: jax.Array, ensemble_size: int) -> jax.Array:
-  """(K,) whether each member's slice of a leaf is finite: a program per leaf's shape, which the leaves of other
-  recipes' states share (one program for a whole state would be compiled again for every state's structure)."""
-  return jnp.isfinite(x).reshape(ensemble_size, -1).all(1)
-
-
-def nonfinite_members(state: Any, ensemble_size: int) -> list[int]:
-  """The members whose state holds a NaN or an infinity: such a state must never be kept.
-
-  `state` is canonical, (K, ...) per leaf; a one-model state (the mesh backends, K = 1) has no member axis,
-  which the reshape to (1, -1) covers alike.
-  """
-  leaves = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact)]
-  finite = np.stack(distributed.to_numpy([_finite_rows(x, ensemble_size) for x in leaves]))
-  return np.flatnonzero(~finite.all(0)).tolist()
-
-
-def _stop_if_diverged(losses: np.ndarray, config: Recipe, epoch: int, step: int):
-  """Ends the run once a member's training loss is NaN or infinite: its state must not be kept.
-
-  `losses` is (K, S): the S steps that ended at `step`, as every process sees them.
-  """
-  finite = np.isfinite(losses.reshape(config.ensemble_size, -1))
-  if finite.all():
-    return
-  first = step - finite.shape[1] + 1 + int(np.argmin(finite.all(0)))
-  members = np.flatnonzero(~finite.all(1)).tolist()
-  diverged(config, epoch, first, f'members {members} have a non-finite training loss')
-
-
-def diverged(config: Recipe, epoch: int, step: int, what: str):
-  raise Diverged(f'training diverged in epoch {epoch} at step {step}: {what}; lower --config.learning_rate '
-                 f'(now {config.learning_rate}) or --config.momentum (now {config.momentum})', epoch)
 
 
 # Draws the next epoch's batch indices while the devices train on this one.
@@ -527,7 +402,7 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
                                                       None if reads is None else next(reads))
         outputs.append(backend.to_host(chunk_metrics))
         count, step = end - step, end
-        _stop_if_diverged(outputs[-1]['loss'], config, epoch, step)
+        divergence.stop_if_diverged(outputs[-1]['loss'], config, epoch, step)
         for hook in hooks:
           hook.after_steps(step)
         if bar is not None:
@@ -552,6 +427,10 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
       if patience:
         scored = evaluate(backend, state, run.validation, config.eval_batch_size, run.task)
         summary['validation_loss'] = run.task.summary(None, scored)['test_loss']
+        if not np.isfinite(summary['validation_loss']):  # NaN < best never holds: the first epoch would be kept
+          raise UsageError(f'validation: the NLL after epoch {epoch} is {summary["validation_loss"]}, so no epoch can '
+                           'be told better than another; give validation rows the members can score (finite inputs '
+                           'in the training data\'s range, labels of its classes)')
         improved = best is None or summary['validation_loss'] < best.loss
         summary['best_epoch'] = epoch if improved else best.epoch
       summary = _numbers(summary)
@@ -648,9 +527,9 @@ def _train_at_once(run: Run, state: Any) -> tuple[Any, dict[str, float]]:
   bad = ~np.isfinite(losses).all(axis=(0, 2))
   if bad.any():
     epoch = int(np.argmax(bad))
-    _stop_if_diverged(losses[:, epoch], config, epoch + 1, (epoch + 1) * per_epoch)
+    divergence.stop_if_diverged(losses[:, epoch], config, epoch + 1, (epoch + 1) * per_epoch)
   if not finite.all():
-    diverged(config, config.num_epochs, config.num_epochs * per_epoch,
+    divergence.diverged(config, config.num_epochs, config.num_epochs * per_epoch,
              f'members {np.flatnonzero(~finite).tolist()} have non-finite parameters')
   summary = {'epoch': config.num_epochs, 'train_seconds': (time.perf_counter() - started) / config.num_epochs}
   test = None
@@ -669,9 +548,9 @@ def _keep(run: Run, hooks: Sequence[Hook], epoch: int, state: Any, summary: dict
   """The canonical state, checked finite, handed to the hooks with where training stands (`stop`: where SIGTERM
   stopped it)."""
   canonical = run.backend.to_canonical(state)
-  nonfinite = nonfinite_members(canonical, run.recipe.ensemble_size)
+  nonfinite = divergence.nonfinite_members(canonical, run.recipe.ensemble_size)
   if nonfinite:
-    diverged(run.recipe, epoch, position.step, f'members {nonfinite} have non-finite parameters')
+    divergence.diverged(run.recipe, epoch, position.step, f'members {nonfinite} have non-finite parameters')
   for hook in hooks:
     (hook.stop_point if stop else hook.save_point)(epoch, position, canonical, summary)
   return canonical

@@ -60,6 +60,11 @@ def data_info(image_shape: Sequence[int], num_classes: int, mean: Sequence[float
   return info
 
 
+def _batch_named(shape: Any) -> str:
+  """A traced output's shape as a message says it: its batch of 1 example is '(batch, ...)'."""
+  return str(tuple(shape)).replace('(1,', '(batch,', 1) if isinstance(shape, tuple) else str(shape)
+
+
 def check_model(member: steps.Member, num_classes: int, method: str) -> int:
   """Runs the model on one input, abstractly, before anything is written; returns its number of logits.
 
@@ -93,12 +98,12 @@ def check_model(member: steps.Member, num_classes: int, method: str) -> int:
   if member.task.name == 'regression':
     targets = num_classes // 2
     if not hasattr(logits, 'shape') or len(logits.shape) != 2 or logits.shape[1] != num_classes:
-      got = getattr(logits, 'shape', type(logits).__name__)
+      got = _batch_named(getattr(logits, 'shape', type(logits).__name__))
       raise UsageError(f'the model maps inputs {shape} to {got}, not to (batch, {num_classes}): for {targets} '
                        f'target(s) give its last layer {num_classes} outputs, a mean and a raw scale per target')
   elif (not hasattr(logits, 'shape') or len(logits.shape) != 2 or logits.shape[0] != 1
         or logits.shape[1] < num_classes):
-    got = getattr(logits, 'shape', type(logits).__name__)
+    got = _batch_named(getattr(logits, 'shape', type(logits).__name__))
     raise UsageError(f'the model maps inputs {shape} to {got}, not to (batch, {num_classes}) logits, one per class; '
                      f'give its last layer {num_classes} outputs (the labels run 0..{num_classes - 1})')
   sharing.check(member.method.shared_filters, variables['params'], 'shared')
@@ -127,16 +132,26 @@ def check_model(member: steps.Member, num_classes: int, method: str) -> int:
 
 
 @functools.lru_cache(maxsize=64)
+def _tables(member: steps.Member) -> tuple[int, ...]:
+  """The rows of each embedding table of the member's model (a parameter named 'embedding', (V, E), as nn.Embed
+  and nnx.Embed make), read off its initialisation traced once."""
+  params = jax.eval_shape(member.init_variables, jax.random.key(0))['params']
+  return tuple(leaf.shape[0] for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+               if getattr(path[-1], 'key', None) == 'embedding' and len(leaf.shape) == 2)
+
+
 def vocabulary(member: steps.Member) -> int | None:
-  """How many token ids the member's model can embed: the rows of its one embedding table (a parameter named
-  'embedding', (V, E), as nn.Embed and nnx.Embed make), read off its initialisation traced once. None for other
-  inputs, or a model with no table or several (which one an id indexes is the model's business)."""
+  """How many token ids the member's model can embed: the rows of its one embedding table. None for other inputs,
+  or a model with no table or several (which one an id indexes is the model's business)."""
   if member.inputs != 'tokens':
     return None
-  params = jax.eval_shape(member.init_variables, jax.random.key(0))['params']
-  tables = [leaf.shape[0] for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-            if getattr(path[-1], 'key', None) == 'embedding' and len(leaf.shape) == 2]
+  tables = _tables(member)
   return tables[0] if len(tables) == 1 else None
+
+
+def embeds(member: steps.Member) -> bool:
+  """Whether the member's model has an embedding table: what integer inputs are token ids to."""
+  return bool(_tables(member))
 
 
 def ids_checked(member: steps.Member, inputs: np.ndarray, name: str = 'inputs') -> np.ndarray:

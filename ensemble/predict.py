@@ -11,7 +11,7 @@ information between the prediction and the members (the part of the
 uncertainty the members disagree on), and `flag`: whether the image is more
 uncertain than the threshold that keeps the error rate of the unflagged
 held-out images at --flag_risk, or the members disagree on it more than on all
-but --flag_ood_rate of the held-out images (`api.flagged`). From Python:
+but --flag_ood_rate of the held-out images (`posthoc.flagged`). From Python:
 
   model = ensemble.load('/tmp/mnist')
   result = model.predict(images)   # uint8, or float in [0, 1]; (N, H, W, C) of any N
@@ -35,8 +35,8 @@ console.quiet_libraries()  # before TensorFlow (if tensorflow-datasets loads the
 from absl import flags, logging  # pylint: disable=g-import-not-at-top,g-multiple-import
 import numpy as np  # pylint: disable=g-import-not-at-top
 
-from ensemble import api, cli, data, files, host_memory  # pylint: disable=g-import-not-at-top
-from ensemble.api import DEFAULT_FLAG_OOD_RATE, DEFAULT_FLAG_RISK  # pylint: disable=g-import-not-at-top
+from ensemble import api, cli, data, files, host_memory, posthoc  # pylint: disable=g-import-not-at-top
+from ensemble.posthoc import DEFAULT_FLAG_OOD_RATE, DEFAULT_FLAG_RISK  # pylint: disable=g-import-not-at-top
 from ensemble.data import inputs  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
@@ -50,7 +50,7 @@ FLAGS = flags.FLAGS
 
 def rows(names: Sequence[str], result: dict[str, np.ndarray],
          flagged: np.ndarray | None) -> Iterator[dict[str, Any]]:
-  """The output's rows; without `flagged` (`api.flagged`) there is no flag column. Figures keep 6 significant
+  """The output's rows; without `flagged` (`posthoc.flagged`) there is no flag column. Figures keep 6 significant
   digits."""
   figure = lambda x: float(f'{x:.6g}')
   probability = np.take_along_axis(result['probs'], result['class'][:, None], axis=-1)[:, 0]
@@ -136,12 +136,9 @@ def predict_files(workdir: str, input_path: str, output: str | None = None, *, s
                      "it out for the run's eval_batch_size")
   if not input_path:
     raise UsageError('--input is required: an image, a folder of images, an .npy/.npz array or an IDX file')
-  model = api.load(workdir, step, batch_size=batch_size)
+  model = api.read(workdir, step, batch_size=batch_size)
   names, images, skipped = inputs.read(input_path, model.image_shape, array, skip_unreadable)
-  try:
-    model.check(images)
-  except UsageError as e:
-    raise UsageError(f'{input_path}: {e}') from None
+  model.check(images, role=input_path)  # its errors name the file
   if model.task.name == 'regression':
     logging.info('Predicting %d inputs.', len(images))
     columns, rows_ = regression_rows(names, model.predict(images, progress=True))
@@ -149,7 +146,10 @@ def predict_files(workdir: str, input_path: str, output: str | None = None, *, s
     logging.info('Wrote %d rows to %s.', len(names), output or 'stdout')
     return {'images': len(names), 'flagged': None, 'threshold': None}
   fitted = None
-  if flag:
+  if flag and posthoc.last(model.posthoc, 'flags') is not None:  # a saved ensemble's own flags step
+    fitted = posthoc.last(model.posthoc, 'flags')
+    logging.info('Flag: by the flags step of %s (%s).', workdir, fitted.describe())
+  elif flag:
     try:
       fitted = model.flag_threshold(flag_risk, data_dir, flag_ood_rate)
     except data.DataError as e:
@@ -163,7 +163,7 @@ def predict_files(workdir: str, input_path: str, output: str | None = None, *, s
   logging.info('Predicting %d images.', len(images))
   result = model.predict(images, progress=True)
   columns = COLUMNS if flag else COLUMNS[:-1]
-  referred = api.flagged(result, fitted) if flag else None
+  referred = posthoc.flagged(result, fitted) if flag else None
   write(rows(names, result, referred), output, columns)
   flagged = int(np.sum(referred)) if flag else None
   logging.info('Wrote %d rows to %s%s.', len(names), output or 'stdout',

@@ -51,6 +51,10 @@ class Predictor:
                for images, _, mask in data.eval_batches(split, self._batch_size)]
     return np.concatenate(batches, axis=1).astype(np.float64)
 
+  def labels(self, split: data.Split) -> np.ndarray:
+    """The split's labels, a streamed one's read a batch at a time as `log_probs` reads it, never whole."""
+    return data.stream.labels(split, self._batch_size)
+
 
 @functools.lru_cache(maxsize=16)
 def _log_probs_program(member: steps.Member, devices: tuple[jax.Device, ...]):

@@ -545,9 +545,9 @@ def resolve(fields: Any, available: Sequence[jax.Device], *, model: Any = None,
 
 # --- what the programs depend on -------------------------------------------------------------------------------
 
-# Fields that change nothing the programs compute: the data's name and order (the seed only enters as the members'
-# keys, an argument), checkpointing, evaluation's batch and the dispatch plan (each its own program, as jit keys
-# them by shape).
+# Fields that change nothing the programs compute: the data's name and order (the seed enters as arguments, the
+# members' keys and `keys.seed_key`), checkpointing, evaluation's batch and the dispatch plan (each its own program,
+# as jit keys them by shape).
 NOT_IN_PROGRAMS = ('seed', 'dataset', 'data_dir', 'train_split', 'test_split', 'heldout_fraction', 'target',
                    'checkpoints_to_keep', 'compilation_cache', 'eval_every', 'data_fingerprint', 'inputs',
                    'standardize_features', 'eval_batch_size', 'steps_per_dispatch', 'streaming',
@@ -575,10 +575,10 @@ _READ_BY = {
 def for_programs(r: Recipe) -> Recipe:
   """`r` with what its programs do not depend on set to the defaults (`NOT_IN_PROGRAMS`, and the fields only
   other recipes read): the key under which a loop of fits shares its compiled programs (ensemble/loop.py). The
-  methods whose shared weights are drawn from the seed keep it, and so do members that share parameters."""
+  seed is never in it, for any method: where weights are drawn from it (shared ones, BatchEnsemble's, MC
+  dropout's and MIMO's network), the programs take its key as an argument."""
   unread = {name: getattr(_DEFAULTS, name) for name, read in _READ_BY.items() if not read(r)}
-  kept = {name: getattr(_DEFAULTS, name) for name in NOT_IN_PROGRAMS
-          if not (name == 'seed' and (r.method in methods.SEEDED or r.shared))}
+  kept = {name: getattr(_DEFAULTS, name) for name in NOT_IN_PROGRAMS}
   # The programs know only whether the members share their batches; which rows each draws is the host's.
   data = {'member_data': 'shared' if r.member_data == 'shared' else 'shuffled'}
   # Bagging is the deep ensemble on other rows: the same programs.

@@ -14,6 +14,8 @@ adapters of the shared kernels, its own (`with_adapters`, `merged`).
 """
 
 import math
+import sys
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import jax
@@ -93,29 +95,107 @@ def stop_frozen(filters: Sequence[str], params: Any) -> Any:
       lambda path, p: jax.lax.stop_gradient(p) if matches(filters, names(path)) else p, params)
 
 
+def kept_frozen(filters: Sequence[str], before: Any, after: Any) -> Any:
+  """A member's collections as a train call left them (`after`: BatchNorm's running averages updated from the
+  batch), but those under a frozen module as they were (`before`): a frozen pretrained backbone keeps the statistics
+  it came with, the same for every member, as it keeps its parameters."""
+  if not filters:
+    return after
+  return jax.tree_util.tree_map_with_path(lambda path, new, old: old if matches(filters, names(path)) else new,
+                                          after, before)
+
+
 def labels(filters: Sequence[str]):
   """`optax.multi_transform`'s labels of a parameter tree: 'frozen' or 'trained'."""
   return lambda params: jax.tree_util.tree_map_with_path(
       lambda path, _: 'frozen' if matches(filters, names(path)) else 'trained', params)
 
 
-def fill_from(init_params: Any, params: Any, noise: float = 0.0, seed: int = 0, shared: Any = None) -> Any:
-  """The stacked members' `params` ((K, ...) per leaf) with every leaf that `init_params` (one model's tree) holds at
-  the same path replaced by it, for every member, plus Gaussian `noise` (a standard deviation; each member and leaf
-  its own draw from `seed`) where `shared` (a tree of bools) does not say the leaf is one copy. One of another
-  shape, or at a path the model lacks, is refused in one line naming the path; a leaf that `init_params` lacks
-  stays as the member's key drew it."""
+def as_variables(init_params: Any, params: Any, collections: Sequence[str]) -> dict[str, Any]:
+  """`init_params` as {'params': one model's parameters, collection: its values, ...}, every leaf an array.
+
+  It is either one model's parameters (a tree of them by module name), or the
+  model's whole variables: a dict that holds 'params' beside the model's
+  collections ('batch_stats': BatchNorm's running averages; where the model
+  has a module named 'params' of its own, only a dict whose keys are all
+  collection names), or an NNX model or its `nnx.state`, split as the members
+  hold it (nnx.Param as 'params', nnx.BatchStat as 'batch_stats', the other
+  variables but random streams as 'state'). `params` is the members' parameter
+  tree (its top names), `collections` the model's collections besides 'params'.
+  A leaf given as a Python list or number is taken as the array it spells.
+  """
+  nnx = sys.modules.get('flax.nnx')  # imported wherever an NNX object was made
+  if nnx is not None and isinstance(init_params, nnx.Module):
+    init_params = nnx.state(init_params)
+  if nnx is not None and isinstance(init_params, nnx.State):
+    parts = nnx.split_state(init_params, nnx.Param, nnx.BatchStat, (nnx.RngState, nnx.Intermediate), ...)
+    init_params = {name: nnx.to_pure_dict(part) for name, part in zip(('params', 'batch_stats', None, 'state'), parts)
+                   if name and jax.tree.leaves(part)}
+  if not isinstance(init_params, Mapping) or not init_params:
+    got = 'an empty dict' if isinstance(init_params, Mapping) else f'of type {type(init_params).__name__}, not a tree'
+    raise UsageError(f'init_params= is {got}: give a tree of the model\'s parameters by module name (a 1-member '
+                     "fit's ens.params), or its variables {'params': ..., 'batch_stats': ...}")
+  own_names = set(params) if isinstance(params, Mapping) else set()
+  keys = set(init_params)
+  if 'params' in keys and ('params' not in own_names or keys <= {'params', *collections}):
+    unknown = sorted(map(str, keys - {'params', *collections}))
+    if unknown:
+      raise UsageError(f"init_params holds the collection {', '.join(map(repr, unknown))} beside 'params', and the "
+                       f"model has {'the collections ' + ', '.join(map(repr, collections)) if collections else 'none'}"
+                       f"; give only the model's variables, or its parameters alone")
+    variables = dict(init_params)
+  else:
+    variables = {'params': init_params}
+  return {name: _arrays(tree, 'init_params' if name == 'params' and len(variables) == 1 else
+                        f'init_params[{name!r}]') for name, tree in variables.items()}
+
+
+def _arrays(tree: Any, what: str) -> Any:
+  """`tree` with each leaf that is no array (a Python list, tuple or number) as the array it spells; one that
+  spells none is refused in one line naming its path."""
+  def array(path, leaf):
+    if hasattr(leaf, 'shape') and hasattr(leaf, 'dtype'):
+      return leaf
+    try:
+      value = np.asarray(leaf)
+    except ValueError:
+      value = None
+    if value is None or not (np.issubdtype(value.dtype, np.number) or value.dtype == np.bool_):
+      raise UsageError(f"{what} holds {'/'.join(names(path)) or 'its root'} as a {type(leaf).__name__} that is no "
+                       'array of numbers; give arrays (or nested lists of numbers of one shape)')
+    return value
+  return jax.tree_util.tree_map_with_path(array, tree, is_leaf=lambda x: isinstance(x, (list, tuple)))
+
+
+def given_leaves(init_params: Any, params: Any, what: str = 'init_params', kind: str = 'parameter'
+                 ) -> dict[tuple[str, ...], Any]:
+  """The leaves of `init_params` (one model's tree: its parameters, or one of its collections) by path, checked
+  against the members' (`params`, (K, ...) per leaf, concrete or abstract): one of another shape, or at a path the
+  model lacks, is refused in one line naming the path. A 1-member ensemble's, (1, ...) per leaf, loses that axis."""
   given = {names(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(init_params)}
   known = {names(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
   if given and all(path in known and tuple(leaf.shape) == (1, *known[path].shape[1:]) for path, leaf in given.items()):
     given = {path: leaf[0] for path, leaf in given.items()}  # a 1-member ensemble's params, (1, ...) per leaf
   for path, leaf in given.items():
+    if not path:
+      raise UsageError(f'{what} is one array, not a tree: give the {kind}s of this model by module name')
     if path not in known:
-      raise UsageError(f"init_params holds {'/'.join(path)}, where the model has no parameter; give the parameters "
-                       "of this model (a 1-member fit's ens.params[0], or a checkpoint of the model)")
+      raise UsageError(f"{what} holds {'/'.join(path)}, where the model has no {kind}; give the {kind}s of this "
+                       "model (a 1-member fit's ens.params[0], or a checkpoint of the model)")
     if tuple(leaf.shape) != tuple(known[path].shape[1:]):
-      raise UsageError(f"init_params holds {'/'.join(path)} as {tuple(leaf.shape)}, where the model has "
-                       f'{tuple(known[path].shape[1:])}; give the parameters of this model')
+      raise UsageError(f"{what} holds {'/'.join(path)} as {tuple(leaf.shape)}, where the model has "
+                       f'{tuple(known[path].shape[1:])}; give the {kind}s of this model')
+  return given
+
+
+def fill_from(init_params: Any, params: Any, noise: float = 0.0, seed: int = 0, shared: Any = None,
+              what: str = 'init_params', kind: str = 'parameter') -> Any:
+  """The stacked members' `params` ((K, ...) per leaf) with every leaf that `init_params` (one model's tree) holds at
+  the same path replaced by it, for every member, plus Gaussian `noise` (a standard deviation; each member and leaf
+  its own draw from `seed`) where `shared` (a tree of bools) does not say the leaf is one copy. One of another
+  shape, or at a path the model lacks, is refused in one line naming the path (`given_leaves`); a leaf that
+  `init_params` lacks stays as the member's key drew it. The same fills a collection (`what` names it)."""
+  given = given_leaves(init_params, params, what, kind)
 
   rng = np.random.default_rng([seed, 0x1a17])
 

@@ -16,7 +16,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from ensemble import sharing
+from ensemble import keys, sharing
 from ensemble.data import augment as augment_lib
 from ensemble.keys import member_keys  # also where the backends and tests find it
 from ensemble.methods import adversarial
@@ -140,15 +140,18 @@ class Member:
     return sharing.with_adapters(self.method.shared_filters, self.adapter_rank, variables['params'],
                                  jax.random.fold_in(key, 1)), variables
 
-  def init(self, key: jax.Array) -> TrainState:
-    """A fresh member from its key: the parameters from one half, the member's own `key` from the other."""
+  def init(self, key: jax.Array, seed_key: jax.Array | None = None) -> TrainState:
+    """A fresh member from its key: the parameters from one half, the member's own `key` from the other.
+    `seed_key` is the seed's key (`keys.seed_key`), which the members' keys are split from: what a method draws the
+    weights that all members share from (`method.init`), an argument so that a program serves every seed; None:
+    seed 0's."""
     init_key, own_key = jax.random.split(key)
     params, variables = self.initial_params(init_key)
     state = TrainState.create(apply_fn=self.model.apply, params=params, tx=self.tx,
                               batch_stats=_held(variables), key=jax.random.key_data(own_key))
     # A typed step, as a trained or restored state has (flax's 0 is weakly typed): one program serves all three.
     state = state.replace(step=jnp.zeros((), jnp.int32))
-    return self.method.init(self, state, key)
+    return self.method.init(self, state, key, keys.seed_key(0) if seed_key is None else seed_key)
 
   @functools.cached_property
   def _collection_names(self) -> tuple[str, ...]:
@@ -216,6 +219,7 @@ class Member:
       params = sharing.stop_frozen(self.frozen, params)
       model_inputs, model_labels = self.method.training_batch(self.standardize(inputs), labels)
       logits, batch_stats = self.apply(state, params, model_inputs, train=True, key=dropout_key)
+      batch_stats = sharing.kept_frozen(self.frozen, state.batch_stats, batch_stats)  # a frozen module's too
       loss, metrics = self.method.loss(self.task, logits, model_labels)
       return loss, (metrics, batch_stats)
 

@@ -18,7 +18,8 @@ from typing import Any
 import jax
 from absl import logging
 
-from ensemble import backends, checkpoint, console, data, files, loop, recipe as recipe_lib, writers
+from ensemble import backends, checkpoint, console, data, divergence, files, loop, manifest, recipe as recipe_lib
+from ensemble import starts, writers
 from ensemble.defaults import Recipe
 from ensemble.errors import UsageError
 
@@ -50,14 +51,18 @@ def _releases_the_workdir(train):
 
 
 def check_workdir(workdir: str):
-  """A workdir is only ever a workdir: a new or empty folder, or one a run (or `Ensemble.save`) wrote, which holds
-  a run's config.json, its checkpoints/ or its lock. Any other folder is refused before anything is written in
-  it, so that it stays byte for byte as it was."""
+  """A workdir is only ever a workdir: a new or empty folder, or one a run wrote, which holds a run's config.json,
+  its checkpoints/ or its lock. Any other folder, a saved ensemble's among them (`Ensemble.save`: one value, not a
+  run's history), is refused before anything is written in it, so that it stays byte for byte as it was."""
   if not os.path.exists(workdir):
     return
   if not os.path.isdir(workdir):
     raise UsageError(f'{workdir} is a file, not a folder; give --workdir a new or empty folder, or a workdir')
   entries = sorted(os.listdir(workdir))
+  if manifest.MANIFEST_FILE in entries:
+    raise UsageError(f'{workdir} holds a saved ensemble ({manifest.MANIFEST_FILE}), one trained value that no run '
+                     'trains on in place: train in another --workdir, or on from its members with '
+                     'ensemble.fit(..., init=ensemble.load(...)); nothing in it was changed')
   if not entries or {checkpoint.CHECKPOINTS_DIR, checkpoint.STOPPED_DIR, checkpoint.LOCK_FILE} & set(entries):
     return
   if 'config.json' in entries:
@@ -198,6 +203,7 @@ class _SavesInBackground(loop.Hook):
     if summary.get('best_epoch', epoch) != epoch:  # early stopping: the last checkpoint stays the best epoch's
       self._writer.epoch.write_scalars(position.step, summary)
       self._writer.epoch.flush()
+      self._passed(position.step)
       return
     started = time.perf_counter()
     key = position.step if self._by_step else epoch
@@ -220,6 +226,13 @@ class _SavesInBackground(loop.Hook):
       stopped.close()
     self.stopped_at = position.step
 
+  def _passed(self, step: int):
+    """Training is past `step`, with an epoch's end recorded after it (its checkpoint, or under early stopping its
+    metrics line beside the best epoch's checkpoint): the step SIGTERM saved apart there is of no more use."""
+    if self.resumed_stop and step >= self.resumed_stop:
+      _remove_stopped(self._ckpt.workdir)
+      self.resumed_stop = 0
+
   def finish(self):
     """Waits for the checkpoint being written, then writes its line, whose `save_seconds` is the time training
     waited for that checkpoint: copying the state to the host, and any wait for the files."""
@@ -229,9 +242,7 @@ class _SavesInBackground(loop.Hook):
     started = time.perf_counter()
     self._ckpt.wait()
     self.saved_epoch = epoch
-    if self.resumed_stop and step >= self.resumed_stop:
-      _remove_stopped(self._ckpt.workdir)
-      self.resumed_stop = 0
+    self._passed(step)
     self._writer.epoch.write_scalars(step, {**summary, 'save_seconds': seconds + time.perf_counter() - started})
     self._writer.epoch.flush()
 
@@ -265,7 +276,7 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
   with `devices`, a recipe `ensemble.fit` already resolved for its `dataset`. `dataset` replaces the data the
   config names (arrays in memory), `model` the model it names (a user's model object). `progress`: as
   `loop.train`'s; `validation`: as `loop.prepare`'s (early stopping's; default: the held-out slice);
-  `init_params`: as `loop.with_init_params`', for a fresh start (a resume goes on from its checkpoint); without
+  `init_params`: as `starts.from_variables`', for a fresh start (a resume goes on from its checkpoint); without
   them, `init_from`'s.
   """
   # Everything that can refuse the run does so before the workdir is written; a resume with other data
@@ -289,6 +300,15 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
   ckpt_meta = {'model': config.model, 'ensemble_size': config.ensemble_size, 'data': run.data_info}
 
   ckpt.check_fits(backend.abstract_state(), ckpt_meta)
+  if saved_config is None:  # a fresh start: what starts its members is checked before anything is written
+    if config.init_noise and init_params is None and not config.init_from:
+      raise UsageError(f'--config.init_noise={config.init_noise} adds noise to the start that --config.init_from '
+                       'gives every member, and none is given: set --config.init_from, or leave init_noise out')
+    if init_params is None and config.init_from:
+      from ensemble import evaluation  # pylint: disable=g-import-not-at-top  # only to start from another run
+      init_params = evaluation.first_member_params(config.init_from, config.shared)
+    if init_params is not None:
+      starts.variables(run, init_params)
   checkpoint.lock_workdir(workdir)  # the first write; refused while another run holds the workdir
   # A damaged checkpoint is moved aside and the epochs after the newest intact one are trained again.
   start_key, restored = ckpt.restore_newest_intact(backend.abstract_state(), ckpt_meta, move_aside=True)
@@ -321,7 +341,7 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
       from ensemble import evaluation  # pylint: disable=g-import-not-at-top  # only to start from another run
       init_params = evaluation.first_member_params(config.init_from, config.shared)
     if init_params is not None:
-      state = loop.with_init_params(run, state, init_params)
+      state = starts.from_variables(run, state, init_params)
   if saved_config is not None:
     _log_changes(config, saved_config, workdir)
 
@@ -355,7 +375,7 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
   try:
     with loop.stop_on_sigterm():
       state, summary = loop.train(run, state, start=start, hooks=[saves], progress=progress, best=best)
-  except loop.Diverged as e:
+  except divergence.Diverged as e:
     resume = f'resume from epoch {e.epoch - 1}' if e.epoch > 1 else 'start again'
     raise UsageError(f'{e} and re-run to {resume} (the checkpoints saved so far are kept)') from None
   except KeyboardInterrupt as e:  # the hooks have closed: the last checkpoint is complete

@@ -2,14 +2,16 @@
 
   python scripts/bench_streaming.py --part=throughput --data_dir=/tmp/mnist_ar   # a folder from ensemble.data.convert
   python scripts/bench_streaming.py --part=memory --folder=/tmp/cifar_shaped --gigabytes=2 --steps=300
+  python scripts/bench_streaming.py --part=memory --folder=/tmp/c1 --gigabytes=1.2 --steps=100 --read_whole_steps=0
   python scripts/bench_streaming.py --part=processes --data_dir=/tmp/mnist_ar
 
 throughput: the default recipe (K = 8 CNN members, one per simulated CPU device, batch 128) trains --epochs
 epochs on the folder read whole (streaming=never), then the same epochs streamed (streaming=always), in one
 process after one compiling step, and prints each epoch's member-images/s and the ratio. memory: writes a folder
 of random CIFAR-shaped images (32x32x3, --gigabytes of records; kept for the next run), then trains --steps steps
-on it streamed and a few steps read whole, each in its own `python -m ensemble.train` under /usr/bin/time, and
-prints each one's peak resident memory. processes: two processes (scripts/launch_local.py, 4 CPU devices each)
+on it streamed and --read_whole_steps steps read whole (K = --ensemble_size members), each in its own
+`python -m ensemble.train` under /usr/bin/time (which ends by fitting the flag thresholds on the held-out tenth),
+and prints each one's peak resident memory. processes: two processes (scripts/launch_local.py, 4 CPU devices each)
 train on the folder streamed with shared batches, and each says how many rows it read for its batches.
 """
 
@@ -119,12 +121,14 @@ def _peak_rss(command: list[str]) -> tuple[float, float]:
 def memory(args):
   if not os.path.isdir(args.folder):
     _write_folder(args.folder, args.gigabytes)
-  for streaming, steps in (('always', args.steps), ('never', 20)):
+  for streaming, steps in (('always', args.steps), ('never', args.read_whole_steps)):
+    if not steps:
+      continue
     with tempfile.TemporaryDirectory() as workdir:
       command = [sys.executable, '-m', 'ensemble.train', f'--workdir={workdir}', '--config=configs/default.py',
                  f'--config.data_dir={args.folder}', f'--config.streaming={streaming}',
-                 f'--config.num_train_steps={steps}', '--config.ensemble_size=2', '--config.augment=crop_flip',
-                 '--config.eval_batch_size=500']
+                 f'--config.num_train_steps={steps}', f'--config.ensemble_size={args.ensemble_size}',
+                 '--config.augment=crop_flip', '--config.eval_batch_size=500']
       peak, seconds = _peak_rss(command)
     print(f'streaming={streaming}: {steps} steps, peak resident memory {peak:.2f} GB, {seconds:.0f} s in all',
           flush=True)
@@ -154,6 +158,9 @@ def main():
   parser.add_argument('--folder', help='memory: the folder of CIFAR-shaped images, written if it does not exist')
   parser.add_argument('--gigabytes', type=float, default=2.0, help='memory')
   parser.add_argument('--steps', type=int, help='memory (default 300), processes (default 40)')
+  parser.add_argument('--ensemble_size', type=int, default=2, help='memory: members of both runs')
+  parser.add_argument('--read_whole_steps', type=int, default=20,
+                      help='memory: steps of the run on the folder read whole (streaming=never); 0 leaves it out')
   args = parser.parse_args()
   if (args.folder if args.part == 'memory' else args.data_dir) is None:
     parser.error(f'--part={args.part} needs --{"folder" if args.part == "memory" else "data_dir"}')

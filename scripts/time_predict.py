@@ -90,7 +90,7 @@ def main(argv):
     return
   if not FLAGS.workdir:
     exit_with_error('give --workdir (a trained run) or --methods')
-  model = api.load(FLAGS.workdir, batch_size=FLAGS.batch_size or None)
+  model = api.read(FLAGS.workdir, batch_size=FLAGS.batch_size or None)
   first, seconds = timed(model)
   print(f'{model.size} members on {len(model.devices)} {model.devices[0].platform} devices, batch_size '
         f'{model.batch_size}, {FLAGS.images} images: first call (compiles) {first:.2f} s; then best '

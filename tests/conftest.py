@@ -211,6 +211,25 @@ def compiles():
     jax.monitoring.unregister_event_duration_listener(duration)
 
 
+@contextlib.contextmanager
+def sigterm_at_step(stop_step: int):
+  """SIGTERM sent to this process once a workdir's training passes `stop_step` (after the trainer's own hook at
+  that step): what a preemptible VM's notice does to a run."""
+  import signal  # pylint: disable=g-import-not-at-top
+  from ensemble import trainer  # pylint: disable=g-import-not-at-top
+  after_steps = trainer._SavesInBackground.after_steps  # pylint: disable=protected-access
+
+  def terminated(hook, step):
+    after_steps(hook, step)
+    if step == stop_step:
+      os.kill(os.getpid(), signal.SIGTERM)
+  trainer._SavesInBackground.after_steps = terminated  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    trainer._SavesInBackground.after_steps = after_steps  # pylint: disable=protected-access
+
+
 def fitted_once(fit):
   """`fit`, called once per distinct arguments (defaults filled in): what a module fixture hands its tests, so that
   they share each ensemble they ask for."""

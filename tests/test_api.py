@@ -166,8 +166,7 @@ def test_a_tabular_mlp_on_feature_vectors(tmp_path):
   assert ens.workdir is None
   kept = str(tmp_path / 'kept')
   expected = ens.predict(x[500:])['probs']
-  ens.save(kept)
-  assert ens.workdir == kept
+  assert ens.save(kept).workdir == kept and ens.workdir is None  # the value saved there; this one stays in memory
   with pytest.raises(ensemble.UsageError, match='exists; save to a new path'):
     ens.save(kept)
   loaded = ensemble.load(kept)
@@ -194,7 +193,7 @@ def test_a_sequence_model_on_token_ids():
   with pytest.raises(ensemble.UsageError, match='token ids of dtype float'):
     ens.predict(tokens[:2].astype(np.float32))
   for bad in (2 ** 32 + 3, -1):  # as fit refuses them: not wrapped round to another id
-    with pytest.raises(ensemble.UsageError, match=r'^inputs: token ids must lie in 0\.\.2\*\*31-1'):
+    with pytest.raises(ensemble.UsageError, match=r'^predict: token ids must lie in 0\.\.2\*\*31-1'):
       ens.predict(np.full((2, 10), bad, np.int64))
 
 
@@ -223,6 +222,15 @@ BAD_INPUTS = {
                            "module 'user_models' has no 'Missing'"),
     'no model at all': (lambda x, y, tx, ty: dict(model=user_models.NOT_A_MODEL, train=(x, y), test=(tx, ty)),
                         'neither a flax.linen Module nor an NNX model'),
+    # Called with nnx.Rngs as an NNX builder, it returns (or fails on) them: not a model that fails on the data.
+    'a plain function of the inputs': (lambda x, y, tx, ty: dict(model=lambda images: images, train=(x, y),
+                                                                 test=(tx, ty)),
+                                       r'^model <lambda>, called with nnx.Rngs to build an NNX model, returned a '
+                                       r'Rngs: the model must be a flax.linen Module, a function of nnx.Rngs'),
+    'a plain def of the inputs': (lambda x, y, tx, ty: dict(model=user_models.plain_function, train=(x, y),
+                                                            test=(tx, ty)),
+                                  r'^model plain_function, called with nnx.Rngs to build an NNX model, failed '
+                                  r'\(.*\): the model must be a flax.linen Module'),
     'an unknown field': (lambda x, y, tx, ty: dict(model=user_models.TinyNet(), train=(x, y), test=(tx, ty),
                                                    learning_rat=0.1),
                          r"unknown field 'learning_rat' \(did you mean learning_rate"),

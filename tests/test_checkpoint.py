@@ -21,7 +21,8 @@ import pytest
 from flax import serialization
 
 from conftest import checkpoint_state, linked_workdir, make_member, small_config, synthetic_mnist, timeless, write_mnist
-from ensemble import api, backends, checkpoint, evaluation, loop, members, recipe as recipe_lib, steps, trainer, writers
+from ensemble import api, backends, checkpoint, divergence, evaluation, members, recipe as recipe_lib, steps
+from ensemble import trainer, writers
 from ensemble.errors import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -221,9 +222,9 @@ def test_metrics_jsonl_writes_non_finite_values_as_null(tmp_path):
 
 def test_a_state_with_a_nan_is_found_member_by_member():
   state = {'w': np.ones((8, 3, 2), np.float32), 'b': np.zeros((8, 2), np.float32), 'step': np.zeros(8, np.int32)}
-  assert loop.nonfinite_members(state, 8) == []
+  assert divergence.nonfinite_members(state, 8) == []
   state['w'][5, 1, 0], state['b'][2, 1] = np.nan, -np.inf
-  assert loop.nonfinite_members(state, 8) == [2, 5]
+  assert divergence.nonfinite_members(state, 8) == [2, 5]
 
 
 def test_a_line_lost_after_its_checkpoint_is_written_on_resume(trained, run):

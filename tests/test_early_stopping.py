@@ -10,6 +10,7 @@ import pytest
 import ensemble
 from ensemble import checkpoint, trainer, writers
 from ensemble.errors import UsageError
+from conftest import sigterm_at_step
 
 RECIPE = {'task': 'regression', 'ensemble_size': 2, 'batch_size': 50, 'schedule': 'constant', 'progress': False}
 
@@ -110,3 +111,19 @@ def test_a_run_that_ends_still_falling_says_so_in_one_line(caplog):
     long = [r.getMessage() for r in caplog.records if 'still falling' in r.getMessage()]
   assert len(short) == 1 and 'early_stopping=N with validation=' in short[0], short
   assert not long, long
+
+
+def test_a_run_stopped_by_sigterm_and_resumed_leaves_no_step_saved_apart_when_it_stops_early(tmp_path):
+  """Issue 75: `checkpoints_stopped/` stayed after an early-stopped run resumed from SIGTERM finished: its removal
+  waited for an epoch's checkpoint, and under early stopping an epoch that does not lower the validation NLL writes
+  none. The epoch's end that passes the step saved apart removes it, checkpoint or not."""
+  x, y = _toy(300, 0)
+  validation = (x, -y)  # the members learn y: the NLL of -y is lowest after the first epoch, and rises after it
+  settings = dict(epochs=20, early_stopping=2, steps_per_dispatch=2, workdir=str(tmp_path / 'run'), **RECIPE)
+  # SIGTERM in epoch 2 (6 steps an epoch), after epoch 1's checkpoint.
+  with sigterm_at_step(8), pytest.raises(trainer.Interrupted, match='stopped on SIGTERM at step 8, in epoch 2'):
+    ensemble.fit('mlp', (x, y), validation=validation, **settings)
+  assert os.listdir(tmp_path / 'run' / checkpoint.STOPPED_DIR) == ['8']
+  resumed = ensemble.fit('mlp', (x, y), validation=validation, **settings)
+  assert resumed.summary['best_epoch'] == 1 and resumed.summary['epochs_trained'] == 3, resumed.summary
+  assert not os.path.exists(tmp_path / 'run' / checkpoint.STOPPED_DIR)

@@ -139,8 +139,8 @@ def new_process(regression, data, tmp_path_factory):
   _, (x_test, _) = data
   folder = tmp_path_factory.mktemp('new_process')
   path = str(folder / 'saved')
-  saved = copy.copy(regression)  # `save` makes its Ensemble read the workdir; the module's stays in memory
-  assert saved.save(path) is saved and saved.workdir == path and regression.workdir is None
+  saved = regression.save(path)  # the value as saved there; the module's stays the value in memory
+  assert saved.workdir == path and regression.workdir is None and saved.state is regression.state
   np.save(folder / 'x.npy', x_test)
   result = _python(NEW_PROCESS, path, str(folder / 'x.npy'), str(folder / 'out.npz'))
   assert result.returncode == 0, result.stderr[-3000:]

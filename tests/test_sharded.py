@@ -1,5 +1,6 @@
 """The mesh backends: the MLP on a ('data', 'model') mesh, DP and FSDP under shard_map."""
 
+import collections
 import functools
 import os
 import subprocess
@@ -12,8 +13,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import default as default_config, dp as dp_config, fsdp as fsdp_config, mlp as mlp_config
-from conftest import make_member, synthetic_mnist
-from ensemble import backends, models, trainer, writers
+from conftest import compiles, make_member, synthetic_mnist
+from ensemble import backends, loop, models, trainer, writers
 from ensemble.backends import sharded
 from ensemble.errors import UsageError
 
@@ -170,6 +171,22 @@ def test_fast_path_matches_the_plain_path(config):
   np.testing.assert_allclose(losses[0], plain_losses, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                _params(state), _params(plain_state))
+
+
+@pytest.mark.parametrize('backend', ['dp', 'fsdp'])
+def test_a_run_with_another_seed_drops_as_a_fresh_one_and_compiles_nothing(mnist_dir, tmp_path, monkeypatch, backend):
+  """dp's and fsdp's dropout keys are folded from the seed's key, an argument of their programs: a run with another
+  seed after one in the same process compiles nothing, and trains what programs built for its seed alone train (it
+  once kept the first run's dropout key)."""
+  def run(seed, name):
+    config = _classifier_config(backend, data_dir=mnist_dir, num_epochs=1, dropout_rate=0.5, seed=seed)
+    return _params(trainer.train_and_evaluate(config, str(tmp_path / name))[0])
+  run(5, 'first')
+  with compiles() as counts:
+    looped = run(9, 'looped')
+  assert not counts, f'{sum(counts.values())} programs compiled'
+  monkeypatch.setattr(loop, '_PROGRAMS', collections.OrderedDict())  # programs built anew, for seed 9
+  jax.tree.map(np.testing.assert_array_equal, looped, run(9, 'fresh'))
 
 
 @pytest.mark.parametrize('first, then', [

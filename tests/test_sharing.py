@@ -2,6 +2,8 @@
 copy of a backbone, frozen or trained by all members together, started from one model's parameters; refusals in one
 line."""
 
+import collections
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 
 import ensemble
 import user_models
+from conftest import compiles
 from ensemble import backends, checkpoint, loop, recipe as recipe_lib
 from ensemble.errors import UsageError
 
@@ -290,3 +293,172 @@ def test_the_shared_weights_follow_the_seed_in_a_loop_of_fits():
   fields = {**FIT, 'epochs': 1, 'learning_rate': 1e-9, 'shared': 'backbone', 'frozen': 'backbone'}
   first, second = (_one(ensemble.fit(Net(), _classes(64, 0), seed=seed, **fields).params) for seed in (0, 1))
   assert not np.allclose(first['backbone']['Dense_0']['kernel'], second['backbone']['Dense_0']['kernel'])
+
+
+def test_a_loop_of_fits_with_shared_weights_and_a_new_seed_each_compiles_nothing_after_the_first(pretrained,
+                                                                                                 monkeypatch):
+  """The loop of fits with `shared=` and `init_params`, another seed (and other data of the same shapes) each, and
+  predictions: after the first, nothing compiles, as the seed is an argument of the programs, not in their key. A
+  fit in the loop is the one that programs built for its seed alone make: the same members, bit for bit."""
+  fields = {**FIT, 'shared': 'backbone',
+            'init_params': {'backbone': jax.tree.map(lambda leaf: np.asarray(leaf[0]), pretrained.params['backbone'])}}
+  x_test = _classes(16, 9)[0]
+
+  def fit(seed):
+    ens = ensemble.fit(Net(), _classes(64, seed), seed=seed, **fields)
+    ens.predict(x_test)
+    return ens
+  fit(1)
+  with compiles() as counts:
+    looped = [fit(seed) for seed in (2, 3)]
+  assert not counts, f'{sum(counts.values())} programs compiled'
+  heads = [_one(ens.params)['head']['kernel'] for ens in looped]
+  assert not np.allclose(heads[0], heads[1])  # each seed's own heads
+  monkeypatch.setattr(loop, '_PROGRAMS', collections.OrderedDict())  # programs built anew, for seed 3
+  jax.tree.map(np.testing.assert_array_equal, _one(looped[1].params), _one(fit(3).params))
+
+
+class NormedBackbone(nn.Module):
+  """A dense layer and BatchNorm: running statistics that a pretrained backbone carries beside its parameters."""
+
+  @nn.compact
+  def __call__(self, x, train=False):
+    return nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.5)(nn.Dense(16)(x)))
+
+
+class NormedNet(nn.Module):
+  @nn.compact
+  def __call__(self, x, train=False):
+    return nn.Dense(3, name='head')(NormedBackbone(name='backbone')(x, train))
+
+
+def _normed_variables():
+  """One NormedNet's variables, with running statistics far from BatchNorm's fresh ones (mean 0, variance 1)."""
+  variables = NormedNet().init(jax.random.key(7), np.zeros((1, 4), np.float32))
+  rng = np.random.default_rng(7)
+  stats = {'mean': rng.normal(size=16).astype(np.float32), 'var': rng.uniform(0.5, 2.0, 16).astype(np.float32)}
+  return {'params': _one(variables['params']), 'batch_stats': {'backbone': {'BatchNorm_0': stats}}}
+
+
+def _assert_frozen_backbone(ens, variables):
+  """Every member holds the given backbone, its parameters and its running statistics, and computes the same
+  features with it (at evaluation, on the running averages)."""
+  params, stats = _one(ens.params), _one(ens.state.batch_stats)
+  want = variables['batch_stats']['backbone']['BatchNorm_0']
+  for name in ('mean', 'var'):
+    got = stats['backbone']['BatchNorm_0'][name]
+    np.testing.assert_array_equal(got, np.broadcast_to(want[name], got.shape))
+  x = _classes(20, 5)[0]
+  member = lambda tree, k: jax.tree.map(lambda leaf: leaf[k], tree)
+  features = [NormedBackbone().apply({'params': member(params['backbone'], k),
+                                      'batch_stats': member(stats['backbone'], k)}, x) for k in range(ens.size)]
+  for k in range(1, ens.size):
+    np.testing.assert_array_equal(features[k], features[0])
+  assert not np.allclose(params['head']['kernel'][0], params['head']['kernel'][1])
+
+
+def test_init_params_takes_the_variables_and_a_frozen_backbone_keeps_its_statistics(tmp_path):
+  """`init_params` as a model's variables: the given running statistics fill every member, and under `frozen=` no
+  step updates them (they would drift apart per member, each from its own batches). `init_from` carries them from
+  a run's first member alike."""
+  from ensemble import evaluation  # pylint: disable=g-import-not-at-top
+  variables = _normed_variables()
+  start = {'params': {'backbone': variables['params']['backbone']}, 'batch_stats': variables['batch_stats']}
+  fields = {**FIT, 'ensemble_size': 2, 'epochs': 1, 'shared': 'backbone', 'frozen': 'backbone'}
+  _assert_frozen_backbone(ensemble.fit(NormedNet(), _classes(64, 0), init_params=start, **fields), variables)
+
+  one = ensemble.fit(NormedNet(), _classes(64, 0), init_params=variables, **{**fields, 'ensemble_size': 1})
+  saved = one.save(str(tmp_path / 'one')).workdir
+  carried = evaluation.first_member_params(saved, ('backbone',))
+  assert set(carried) == {'params', 'batch_stats'} and not jax.tree.leaves(carried['params']['head'])
+  np.testing.assert_array_equal(carried['batch_stats']['backbone']['BatchNorm_0']['mean'],
+                                variables['batch_stats']['backbone']['BatchNorm_0']['mean'])
+  _assert_frozen_backbone(ensemble.fit(NormedNet(), _classes(64, 0), init_from=saved, **fields), variables)
+
+
+def test_init_params_takes_an_nnx_model_s_state():
+  """An NNX model's state (`nnx.state(model)`) as init_params: its parameters and its BatchNorm's statistics start
+  every member, and a frozen backbone keeps both."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  class NNXNormed(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+      self.backbone = nnx.Sequential(nnx.Linear(4, 8, rngs=rngs), nnx.BatchNorm(8, rngs=rngs))
+      self.head = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(nnx.relu(self.backbone(x)))
+
+  pretrained = NNXNormed(nnx.Rngs(3))
+  pretrained.backbone.layers[1].mean[...] = np.linspace(-1, 1, 8, dtype=np.float32)
+  ens = ensemble.fit(NNXNormed, _classes(64, 0), init_params=nnx.state(pretrained), shared='backbone',
+                     frozen='backbone', **{**FIT, 'ensemble_size': 2, 'epochs': 1, 'learning_rate': 1e-9})
+  mean = _one(ens.state.batch_stats)['backbone']['layers'][1]['mean']
+  np.testing.assert_array_equal(mean, np.broadcast_to(np.linspace(-1, 1, 8, dtype=np.float32), mean.shape))
+  kernel = _one(ens.params)['head']['kernel']
+  np.testing.assert_allclose(kernel[1], np.asarray(pretrained.head.kernel[...]), atol=1e-6)
+
+
+@pytest.mark.parametrize('fields, message', [
+    ({'init_noise': 0.01}, r'init_noise=0.01 adds noise to the start that init_params= \(or init_from=\) gives'),
+    ({'init_params': np.zeros(3)}, r"init_params= is of type ndarray, not a tree: give a tree of the model's"),
+    ({'init_params': {'head': {'bias': 'abc'}}}, 'init_params holds head/bias as a str that is no array'),
+    ({'init_params': {'params': {}, 'batch_stats': {}}},
+     r"init_params holds the collection 'batch_stats' beside 'params', and the model has none"),
+])
+def test_init_settings_that_would_do_nothing_or_crash_are_refused_in_one_line(fields, message):
+  with pytest.raises(UsageError, match=message) as refused:
+    ensemble.fit(Net(), _classes(64, 0), **{**FIT, 'epochs': 1, **fields})
+  assert '\n' not in str(refused.value)
+
+
+def test_init_from_is_refused_beside_init_and_named_when_it_is_no_run(pretrained, tmp_path):
+  """`init_from=` beside `init=` is refused as init_params= is; a folder that holds no run says init_from=, not
+  workdir=."""
+  with pytest.raises(UsageError, match="init= starts every member from an ensemble's members, init_from= from"):
+    ensemble.fit(Net(), _classes(64, 0), init=pretrained, init_from=str(tmp_path), **{**FIT, 'ensemble_size': 1})
+  with pytest.raises(UsageError, match=r'config.json: missing; init_from= must name a trained run') as refused:
+    ensemble.fit(Net(), _classes(64, 0), init_from=str(tmp_path), **FIT)
+  assert 'workdir=' not in str(refused.value) and '--' not in str(refused.value)
+
+
+def test_init_params_leaves_as_lists_are_arrays():
+  """A leaf given as a (nested) Python list is the array it spells."""
+  ens = ensemble.fit(Net(), _classes(64, 0), init_params={'head': {'bias': [1.0, 2.0, 3.0]}},
+                     **{**FIT, 'epochs': 1, 'learning_rate': 1e-9})
+  np.testing.assert_allclose(_one(ens.params)['head']['bias'], [[1.0, 2.0, 3.0]] * 4, atol=1e-5)
+
+
+def test_init_params_that_do_not_fit_are_refused_before_the_workdir_is_written(tmp_path):
+  workdir = tmp_path / 'new'
+  with pytest.raises(UsageError, match=r'init_params holds head/bias as \(5,\), where the model has \(3,\)'):
+    ensemble.fit(Net(), _classes(64, 0), workdir=str(workdir), init_params={'head': {'bias': np.zeros(5)}},
+                 **{**FIT, 'epochs': 1})
+  assert not workdir.exists()
+
+
+def test_members_with_no_source_of_diversity_are_named_in_one_warning(pretrained):
+  """Every parameter from init_params, the same batches, no augmentation, noise or dropout: one EnsembleWarning,
+  naming the fixes. Heads drawn per member, a plain fit, or a model with dropout say nothing."""
+  import warnings  # pylint: disable=g-import-not-at-top
+  start = jax.tree.map(lambda leaf: np.asarray(leaf)[0], pretrained.params)
+  fields = {**FIT, 'ensemble_size': 2, 'epochs': 1, 'member_data': 'shared'}
+  with pytest.warns(ensemble.errors.EnsembleWarning) as caught:
+    ens = ensemble.fit(Net(), _classes(64, 0), init_params=start, **fields)
+  messages = [str(w.message) for w in caught if issubclass(w.category, ensemble.errors.EnsembleWarning)]
+  assert len(messages) == 1 and '\n' not in messages[0], messages
+  assert "init_noise=0.01, member_data='shuffled'" in messages[0] and 'no dropout layer' in messages[0]
+  np.testing.assert_array_equal(_one(ens.params)['head']['kernel'][0], _one(ens.params)['head']['kernel'][1])
+  dropping = user_models.TinyNet(width=8, num_classes=3)  # its nn.Dropout draws each member's own units
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', ensemble.errors.EnsembleWarning)
+    ensemble.fit(Net(), _classes(64, 0), init_params={'backbone': start['backbone']}, **fields)
+    ensemble.fit(Net(), _classes(64, 0), **fields)
+    ensemble.fit(dropping, _classes(64, 0), init_params=dropping.init(jax.random.key(0), np.zeros((1, 4))), **fields)
+
+
+def test_the_cli_refuses_init_noise_without_init_from_before_writing(make_config, tmp_path):
+  from ensemble import trainer  # pylint: disable=g-import-not-at-top
+  with pytest.raises(UsageError, match=r'--config.init_noise=0.01 adds noise to the start that --config.init_from'):
+    trainer.train_and_evaluate(make_config(init_noise=0.01), str(tmp_path / 'refused'))
+  assert not (tmp_path / 'refused').exists()

@@ -14,7 +14,7 @@ import pytest
 
 import ensemble
 from conftest import small_config, synthetic_mnist, timeless, write_mnist
-from ensemble import checkpoint, data, distributed, loop, optim, recipe as recipe_lib, trainer, writers
+from ensemble import checkpoint, data, distributed, evaluation, loop, optim, recipe as recipe_lib, trainer, writers
 from ensemble.data import array_record, convert, stream
 from ensemble.errors import UsageError
 
@@ -45,6 +45,27 @@ def test_a_streamed_folder_trains_the_same_members_as_in_memory(folder, tmp_path
   assert timeless([stream_summary]) == timeless([memory_summary])
   # The streamed workdir reads its held-out slice as the other does (`evaluation.heldout_split`): only that slice.
   assert ensemble.load(str(tmp_path / 'b')).flag_threshold() == ensemble.load(str(tmp_path / 'a')).flag_threshold()
+
+
+def test_a_streamed_run_reads_its_held_out_and_test_rows_a_batch_at_a_time(folder, tmp_path, monkeypatch):
+  """Memory flat in the data's size: the validation slice scored after each epoch, the test pass, the flag
+  thresholds that `python -m ensemble.train` fits at the end and `ensemble.evaluate`'s temperature and conformal
+  fits read the held-out rows (the last 16 of 64) and the test split at most `eval_batch_size` rows a read, never
+  whole (the flag fit read its 16 held-out rows at once: 10% of the data in memory)."""
+  reads = []
+  read = array_record.FolderSource.read
+  monkeypatch.setattr(array_record.FolderSource, 'read',
+                      lambda self, rows: reads.append((self.name, np.array(rows))) or read(self, rows))
+  workdir = str(tmp_path / 'run')
+  trainer.train_and_evaluate(_config(folder, streaming='always', heldout_fraction=0.25, early_stopping=1,
+                                     eval_batch_size=4), workdir)
+  assert ensemble.load(workdir).flag_threshold()['examples'] == 16
+  scored = [rows for name, rows in reads if name.endswith(' test') or rows.max() >= 48]
+  assert {len(rows) for rows in scored} == {4}, [len(rows) for rows in scored]
+  reads.clear()
+  evaluation.evaluate(workdir, angles=(), ood_names=())  # reads the 32 test images whole to rotate and noise them
+  heldout = [rows for name, rows in reads if name.endswith(' train')]
+  assert heldout and {len(rows) for rows in heldout} == {4} and min(rows.min() for rows in heldout) == 48
 
 
 class _Tiny(nn.Module):

@@ -98,6 +98,11 @@ class Scaled(nn.Module):
 NOT_A_MODEL = 3.0
 
 
+def plain_function(images):
+  """A function of the inputs, not a model: given as one, it is called with nnx.Rngs and fails on them."""
+  return images.reshape(len(images), -1) * 2.0
+
+
 class Regressor(nn.Module):
   """Features -> two tanh layers -> `num_classes` outputs: for regression, a mean and a raw scale per target.
 

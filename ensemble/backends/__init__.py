@@ -263,6 +263,14 @@ def create(name: str, *, member: steps.Member, devices: Sequence[jax.Device], en
                         config=config)
 
 
+def for_seed(backend: Backend, seed: int) -> Backend:
+  """`backend` for a run of `seed`, whatever seed it was built for: itself, as its programs take the seed where
+  they need it (`init`'s keys); for a backend whose training programs take the seed's key as well (dp and fsdp:
+  their dropout keys), a copy that passes `seed`'s to the same programs (its `with_seed`)."""
+  with_seed = getattr(backend, 'with_seed', None)
+  return backend if with_seed is None else with_seed(seed)
+
+
 def train_program(fn, devices: Sequence[jax.Device], config=None, member: steps.Member | None = None):
   """A jitted or pmapped training function as the backends run it: on CPU, compiled with XLA's own kernels.
 
@@ -433,8 +441,9 @@ def for_each_member(member: steps.Member, state: Any, size: int) -> Any:
 
 
 def init_members(member: steps.Member):
-  """A device's members' fresh state from their keys, in the backends' layout (`once_per_device`)."""
-  return lambda keys: once_per_device(member, jax.vmap(member.init)(keys))
+  """A device's members' fresh state from their keys and the seed's key (`keys.seed_key`, which they were split
+  from: arguments, so that one program serves every seed), in the backends' layout (`once_per_device`)."""
+  return lambda keys, seed_key: once_per_device(member, jax.vmap(member.init, in_axes=(0, None))(keys, seed_key))
 
 
 def train_functions(member: steps.Member, devices: Sequence[jax.Device], data_axis: int | None,

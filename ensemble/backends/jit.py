@@ -31,6 +31,7 @@ from ensemble import distributed, steps
 from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, MODEL_AXIS, EpochPrograms, SharedSplit,
                                abstract_member_state, devices_per_member, ensemble_mesh, evaluate_members,
                                gathering_batches, init_members, train_epochs_function, train_functions, train_program)
+from ensemble.keys import seed_key
 from ensemble.parallel import logical
 
 
@@ -104,9 +105,10 @@ class JitBackend:
                      out_shardings=tuple(outputs) if isinstance(out_specs, tuple) else outputs[0],
                      donate_argnums=donate)
 
-    init = init_members(member)
-    self._init = compile_mapped(init if self._split is None else lambda keys: self._split.slice(init(keys)),
-                                (members,), state, state_in=False)
+    init = init_members(member)  # (member keys, the seed's key)
+    self._init = compile_mapped(
+        init if self._split is None else lambda keys, seed: self._split.slice(init(keys, seed)),
+        (members, whole), state, state_in=False)
     # Shared leaves (BatchEnsemble) hold a copy per device: a member's, repeated for the device's members.
     per_device = ensemble_size // mesh.shape[ENSEMBLE_AXIS] if member.method.shares_weights and not self._split else 1
     self._repeat_shared = self._first_of_each = None
@@ -153,9 +155,9 @@ class JitBackend:
 
   def init(self, seed: int) -> steps.TrainState:
     if seed not in self._keys:  # a loop of fits starts from the same keys: drawn once
-      self._keys[seed] = steps.member_keys(seed, self.ensemble_size)
+      self._keys[seed] = steps.member_keys(seed, self.ensemble_size), seed_key(seed)
     with self._context():
-      return self._init(self._keys[seed])
+      return self._init(*self._keys[seed])
 
   def abstract_state(self):
     with self._context():  # the model's init runs, constraints and all

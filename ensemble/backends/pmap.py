@@ -22,6 +22,7 @@ from ensemble import distributed, steps
 from ensemble.backends import (ENSEMBLE_AXIS, EpochPrograms, abstract_member_state, evaluate_members,
                                gathering_batches, init_members, member_sharding, train_epochs_function,
                                train_functions, train_program)
+from ensemble.keys import seed_key
 
 
 class PmapBackend:
@@ -41,7 +42,7 @@ class PmapBackend:
     self._pmapped = _pmapped(self.devices)
     data_axis = None if self._shared_data else 0
     pmap = functools.partial(jax.pmap, axis_name=ENSEMBLE_AXIS, devices=self.devices)
-    self._init = pmap(init_members(member))
+    self._init = pmap(init_members(member), in_axes=(0, None))  # the seed's key broadcast
     # Shared leaves (BatchEnsemble's, `shared=`) hold a copy per device: (D, 1, ...) where the others are (D, K/D, ...).
     self._shares_weights = member.method.shares_weights
     self._sharing = member.method if self._shares_weights else None
@@ -76,8 +77,8 @@ class PmapBackend:
 
   def init(self, seed: int) -> steps.TrainState:
     if seed not in self._keys:  # a loop of fits starts from the same keys: drawn (and laid out) once
-      self._keys[seed] = self._own_members(steps.member_keys(seed, self.ensemble_size))
-    return self._init(self._keys[seed])
+      self._keys[seed] = self._own_members(steps.member_keys(seed, self.ensemble_size)), seed_key(seed)
+    return self._init(*self._keys[seed])
 
   def abstract_state(self):
     return self._abstract()

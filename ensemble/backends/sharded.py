@@ -14,6 +14,7 @@ leading member axis of size 1, and its ensemble metrics apply unchanged.
 """
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import math
@@ -29,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ensemble import steps
 from ensemble.backends import ENSEMBLE_AXIS, jit, train_program
 from ensemble.errors import UsageError
+from ensemble.keys import seed_key
 from ensemble.parallel import DATA_AXIS, MESH_AXES, fsdp, logical
 
 
@@ -95,7 +97,7 @@ class _MeshBackend:
 
   def init(self, seed: int) -> steps.TrainState:
     with self._context():
-      state = self._init(steps.member_keys(seed, 1)[0])
+      state = self._init(steps.member_keys(seed, 1)[0], seed_key(seed))
     self._log_bytes(state)
     return state
 
@@ -136,7 +138,7 @@ class AnnotatedBackend(_MeshBackend):
       self._rules = logical.check_rules(config.logical_axis_rules)
     create = member.init
     with self._context():
-      boxed = jax.eval_shape(create, jax.random.key(0))
+      boxed = jax.eval_shape(create, jax.random.key(0))  # the seed's key left at seed 0's: shapes alike
     specs = nn.get_partition_spec(boxed)
     shardings = (nn.logical_to_mesh_sharding(specs, self.mesh, self._rules) if config.logical
                  else nn.get_sharding(boxed, self.mesh))
@@ -144,7 +146,7 @@ class AnnotatedBackend(_MeshBackend):
     self._check_divisible(state.params, shardings.params)
     self._abstract = _abstract(state, shardings)
     # The state is created sharded: no device ever holds all the parameters.
-    self._init = jax.jit(lambda key: nn.meta.unbox(create(key)), out_shardings=shardings)
+    self._init = jax.jit(lambda key, seed: nn.meta.unbox(create(key, seed)), out_shardings=shardings)
     self._train = train_program(jax.jit(
         _as_ensemble_of_one(member.train_step), in_shardings=(shardings, self._batch, self._batch),
         out_shardings=(shardings, self._replicated), donate_argnums=0), devices, config)
@@ -183,36 +185,53 @@ class ShardMapBackend(_MeshBackend):
     # Inside shard_map a step sees its device's slices, boxed again so the model knows to gather them.
     rebox = functools.partial(fsdp.rebox, local)
 
-    fsdp_step = functools.partial(fsdp.train_step, axis_name=DATA_AXIS, num_minibatches=config.num_minibatches,
-                                  dropout_key=jax.random.key(config.seed))
-    step = lambda state, images, labels: fsdp_step(state, member.prepare(images), labels)
+    # The dropout keys are folded from the seed's key, an argument of the training programs (the run's, which
+    # `with_seed` sets), so that they serve every seed.
+    self._seed = jax.device_put(seed_key(config.seed), self._replicated)
+    fsdp_step = functools.partial(fsdp.train_step, axis_name=DATA_AXIS, num_minibatches=config.num_minibatches)
 
-    def train(state, images, labels):
-      state, metrics = step(rebox(state), images, labels)
+    def train(state, images, labels, seed):
+      state, metrics = fsdp_step(rebox(state), member.prepare(images), labels, dropout_key=seed)
       return fsdp.unbox(state), _with_member_axis(metrics)
 
-    def train_many(state, images, labels, indices):  # indices: this device's columns of each batch
+    def train_many(state, images, labels, indices, seed):  # indices: this device's columns of each batch
+      step = lambda state, images, labels: fsdp_step(state, member.prepare(images), labels, dropout_key=seed)
       state, metrics = steps.train_steps(rebox(state), images, labels, indices, step_fn=step)
       return fsdp.unbox(state), _with_member_axis(metrics)
 
     def evaluate(state, images, labels):
       return _ensemble_of_one(member.eval_step)(rebox(state), images, labels)
 
-    init = shard(lambda key: fsdp.unbox(create(key)), in_specs=P(), out_specs=specs)
+    init = shard(lambda key, seed: fsdp.unbox(create(key, seed)), in_specs=(P(), P()), out_specs=specs)
     shardings = nn.get_sharding(local, self.mesh)
-    self._abstract = _abstract(jax.eval_shape(init, jax.random.key(0)), shardings)
+    self._abstract = _abstract(jax.eval_shape(init, jax.random.key(0), jax.random.key(0)), shardings)
     self._init = jax.jit(init, out_shardings=shardings)
     self._train = train_program(jax.jit(
-        shard(train, in_specs=(specs, P(DATA_AXIS), P(DATA_AXIS)), out_specs=(specs, P())),
-        in_shardings=(shardings, self._batch, self._batch), out_shardings=(shardings, self._replicated),
-        donate_argnums=0), devices, config)
+        shard(train, in_specs=(specs, P(DATA_AXIS), P(DATA_AXIS), P()), out_specs=(specs, P())),
+        in_shardings=(shardings, self._batch, self._batch, self._replicated),
+        out_shardings=(shardings, self._replicated), donate_argnums=0), devices, config)
     columns = self._by_column.spec
     self._train_steps = train_program(jax.jit(
-        shard(train_many, in_specs=(specs, P(), P(), columns), out_specs=(specs, P())),
-        in_shardings=(shardings, self._replicated, self._replicated, self._by_column),
+        shard(train_many, in_specs=(specs, P(), P(), columns, P()), out_specs=(specs, P())),
+        in_shardings=(shardings, self._replicated, self._replicated, self._by_column, self._replicated),
         out_shardings=(shardings, self._replicated), donate_argnums=0), devices, config)
     self._eval = jax.jit(shard(evaluate, in_specs=(specs, P(DATA_AXIS), P(DATA_AXIS)), out_specs=columns),
                          in_shardings=(shardings, self._batch, self._batch), out_shardings=self._by_column)
+
+  def with_seed(self, seed: int) -> 'ShardMapBackend':
+    """This backend for a run of `seed`: its programs, given that seed's key (`backends.for_seed`)."""
+    run = copy.copy(self)
+    run._seed = jax.device_put(seed_key(seed), self._replicated)  # pylint: disable=protected-access
+    return run
+
+  def train_step(self, state, images: np.ndarray, labels: np.ndarray):
+    with self._context():
+      return self._train(state, images, labels, self._seed)
+
+  def train_steps(self, state, dataset, indices: np.ndarray):
+    """The fast path: `indices` (S, batch) of the resident `dataset`, S steps in one program."""
+    with self._context():
+      return self._train_steps(state, *dataset, indices, self._seed)
 
 
 BACKENDS = {

@@ -1,9 +1,11 @@
-"""In-memory arrays as a Dataset: what `ensemble.fit` trains on.
+"""Every array a user passes, checked here for its role: what `ensemble.fit` trains, validates and tests on (a
+Dataset), and what an `Ensemble` is asked to calibrate on, score or predict.
 
 Images, feature vectors (tabular data) and integer token ids (sequences) all
-come as a pair (inputs, labels) of arrays, checked here once, before anything
-runs, so that a bad array fails in one line naming it instead of inside a
-jitted step.
+come as arrays, with labels where the role has them, checked once, before
+anything runs, so that a bad array fails in one line that names its role
+('train', 'validation', 'test', 'calibrate', 'conformal', 'flags', 'evaluate',
+'predict') instead of inside a jitted step.
 """
 
 from typing import Any
@@ -23,15 +25,59 @@ def kind_of(inputs: np.ndarray) -> str:
   return 'features'
 
 
+def as_array(values: Any, role: str, what: str = 'inputs') -> np.ndarray:
+  try:
+    return np.asarray(values)
+  except ValueError as e:  # a ragged list
+    raise base.DataError(f'{role}: {what} cannot be made an array ({base.first_line(e)}); give equally shaped '
+                         'examples') from None
+
+
 def pair(split: Any, name: str) -> tuple[np.ndarray, np.ndarray]:
   if not isinstance(split, (tuple, list)) or len(split) != 2:
     raise base.DataError(f'{name}: give a pair (inputs, labels) of arrays, got {type(split).__name__}')
   inputs, labels = split
-  try:
-    return np.asarray(inputs), np.asarray(labels)
-  except ValueError as e:  # a ragged list
-    message = f'{name}: cannot be made an array ({base.first_line(e)}); give equally shaped examples'
-    raise base.DataError(message) from None
+  return as_array(inputs, name), as_array(labels, name, 'labels')
+
+
+def inputs(values: Any, kind: str, role: str, shape: tuple[int, ...], trained_on: str) -> np.ndarray:
+  """`values` as (N, *shape) of what members trained on `kind` inputs of `shape` take (`as_inputs`, images by
+  `base.as_images`): what an Ensemble is asked about. `trained_on` names the ensemble in the messages."""
+  values = as_array(values, role)
+  if kind == 'images' and shape[-1] == 1 and values.ndim == len(shape) and values.shape[1:] == shape[:-1]:
+    values = values[..., None]  # greyscale (N, H, W)
+  if values.ndim != len(shape) + 1 or values.shape[1:] != tuple(shape):
+    raise base.DataError(f'{role}: {kind} of shape {values.shape}, but {trained_on} was trained on '
+                         f'{"x".join(map(str, shape))} {kind}; give a batch of shape (N, {", ".join(map(str, shape))})')
+  if kind == 'images':  # as training saw them: [0, 1] floats rounded to 8 bits
+    return base.as_images(values, role)
+  return as_inputs(values, kind, role)
+
+
+def labels(values: Any, task: str, role: str, count: int, outputs: int) -> np.ndarray:
+  """Labels for `count` inputs of `role`: int32 class indices within the `outputs` classes the members predict, or
+  a regression's (N, D) float targets, D = `outputs`."""
+  values = as_array(values, role, 'labels')
+  if task == 'regression':
+    if values.shape[:1] != (count,):
+      raise base.DataError(f'{role}: targets of shape {values.shape}; give {count} targets, one row per input')
+    targets = base.as_targets(values, role)
+    if targets.shape[1] != outputs:
+      raise base.DataError(f'{role}: {targets.shape[1]} targets per input, but the ensemble predicts {outputs}')
+    return targets
+  if values.shape[:1] != (count,) or not np.issubdtype(values.dtype, np.integer):
+    raise base.DataError(f'{role}: labels of shape {values.shape} and dtype {values.dtype}; give {count} integer '
+                         'class indices, one per input')
+  return within_classes(base.as_labels(values, role), outputs, role)
+
+
+def within_classes(labels: np.ndarray, outputs: int, role: str) -> np.ndarray:
+  """Class labels that the `outputs` classes hold; a label beyond them (which would score NaN, or nothing) is one
+  line naming `role`."""
+  if len(labels) and not 0 <= labels.min() <= labels.max() < outputs:
+    raise base.DataError(f'{role}: labels span [{labels.min()}, {labels.max()}], outside the {outputs} classes '
+                         f'0..{outputs - 1} the members predict; give labels of those classes')
+  return labels
 
 
 def as_inputs(inputs: np.ndarray, kind: str, name: str) -> np.ndarray:
@@ -56,6 +102,16 @@ def as_inputs(inputs: np.ndarray, kind: str, name: str) -> np.ndarray:
                          f'{int(np.argmin(np.isfinite(features).reshape(len(features), -1).all(1)))}); '
                          'impute or drop them first')
   return features
+
+
+def split(split_: Any, kind: str, name: str, task: str = 'classification', source: str = 'arrays',
+          outputs: int | None = None) -> base.Split:
+  """One (inputs, labels) pair of `fit` as a Split, checked for its role `name` ('train', 'test', 'validation');
+  with `outputs`, class labels must lie within those classes (a validation split's, the training data's)."""
+  checked = _split(split_, kind, name, task, source)
+  if outputs is not None and task != 'regression':
+    within_classes(checked['label'], outputs, name)
+  return checked
 
 
 def _split(split: Any, kind: str, name: str, task: str = 'classification', source: str = 'arrays') -> base.Split:

@@ -31,6 +31,10 @@ THREADS = 4
 PREFETCH_STEPS = 8
 # A streamed split's statistics come from this many of its rows (`sample`): reading all would be a pass over the set.
 SAMPLE_ROWS = 1 << 14
+# What is read into memory (`in_memory`: the sample, a test split) is read this many rows at a time into arrays
+# allocated once: a source's read holds a few copies of what it reads (the records, their bytes joined, the
+# decoded arrays), and the programs keep their peak heap (ensemble/host_memory.py).
+READ_ROWS = 1024
 # config.streaming: 'auto' streams a source that can be streamed once its training split would take more than
 # AUTO_FRACTION of the host's memory (in memory is faster where it fits); 'always' streams it, and refuses a source
 # that cannot be streamed; 'never' reads every source whole.
@@ -176,11 +180,19 @@ def sample(split: Any) -> Any:
 
 
 def in_memory(split: Any, rows: np.ndarray | None = None) -> Any:
-  """A streamed split read into memory, whole (for what is read whole anyway: a held-out slice, a test split to
-  score) or its `rows`; a split in memory as it is."""
+  """A streamed split read into memory, whole (for what is read whole anyway: a test split that is rotated and
+  noised to score) or its `rows`; a split in memory as it is. A slice that is only predicted is read in `chunks`."""
   if not is_streamed(split):
     return split
-  images, labels = split.take(np.arange(len(split)) if rows is None else rows)
+  rows = np.arange(len(split)) if rows is None else np.asarray(rows)
+  parts = None
+  for start in range(0, len(rows), READ_ROWS):
+    read = split.take(rows[start:start + READ_ROWS])
+    if parts is None:
+      parts = [np.empty((len(rows), *part.shape[1:]), part.dtype) for part in read]
+    for whole, part in zip(parts, read):
+      whole[start:start + len(part)] = part
+  images, labels = parts or split.take(rows)
   return {'image': images, 'label': labels}
 
 
@@ -189,6 +201,24 @@ def take(split: Any, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   if is_streamed(split):
     return split.take(rows)
   return split['image'][rows], split['label'][rows]
+
+
+def chunks(split: Any, rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+  """(inputs, labels) of the split's examples in order, `rows` at a time (the last chunk shorter): how a slice that
+  is scored rather than trained on (held out, validation, test) is read, so that a streamed one is never read whole
+  and memory stays flat in the data's size."""
+  count = len(split['label'])
+  for start in range(0, count, rows):
+    yield take(split, np.arange(start, min(start + rows, count)))
+
+
+def labels(split: Any, rows: int) -> np.ndarray:
+  """The split's labels: of a split in memory, its array; of a streamed one, read `rows` examples at a time (a
+  source reads an example's input with its label) and only the labels kept."""
+  if not is_streamed(split):
+    return split['label']
+  read = [batch for _, batch in chunks(split, rows)]
+  return np.concatenate(read) if read else np.empty((0, *split.source.label.shape), split.source.label.dtype)
 
 
 class _Steps:

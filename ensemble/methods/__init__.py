@@ -27,8 +27,9 @@ from ensemble.methods import batchensemble, hyper, mc_dropout, mimo, multiswag, 
 from ensemble.methods.independent import Independent
 
 def _independent(config, name: str) -> Independent:
-  """The deep ensemble (or bagging), with the parameters `shared` names one copy, drawn from the seed."""
-  return Independent(name=name, shared_filters=tuple(config.shared), seed=config.seed if config.shared else 0)
+  """The deep ensemble (or bagging), with the parameters `shared` names one copy, drawn from the seed's key (an
+  argument of `init`, as a program's: the method does not depend on the seed)."""
+  return Independent(name=name, shared_filters=tuple(config.shared))
 
 
 METHODS = {
@@ -36,8 +37,8 @@ METHODS = {
     'bagging': lambda config, steps_per_epoch: _independent(config, 'bagging'),
     'hyper': lambda config, steps_per_epoch: hyper.Hyper.from_config(config),
     'snapshot': lambda config, steps_per_epoch: snapshot.Snapshot.from_config(config, steps_per_epoch),
-    'batchensemble': lambda config, steps_per_epoch: batchensemble.BatchEnsemble(seed=config.seed),
-    'mc_dropout': lambda config, steps_per_epoch: mc_dropout.MCDropout(seed=config.seed),
+    'batchensemble': lambda config, steps_per_epoch: batchensemble.BatchEnsemble(),
+    'mc_dropout': lambda config, steps_per_epoch: mc_dropout.MCDropout(),
     'packed': lambda config, steps_per_epoch: packed.Packed(),
     'mimo': lambda config, steps_per_epoch: mimo.MIMO.from_config(config),
     'multiswag': lambda config, steps_per_epoch: multiswag.MultiSWAG.from_config(config, steps_per_epoch),
@@ -45,9 +46,6 @@ METHODS = {
 NAMES = tuple(METHODS)
 # The data a method's members train on, where the method decides it (config.member_data otherwise).
 MEMBER_DATA = {'bagging': 'bootstrap'}
-# The methods whose members start from weights drawn from `config.seed` alone (their shared weights), so that what
-# their programs compute depends on the seed.
-SEEDED = ('batchensemble', 'mc_dropout', 'mimo')
 # The models whose layers have rank-1 versions (models/rank1.py); 'mlp' is the plain one (the mesh MLP trains on the
 # mesh backends, which take no method).
 RANK1_MODELS = ('cnn', 'resnet', 'mlp')

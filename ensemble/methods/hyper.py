@@ -39,6 +39,6 @@ class Hyper(Independent):
     return {'learning_rate': log_uniform(lr_key, *self.learning_rate),
             'weight_decay': log_uniform(wd_key, *self.weight_decay)}
 
-  def init(self, member, state, key: jax.Array):
+  def init(self, member, state, key: jax.Array, seed_key: jax.Array | None = None):
     opt_state = state.opt_state
     return state.replace(opt_state=opt_state._replace(hyperparams={**opt_state.hyperparams, **self.draw(key)}))

@@ -22,7 +22,6 @@ class Independent:
   """
   name: str = 'independent'
   shared_filters: tuple[str, ...] = ()
-  seed: int = 0  # of the shared weights' initialisation, the same for every member
 
   @property
   def shares_weights(self) -> bool:
@@ -42,13 +41,13 @@ class Independent:
     """`tree` (a member state's) with `fn` applied to the leaves all members share, `other` to the rest."""
     return jax.tree_util.tree_map_with_path(lambda path, x: fn(x) if self.is_shared_path(path) else other(x), tree)
 
-  def init(self, member, state, key: jax.Array):
-    """A member's fresh state from its key, as `steps.Member.init` made it; its shared weights from the seed, the
-    same for every member."""
+  def init(self, member, state, key: jax.Array, seed_key: jax.Array):
+    """A member's fresh state from its key, as `steps.Member.init` made it; its shared weights from the seed's key
+    (`keys.seed_key`, an argument of the programs), the same for every member."""
     del key
     if not self.shares_weights:
       return state
-    shared_key = jax.random.fold_in(jax.random.key(self.seed), _SHARED_INIT)
+    shared_key = jax.random.fold_in(seed_key, _SHARED_INIT)
     reference, _ = member.initial_params(shared_key)
     params = jax.tree.map(lambda own, common, shared: common if shared else own,
                           state.params, reference, self.shared(state.params))

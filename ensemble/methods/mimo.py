@@ -55,12 +55,12 @@ class MIMO(OneNetwork):
 
   @classmethod
   def from_config(cls, config):
-    return cls(seed=config.seed, heads=config.ensemble_size)
+    return cls(heads=config.ensemble_size)
 
-  def init(self, member, state, key: jax.Array):
-    """The seed's network, and the member's head: i for the i-th of the members' keys."""
-    state = super().init(member, state, key)
-    keys = jax.random.key_data(member_keys(self.seed, self.heads))
+  def init(self, member, state, key: jax.Array, seed_key: jax.Array):
+    """The seed's network, and the member's head: i for the i-th of the members' keys (split from `seed_key`)."""
+    state = super().init(member, state, key, seed_key)
+    keys = jax.random.key_data(member_keys(seed_key, self.heads))
     head = jnp.argmax(jnp.all(keys == jax.random.key_data(key), axis=-1)).astype(jnp.int32)
     return state.replace(snapshots={'head': head})
 

@@ -59,8 +59,8 @@ class MultiSWAG(Independent):
     return cls(samples=config.swag_samples, rank=config.swag_rank, collection_start=start,
                collection_every=max(1, (total - start) // config.swag_rank))
 
-  def init(self, member, state, key: jax.Array):
-    del member, key
+  def init(self, member, state, key: jax.Array, seed_key: jax.Array | None = None):
+    del member, key, seed_key
     zeros = lambda shape: (lambda x: jnp.zeros((*shape, *x.shape), x.dtype))
     return state.replace(snapshots={
         'count': jnp.zeros((), jnp.int32), 'mean': jax.tree.map(zeros(()), state.params),

@@ -28,8 +28,8 @@ class Snapshot(Independent):
     cycles = config.snapshot_cycles
     return cls(cycles=cycles, cycle_steps=config.num_epochs // cycles * steps_per_epoch)
 
-  def init(self, member, state, key: jax.Array):
-    del member, key
+  def init(self, member, state, key: jax.Array, seed_key: jax.Array | None = None):
+    del member, key, seed_key
     slots = lambda tree: jax.tree.map(lambda x: jnp.zeros((self.cycles, *x.shape), x.dtype), tree)
     return state.replace(snapshots={'count': jnp.zeros((), jnp.int32), 'params': slots(state.params),
                                     'batch_stats': slots(state.batch_stats)})

@@ -145,8 +145,31 @@ def _parameters(fn: Callable[..., Any]) -> Sequence[str]:
 
 
 def _build(build: Callable[..., Any], rngs):
-  """`build(rngs=rngs)` when it names an `rngs` argument (an NNX Module class, a partial of one), else `build(rngs)`."""
-  return build(rngs=rngs) if 'rngs' in _parameters(build) else build(rngs)
+  """`build(rngs=rngs)` when it names an `rngs` argument (an NNX Module class, a partial of one), else `build(rngs)`.
+
+  What builds no NNX model (a plain function of the inputs, given as the model) is refused in one line here, where
+  it would otherwise fail on the `nnx.Rngs` it was given and be reported as a model that fails on the inputs."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  fn = build
+  while isinstance(fn, functools.partial):
+    fn = fn.func
+  name = getattr(fn, '__name__', type(fn).__name__)
+  fix = ('the model must be a flax.linen Module, a function of nnx.Rngs that builds a Flax NNX model, or a model '
+         "name ('cnn', 'package.module:Name')")
+  try:
+    module = build(rngs=rngs) if 'rngs' in _parameters(build) else build(rngs)
+  except UsageError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # the user's code failed on the Rngs: say so, in one line
+    if isinstance(fn, type) and issubclass(fn, nnx.Module):
+      raise
+    message = str(e).strip().splitlines()[0][:200] if str(e).strip() else ''
+    raise UsageError(f'model {name}, called with nnx.Rngs to build an NNX model, failed ({type(e).__name__}: '
+                     f'{message}): {fix}') from None
+  if not isinstance(module, nnx.Module):
+    raise UsageError(f'model {name}, called with nnx.Rngs to build an NNX model, returned a '
+                     f'{type(module).__name__}: {fix}')
+  return module
 
 
 def _placeholder(leaf: jax.ShapeDtypeStruct, key: jax.Array | None):

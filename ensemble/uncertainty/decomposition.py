@@ -11,10 +11,12 @@ from the training data). Depeweg et al. (2018); all in nats, float64.
 import numpy as np
 
 
-def entropy(probs: np.ndarray) -> np.ndarray:
-  """-sum_c p_c log p_c over the last axis, with 0 log 0 = 0: one value per row of `probs`."""
-  probs = np.asarray(probs, np.float64)
-  return -np.sum(probs * np.log(np.where(probs > 0, probs, 1.0)), axis=-1)
+def entropy(probs: np.ndarray, xp=np) -> np.ndarray:
+  """-sum_c p_c log p_c over the last axis, with 0 log 0 = 0: one value per row of `probs` (traced with `xp=jnp`
+  for `ensemble.export`)."""
+  if xp is np:
+    probs = np.asarray(probs, np.float64)
+  return -xp.sum(probs * xp.log(xp.where(probs > 0, probs, 1.0)), axis=-1)
 
 
 def disagreement(member_probs: np.ndarray) -> np.ndarray:

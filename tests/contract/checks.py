@@ -4,10 +4,10 @@ A check says what a user relies on, in its name and docstring, and compares what
 ensemble gives by another path (in memory, on arrays, with pmap): they must agree to float32's tolerance.
 """
 
+import copy
 import json
 import math
 import os
-import signal
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 import ensemble
-from conftest import compiles
-from lab import (STEPS_PER_EPOCH, TARGET_SCALES, WORKDIR_FIELDS, Cell, Lab, as_source, assert_same_members,
-                 assert_same_summary, cut, folder_digest, leaves, problem, timeless, train_folder)
+from conftest import compiles, sigterm_at_step
+from lab import (CALIBRATION_ROWS, CHAINS, CONFORMAL_ALPHA, STEPS_PER_EPOCH, TARGET_SCALES, WORKDIR_FIELDS, Cell, Lab,
+                 as_source, assert_same_members, assert_same_summary, cut, folder_digest, leaves, problem, timeless,
+                 train_folder)
 
 # The methods whose members are K independent networks of one architecture: a warm start from one of them into
 # another keeps each member's network (converted, as docs/python-api.md says). The other methods' members share
@@ -135,13 +136,15 @@ def save_load_predicts_the_same(cell: Cell, lab: Lab, cells: list[Cell]):
 
 
 def refit_compiles_nothing(cell: Cell, lab: Lab):
-  """A loop of fits on other data of the same shapes, each with a test set and predictions: after the first, they
-  compile nothing."""
+  """A loop of fits on other data of the same shapes and with another seed each, each with a test set and
+  predictions: after the first, they compile nothing (the seed is an argument of the programs, for every method,
+  those whose members share weights drawn from it too)."""
   data_of = (lambda split: split) if cell.path == 'arrays' else (lambda split: [(a, b) for a, b in zip(*split)])
 
   def fit_and_predict(seed):
     (x, y), (x_test, y_test) = problem(cell.task, seed=seed)
-    ens = ensemble.fit('mlp', data_of((x, y)), test=data_of((x_test, y_test)), progress=False, **cell.fields())
+    ens = ensemble.fit('mlp', data_of((x, y)), test=data_of((x_test, y_test)), progress=False,
+                       **cell.fields(seed=seed))
     ens.predict(x_test)
   fit_and_predict(1)
   with compiles() as counts:
@@ -222,7 +225,8 @@ def calibration_is_kept(cell: Cell, lab: Lab):
 def early_stopping_keeps_the_best_epoch(cell: Cell, lab: Lab):
   """`early_stopping=N` with `validation=`: the summary names the best epoch, no later than the epochs trained, and
   the members returned score on the validation rows the validation NLL it reports (they are that epoch's); in a
-  workdir, the last checkpoint is that epoch and holds the members the same fit in memory returns; streamed (from
+  workdir, the last checkpoint is that epoch and holds the members and the summary the same fit in memory returns
+  (the test pass on them, the epochs trained); streamed (from
   a source, or from a folder by the command line, which scores the held-out slice), the same members as in
   memory."""
   train, test = problem(cell.task)
@@ -250,6 +254,7 @@ def early_stopping_keeps_the_best_epoch(cell: Cell, lab: Lab):
                        workdir=lab.workdir(cell, 'early-stopped'), **fields)
     assert ens.epoch == in_memory.summary['best_epoch'], (ens.epoch, in_memory.summary)
     assert_same_members(ens, in_memory)
+    assert_same_summary(ens.summary, in_memory.summary)  # the test pass on the best members, the epochs trained
     return
   ens = lab.early_stopped(cell)
   summary = ens.summary
@@ -268,18 +273,8 @@ def sigterm_resumes_exactly(cell: Cell, lab: Lab):
   train, test = problem(cell.task)
   fields = cell.fields(steps_per_dispatch=2)  # dispatches end mid-epoch, where SIGTERM is taken
   workdir = lab.workdir(cell, 'terminated')
-  after_steps = trainer._SavesInBackground.after_steps  # pylint: disable=protected-access
-
-  def terminated_at_2(hook, step):
-    after_steps(hook, step)
-    if step == 2:
-      os.kill(os.getpid(), signal.SIGTERM)
-  trainer._SavesInBackground.after_steps = terminated_at_2  # pylint: disable=protected-access
-  try:
-    with pytest.raises(trainer.Interrupted, match='stopped on SIGTERM at step 2, in epoch 1'):
-      ensemble.fit('mlp', train, test=test, workdir=workdir, progress=False, **fields)
-  finally:
-    trainer._SavesInBackground.after_steps = after_steps  # pylint: disable=protected-access
+  with sigterm_at_step(2), pytest.raises(trainer.Interrupted, match='stopped on SIGTERM at step 2, in epoch 1'):
+    ensemble.fit('mlp', train, test=test, workdir=workdir, progress=False, **fields)
   assert os.listdir(os.path.join(workdir, checkpoint.STOPPED_DIR)) == ['2']
   assert not os.path.exists(os.path.join(workdir, checkpoint.CHECKPOINTS_DIR))
   resumed = ensemble.fit('mlp', train, test=test, workdir=workdir, progress=False, **fields)
@@ -294,3 +289,96 @@ ALL = {check.__name__: check for check in (
     warm_start_under_every_schedule, warm_start_across_methods, save_load_predicts_the_same, refit_compiles_nothing,
     resume_equals_uninterrupted, workdir_knows_its_data, calibration_is_kept, early_stopping_keeps_the_best_epoch,
     sigterm_resumes_exactly)}
+
+
+# --- life after fit: a chain of post-hoc steps (lab.POSTHOC), wherever the value goes ------------------------------
+
+def _refused_for_the_task(cell: Cell, lab: Lab, steps: tuple[str, ...]) -> bool:
+  """Whether a step of `steps` serves the other task (flags: classification's): then it is refused in one line
+  that names the task, and the chain has nothing more to keep."""
+  try:
+    lab.chained(lab.ensemble(cell), steps)
+  except ensemble.UsageError as refused:
+    message = str(refused)
+    assert '\n' not in message and cell.task in message, message
+    return True
+  return False
+
+
+def _assert_same_answers(got: dict, want: dict, exact: bool = False):
+  """`predict`'s answers, key by key: figures to float32's precision of the largest of them (exactly, for two
+  values restored from disk), decisions (a conformal set, a flag) the same but for an input within rounding of a
+  threshold."""
+  assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+  for key, value in want.items():
+    value, other = np.asarray(value), np.asarray(got[key]).reshape(np.shape(value))
+    if value.dtype == bool:
+      agree = np.mean(other == value)
+      assert agree == 1.0 if exact else agree >= 0.995, (key, agree)
+    elif exact:
+      np.testing.assert_array_equal(other, value, err_msg=key)
+    else:
+      np.testing.assert_allclose(other, value, rtol=1e-4, atol=1e-5 * max(np.abs(value).max(), 1e-30), err_msg=key)
+
+
+def _assert_same_value(got: 'ensemble.Ensemble', want: 'ensemble.Ensemble', x: np.ndarray, exact: bool = False):
+  """The same value: checkpoint, chain (every step and what it was fitted on), summary, and answers."""
+  assert (got.epoch, got.posthoc) == (want.epoch, want.posthoc), (repr(got), repr(want))
+  assert repr(got).split(', workdir=')[0] == repr(want).split(', in memory')[0].split(', workdir=')[0]
+  assert_same_summary(got.summary, want.summary)
+  _assert_same_answers(got.predict(x), want.predict(x), exact)
+
+
+def the_value_is_the_same_wherever_it_goes(cell: Cell, lab: Lab, chain: str):
+  """The cell's ensemble after a chain of post-hoc steps is one value: saved and loaded it is the same (its
+  checkpoint, its chain, its summary, every answer of `predict`: probabilities, sets, flags, means, intervals);
+  loaded at an earlier checkpoint, chained, saved and loaded, it is that checkpoint's, not the newest; exported, the
+  artifact answers as `predict` does."""
+  from ensemble import export  # pylint: disable=g-import-not-at-top
+  steps = CHAINS[chain]
+  if _refused_for_the_task(cell, lab, steps):
+    return
+  chained = lab.chained(lab.ensemble(cell), steps)
+  x = lab.calibration_rows(cell.task, 'fresh')[0][:512]
+  _assert_same_value(ensemble.load(lab.save(chained, f'{cell.id}-{chain}')), chained, x)
+  earlier = lab.chained(lab.earlier(cell), steps)
+  again = ensemble.load(lab.save(earlier, f'{cell.id}-{chain}-earlier'))
+  assert again.epoch == STEPS_PER_EPOCH and earlier.epoch == STEPS_PER_EPOCH, (again.epoch, earlier.epoch)
+  _assert_same_value(again, earlier, x, exact=True)
+  served = export.export(chained, ['cpu']).call(x)
+  whole = copy.copy(chained)  # the artifact takes the rows as one batch: MC dropout's masks depend on the batch
+  whole.batch_size = len(x)
+  want = whole.predict(x)
+  _assert_same_answers({key: served[key] for key in want if key in served},
+                       {key: value for key, value in want.items() if key in served})
+
+
+def _coverage_bounds(n: int, m: int, alpha: float, p: float = 1e-6) -> tuple[float, float]:
+  """The share of m fresh examples that sets (intervals) calibrated on n examples at `alpha` cover, outside which it
+  falls with probability below p: split conformal's coverage given the calibration rows is Beta(k, n + 1 - k),
+  k = ceil((n + 1)(1 - alpha)), for continuous scores, so the share is beta-binomial (Vovk 2012)."""
+  import scipy.stats  # pylint: disable=g-import-not-at-top
+  k = math.ceil((n + 1) * (1 - alpha))
+  share = scipy.stats.betabinom(m, k, n + 1 - k)
+  return share.ppf(p / 2) / m, share.ppf(1 - p / 2) / m
+
+
+def conformal_covers_fresh_data(cell: Cell, lab: Lab, chain: str):
+  """Every chain with a conformal step, on the cell's ensemble and at an earlier checkpoint: on fresh rows its sets
+  hold the class (its intervals the target, each target) of a share within the beta-binomial bounds of 1 - alpha,
+  whatever step comes after it (a temperature fitted later leaves the outputs its quantile was fitted on)."""
+  steps = CHAINS[chain]
+  if _refused_for_the_task(cell, lab, steps):
+    return
+  x, y = lab.calibration_rows(cell.task, 'fresh')
+  low, high = _coverage_bounds(CALIBRATION_ROWS['conformal'][0], len(y), CONFORMAL_ALPHA)
+  for ens in (lab.chained(lab.ensemble(cell), steps), lab.chained(lab.earlier(cell), steps)):
+    got = ens.predict(x)
+    if cell.task == 'regression':
+      coverage = ((got['conformal_lower'] <= y) & (y <= got['conformal_upper'])).mean(0)
+    else:
+      coverage = np.atleast_1d(got['set'][np.arange(len(y)), y].mean())
+    assert ((low <= coverage) & (coverage <= high)).all(), (repr(ens), coverage, (low, high))
+
+
+AFTER_FIT = {check.__name__: check for check in (the_value_is_the_same_wherever_it_goes, conformal_covers_fresh_data)}

@@ -75,18 +75,39 @@ class Cell(NamedTuple):
     return {**COMMON, 'backend': self.backend, **METHODS[self.method], 'task': self.task, **more}
 
 
-def problem(task: str, seed: int = 0, scale: float = 1.0, features: int = 3):
-  """((x, y), (x_test, y_test)) of the tiny problem; `scale` multiplies the regression targets (their unit)."""
+def rows(task: str, count: int, seed: int = 0, scale: float = 1.0, features: int = 3):
+  """(x, y): `count` rows of the tiny problem, drawn from `seed`; `scale` multiplies the regression targets (their
+  unit)."""
   rng = np.random.default_rng(seed)
-  x = rng.normal(size=(TRAIN_ROWS + TEST_ROWS, features)) * np.array([1.0, 100.0, 0.01][:features])
+  x = rng.normal(size=(count, features)) * np.array([1.0, 100.0, 0.01][:features])
   signal = np.stack([np.sin(x[:, 0]) + x[:, -1] * 30, x[:, min(1, features - 1)] / 100 - x[:, 0]], 1)
   if task == 'regression':
     y = (signal + 0.1 * rng.normal(size=signal.shape)) * TARGET_SCALES + TARGET_OFFSETS
     y = (y * scale).astype(np.float32)
   else:
     y = np.digitize(signal[:, 0], [-0.5, 0.5]).astype(np.int32)
-  x = x.astype(np.float32)
+  return x.astype(np.float32), y
+
+
+def problem(task: str, seed: int = 0, scale: float = 1.0, features: int = 3):
+  """((x, y), (x_test, y_test)) of the tiny problem: TRAIN_ROWS and TEST_ROWS rows."""
+  x, y = rows(task, TRAIN_ROWS + TEST_ROWS, seed, scale, features)
   return (x[:TRAIN_ROWS], y[:TRAIN_ROWS]), (x[TRAIN_ROWS:], y[TRAIN_ROWS:])
+
+
+# Life after fit: the post-hoc steps, each fitted on its own fresh rows of the problem (CALIBRATION_ROWS, drawn
+# from a seed of its own), and the chains of them that every method and task's ensemble goes through (matrix.py).
+# A new post-hoc step joins with one line here, and the chains that end with it.
+CALIBRATION_ROWS = {'calibrate': (300, 11), 'conformal': (1000, 12), 'flags': (300, 13), 'fresh': (4000, 14)}
+CONFORMAL_ALPHA = 0.1
+POSTHOC = {
+    'calibrate': lambda ens, x, y: ens.calibrate(x, y),
+    'conformal': lambda ens, x, y: ens.conformal(x, y, alpha=CONFORMAL_ALPHA),
+    'flags': lambda ens, x, y: ens.flags(x, y, target_risk=0.2),
+}
+CHAINS = {'none': (), 'calibrate': ('calibrate',), 'conformal': ('conformal',),
+          'calibrate_then_conformal': ('calibrate', 'conformal'),
+          'conformal_then_calibrate': ('conformal', 'calibrate'), 'flags': ('flags',)}
 
 
 def as_source(split):
@@ -171,15 +192,40 @@ class Lab:
                           **cell.fields(epochs=4, early_stopping=1))
     return self._once(('early_stopped', cell), make)
 
+  def earlier(self, cell: Cell) -> "ensemble.Ensemble":
+    """The cell's method and task, loaded from its workdir run at an earlier checkpoint than its last: epoch 1's end
+    (step STEPS_PER_EPOCH, of the run's checkpoints every 2 steps)."""
+    run = self.ensemble(cell._replace(path='workdir', backend='pmap'))
+    return self._once(('earlier', cell.method, cell.task), lambda: ensemble.load(run.workdir, step=STEPS_PER_EPOCH))
+
+  def chained(self, ens: "ensemble.Ensemble", chain: tuple[str, ...]) -> "ensemble.Ensemble":
+    """`ens` after the post-hoc steps of `chain` in order (`POSTHOC`), each fitted on its own rows."""
+    key = ('chained', id(ens), chain)
+    if key not in self._made:
+      for name in chain:
+        ens = POSTHOC[name](ens, *self.calibration_rows(ens.task.name, name))
+      self._made[key] = ens
+    return self._made[key]
+
+  def calibration_rows(self, task: str, role: str):
+    """(x, y) of `role` (a post-hoc step's, or 'fresh': rows to judge them on), as `CALIBRATION_ROWS` draws them."""
+    return self._once(('rows', task, role), lambda: rows(task, *CALIBRATION_ROWS[role]))
+
+  def save(self, ens: "ensemble.Ensemble", name: str) -> str:
+    """Where `ens` is saved, under a name of the caller's."""
+    path = os.path.join(self.root, 'saved', name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return ens.save(path).workdir
+
   def saved(self, cell: Cell) -> str:
-    """Where the cell's ensemble is a workdir: its own, or `save`'s copy of one trained in memory."""
+    """Where the cell's ensemble is on disk: its workdir, or where `save` wrote one trained in memory."""
     def make():
       ens = self.ensemble(cell)
-      if ens.workdir is None:
-        path = self.workdir(cell, 'saved')
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        ens.save(path)
-      return ens.workdir
+      if ens.workdir is not None:
+        return ens.workdir
+      path = self.workdir(cell, 'saved')
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      return ens.save(path).workdir
     return self._once(('saved', cell), make)
 
   def fresh_predictions(self, cells: list[Cell]) -> dict[str, np.ndarray]:

@@ -8,7 +8,7 @@ that reason rather than left out.
 
 import pytest
 
-from lab import METHODS, Cell
+from lab import CHAINS, METHODS, Cell
 
 TASKS = ('classification', 'regression')
 # The data paths: arrays in memory; a random-access source, streamed; a converted folder of ArrayRecord files
@@ -57,3 +57,20 @@ def cases():
       why = _unsupported(check, cell)
       marks = [pytest.mark.skip(reason=why)] if why else []
       yield pytest.param(check, cell, id=f'{check}[{cell.id}]', marks=marks)
+
+
+# Life after fit: every method and task's ensemble (trained in memory on arrays, and its workdir run loaded at an
+# earlier checkpoint) through every chain of post-hoc steps (lab.CHAINS), keeping checks.AFTER_FIT's invariants; the
+# conformal coverage where the chain has a conformal step.
+AFTER_FIT_CHECKS = ('the_value_is_the_same_wherever_it_goes', 'conformal_covers_fresh_data')
+
+
+def after_fit_cases():
+  """pytest params (check name, cell, chain), with ids 'check[method-task-chain]'."""
+  for method in METHODS:
+    for task in TASKS:
+      for chain, steps in CHAINS.items():
+        for check in AFTER_FIT_CHECKS:
+          if check == 'conformal_covers_fresh_data' and 'conformal' not in steps:
+            continue
+          yield pytest.param(check, Cell(method, task, 'arrays'), chain, id=f'{check}[{method}-{task}-{chain}]')

@@ -2,6 +2,7 @@
 
   python -m pytest tests/contract -k 'snapshot and regression'      # one method's cells
   python -m pytest tests/contract -k 'resume_equals_uninterrupted'  # one invariant everywhere
+  python -m pytest tests/contract -k 'conformal_then_calibrate'      # one chain of post-hoc steps everywhere
 """
 
 import pytest
@@ -30,3 +31,8 @@ def test_cell_keeps_the_contract(check, cell, lab):
     checks.ALL[check](cell, lab, saved)
   else:
     checks.ALL[check](cell, lab)
+
+
+@pytest.mark.parametrize('check, cell, chain', list(matrix.after_fit_cases()))
+def test_life_after_fit_keeps_the_contract(check, cell, chain, lab):
+  checks.AFTER_FIT[check](cell, lab, chain)

@@ -1,0 +1,515 @@
+"""A trained ensemble as one immutable value: the recipe, the members' state at one checkpoint, and the ordered chain
+of post-hoc steps fitted after training (ensemble/posthoc.py).
+
+What `ensemble.fit` and `ensemble.load` return. Its verbs answer about new inputs (`predict`, `evaluate`,
+`member_outputs`, `apply`) or return a new value (`calibrate`, `conformal`, `flags`: the same members, one more
+post-hoc step); `save` writes exactly the value (ensemble/manifest.py), which `load` reads back whole. Nothing
+changes an ensemble once made: a chain's step was fitted on what the steps before it give, and stays so.
+"""
+
+import functools
+import numbers
+import os
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+
+from ensemble import console, data, members, posthoc, predictor, standardise, steps
+from ensemble import recipe as recipe_lib
+from ensemble.data import arrays
+from ensemble.errors import UsageError
+from ensemble.tasks import regression
+from ensemble.uncertainty import conformal, decomposition
+
+# The flag thresholds `Ensemble.flag_threshold` fitted on a workdir's held-out slice, by checkpoint and settings:
+# `python -m ensemble.predict` fits them once (6,000 held-out images), not at every call.
+FLAG_THRESHOLDS_FILE = 'flag_thresholds.json'
+# What a predicted input that the members give NaN or infinity for most likely is, by the kind of inputs.
+_NONFINITE_CAUSES = {
+    'tokens': 'token ids the model cannot embed, or a model that is not finite on them',
+    'features': 'inputs far outside the range the members were trained on, or a model that is not finite there (a '
+                'log or a division of its inputs); check those inputs',
+    'images': 'a model that is not finite on these images; check them',
+}
+
+
+def _evaluation():
+  """ensemble.evaluation, imported where a workdir is read or a test set scored: it brings orbax, scipy's
+  optimizers and matplotlib, which a fit in memory and its predictions do without."""
+  from ensemble import evaluation  # pylint: disable=g-import-not-at-top
+  return evaluation
+
+
+def bucket(n: int, batch_size: int) -> int:
+  """The batch size `n` images are padded to: the next power of two, at most `batch_size`.
+
+  Each bucket compiles once, so any number of images costs at most
+  log2(batch_size) + 1 programs, and padding at most doubles the work of a small batch.
+  """
+  return min(batch_size, data.bucket_rows(n))
+
+
+def check_flag(name: str, value: Any, none: bool = False):
+  if not (isinstance(value, bool) or (none and value is None)):
+    raise UsageError(f'{name}={value!r} must be True or False' + (' (or None)' if none else ''))
+
+
+@functools.lru_cache(maxsize=64)
+def _output_width(member: steps.Member) -> int:
+  """A member's number of outputs, traced once per member: the ensembles of a loop of fits share theirs."""
+  state = jax.eval_shape(member.init, jax.random.key(0))
+  return int(jax.eval_shape(member.predict, state, member.example_input()).shape[-1])
+
+
+class Ensemble:
+  """A trained ensemble, on the devices at hand, that answers about new inputs: one immutable value.
+
+  `epoch` is the members' checkpoint (an epoch, or a step where the run
+  checkpointed by step), `posthoc` the chain of post-hoc steps in the order
+  they were fitted, `summary` the training summary with what the chain
+  amounts to. `workdir` is where it was read from or saved to (None: in
+  memory), and `batch_size` how many inputs a device program takes: neither
+  changes what it answers.
+  """
+
+  def __init__(self, workdir: str | None, config: recipe_lib.Recipe, member: steps.Member,
+               state: steps.TrainState, devices: Sequence[jax.Device], epoch: int, temperature: float = 1.0,
+               batch_size: int = 1000, *, task: Any = None, data_info: dict[str, Any] | None = None,
+               summary: dict[str, float] | None = None, chain: Sequence[posthoc.Step] = (),
+               standardised_on_host: bool = False, distillation: Any = None):
+    """`data_info` describes the members' data as their checkpoint records it (`save` writes it);
+    `standardised_on_host`: the members take features standardised by it on the host, as `fit`'s programs do
+    (ensemble/loop.py), where a restored member standardises them itself. A `temperature` other than 1 is a
+    temperature given, not fitted: the last step of the chain. `distillation`: a student's report of what it kept
+    of its teacher (`ensemble.distill`), None for any other ensemble."""
+    set_ = functools.partial(object.__setattr__, self)
+    set_('workdir', workdir)
+    set_('config', config)
+    set_('member', member)
+    set_('state', state)
+    set_('devices', list(devices))
+    set_('epoch', int(epoch))
+    set_('task', member.task if task is None else task)  # ensemble/tasks/: 'classification' or 'regression'
+    set_('_data_info', data_info)
+    set_('_summary', dict(summary or {}))
+    set_('_transform', standardise.feature_transform(data_info) if data_info and standardised_on_host else None)
+    set_('_predictors', {})
+    if temperature != 1.0:
+      chain = (*chain, given_temperature(self.task.name, temperature, int(epoch), chain))
+    set_('posthoc', tuple(chain))
+    set_('distillation', distillation)
+    self.batch_size = batch_size
+
+  def __setattr__(self, name: str, value: Any):
+    if name != 'batch_size':
+      raise UsageError(f'an Ensemble is immutable: {name} cannot be set; calibrate(), conformal() and flags() return '
+                       'a new one, and ensemble.load(workdir, step=...) another checkpoint')
+    object.__setattr__(self, name, value)
+
+  def _replace(self, **changes) -> 'Ensemble':
+    """A new value with `changes` (chain, workdir, summary, distillation): the members shared, and their compiled
+    programs."""
+    fields = {'workdir': self.workdir, 'chain': self.posthoc, 'summary': self._summary,
+              'distillation': self.distillation, **changes}
+    copy = Ensemble(fields['workdir'], self.config, self.member, self.state, self.devices, self.epoch,
+                    batch_size=self.batch_size, task=self.task, data_info=self._data_info, summary=fields['summary'],
+                    chain=fields['chain'], distillation=fields['distillation'])
+    object.__setattr__(copy, '_transform', self._transform)
+    object.__setattr__(copy, '_predictors', self._predictors)  # the same members' programs
+    return copy
+
+  @property
+  def _name(self) -> str:
+    return self.workdir or 'the ensemble'
+
+  @property
+  def summary(self) -> dict[str, float]:
+    """The training summary (the last epoch's, or early stopping's best) with what the post-hoc chain amounts to:
+    'temperature' (a regression's 'variance_scale') and 'conformal_alpha'. A copy."""
+    trained = {k: v for k, v in self._summary.items() if k not in ('temperature', 'variance_scale', 'conformal_alpha')}
+    return {**trained, **posthoc.summary(self.posthoc)}
+
+  @property
+  def temperature(self) -> float:
+    """What the chain's temperatures (a regression ensemble's variance scales) amount to: 1 without any."""
+    return posthoc.product(self.posthoc, 'variance_scale' if self.task.name == 'regression' else 'temperature')
+
+  @property
+  def conformal_calibration(self) -> dict[str, Any] | None:
+    """The last conformal step: {'alpha', 'score', 'quantile', 'examples'}; None without one."""
+    step = posthoc.last(self.posthoc, 'conformal')
+    if step is None:
+      return None
+    return {'alpha': step['alpha'], 'score': step['score'], 'quantile': step['quantile'],
+            'examples': step.fitted_on.examples}
+
+  def __repr__(self) -> str:
+    if self.task.name == 'regression':
+      predicts = console.count(self.task.targets, 'target')
+    else:
+      predicts = console.count(self.num_classes, 'class', 'classes')
+    where = f'workdir={self.workdir!r}' if self.workdir else 'in memory'
+    chain = f', {posthoc.describe(self.posthoc)}' if self.posthoc else ''
+    return (f'Ensemble({console.count(self.size, "member")} of {self.config.model}, {self.task.name} of '
+            f'{predicts} from {"x".join(map(str, self.input_shape))} {self.member.inputs}, '
+            f'{self.config.checkpoint_unit} {self.epoch}{chain}, {where})')
+
+  # --- post-hoc steps: each a new value ----------------------------------------------------------------------------
+
+  def _fit_step(self, kind: str, role: str, inputs: Any, labels: Any, **settings) -> 'Ensemble':
+    inputs = self._labelled(inputs, role)
+    labels = self._labels(labels, len(inputs), role)
+    step = posthoc.fit(kind, self.posthoc, self._member_view(inputs, role=role), labels, inputs, self.epoch,
+                       **settings)
+    return self._replace(chain=(*self.posthoc, step))
+
+  def calibrate(self, inputs: Any, labels: Any) -> 'Ensemble':
+    """A new ensemble calibrated on labelled data the members did not train on: a classification ensemble's
+    temperature, a regression ensemble's variance scale (every component's variance times it), each the value that
+    minimises the NLL of the outputs as the chain so far gives them (`calibration.fit_temperature`,
+    `regression.scale_variances`). Its `predict`, `evaluate` ('temperature_scaled' / 'variance_scaled' scores
+    beside the members' own), `save` and `export` use it; a conformal step fitted before it keeps its sets."""
+    kind = 'variance_scale' if self.task.name == 'regression' else 'temperature'
+    return self._fit_step(kind, 'calibrate', inputs, labels)
+
+  def conformal(self, inputs: Any, labels: Any, alpha: float = 0.1, score: str | None = None) -> 'Ensemble':
+    """A new ensemble whose `predict` also returns split-conformal prediction sets (classification: 'set', (N, C)
+    booleans) or intervals (regression: 'conformal_lower', 'conformal_upper', the mixture's mean +/- q times its
+    std), calibrated on these labelled examples, which the members must not have trained on.
+
+    For an input exchangeable with them, the set holds its class (the interval
+    its target) with probability at least 1 - alpha, whatever the members
+    (ensemble/uncertainty/conformal.py). `score`: 'thr' (the default: the
+    smallest sets on average) or 'aps' (adaptive sets, larger where the members
+    are unsure; not randomised, so that an input's set is a function of it, and
+    so conservative); regression's one score, 'normalised', is |y - mean| / std.
+    The sets are of the outputs as the chain so far gives them (after a
+    `calibrate` before it; one after it leaves them as they are).
+    """
+    posthoc.check_alpha(alpha)
+    scores = ('normalised',) if self.task.name == 'regression' else tuple(conformal.SCORES)
+    score = scores[0] if score is None else score
+    if score not in scores:
+      raise UsageError(f'score={score!r}: give one of {list(scores)}, the conformal scores of a {self.task.name} '
+                       'ensemble')
+    inputs = self._labelled(inputs, 'conformal')
+    needed = conformal.rows_needed(alpha)
+    if len(inputs) < needed:
+      raise UsageError(f'conformal: alpha={alpha:g} needs at least {needed} calibration examples (the '
+                       f'ceil((n + 1)(1 - alpha))-th smallest score must exist), and {len(inputs)} were given; give '
+                       'more, or raise alpha')
+    return self._fit_step('conformal', 'conformal', inputs, labels, alpha=alpha, score=score)
+
+  def flags(self, inputs: Any, labels: Any, target_risk: float = posthoc.DEFAULT_FLAG_RISK,
+            ood_rate: float = posthoc.DEFAULT_FLAG_OOD_RATE) -> 'Ensemble':
+    """A new ensemble whose `predict` also returns 'flag' (N,): the inputs to refer to a person, fitted on these
+    labelled examples: those whose predictive entropy exceeds the largest threshold that keeps the error rate of
+    the unflagged examples within `target_risk`, and those the members disagree on (mutual information) more than
+    on all but `ood_rate` of the examples (ensemble/posthoc.py)."""
+    self._require_task('classification', 'flags')
+    _check_rates(target_risk, ood_rate)
+    return self._fit_step('flags', 'flags', inputs, labels, target_risk=target_risk, ood_rate=ood_rate)
+
+  # --- inputs and labels, checked for their role --------------------------------------------------------------------
+
+  def check(self, inputs: Any, role: str = 'predict') -> np.ndarray:
+    """`inputs` as (N, *input_shape) of what the members take, checked and converted as `fit` does its training
+    arrays (`data.arrays.inputs`); anything else is a one-line UsageError that names `role`.
+
+    Images: uint8, or float in [0, 1] (rounded to uint8). Features: finite numbers. Tokens: integer ids.
+    """
+    inputs = arrays.inputs(inputs, self.member.inputs, role, self.input_shape, self._name)
+    return members.ids_checked(self.member, inputs, role) if self.member.inputs == 'tokens' else inputs
+
+  def _labelled(self, inputs: Any, role: str) -> np.ndarray:
+    """`check`ed inputs to score or fit on: at least one, as a mean over none is no score."""
+    inputs = self.check(inputs, role)
+    if not len(inputs):
+      raise UsageError(f'{role} got 0 inputs; give at least one labelled example')
+    return inputs
+
+  def _labels(self, labels: Any, count: int, role: str) -> np.ndarray:
+    """Labels for `count` inputs: int32 classes the members predict, or a regression's (N, D) float64 targets."""
+    if self.task.name == 'regression':
+      return arrays.labels(labels, 'regression', role, count, outputs=self.task.targets).astype(np.float64)
+    return arrays.labels(labels, 'classification', role, count, outputs=self.num_classes)
+
+  def _require_task(self, task: str, what: str):
+    if self.task.name != task:
+      raise UsageError(f'{self._name} holds a {self.task.name} ensemble; {what} is for {task} ensembles')
+
+  # --- what the members answer -----------------------------------------------------------------------------------
+
+  @property
+  def params(self) -> Any:
+    """What the members predict with, each leaf (K, ...): what `apply` takes. Their parameters; for methods that
+    predict with what they kept, a dict of the parameters and that (snapshot: 'params', 'snapshots'; multiswag:
+    'params' and the SWAG moments 'mean', 'variance', 'deviations'), so that `apply` is a function of all of it."""
+    return self.member.method.params_of(self.state)
+
+  def apply(self, params: Any, inputs: jax.Array) -> Any:
+    """Every member's output for a batch of `inputs`, as a pure JAX function of `params` (what `params` gives, each
+    leaf (K, ...)): it runs under `jax.jit`, `jax.grad` and `jax.vmap`, so that an acquisition function or the
+    predictive mean can be differentiated with respect to the inputs or the parameters.
+
+    Classification: (K, N, C) log-probabilities. Regression: (means, variances), each (K M, N, D) in the targets'
+    units (M = 1 component per member, or a snapshot member's snapshots); the mixture's mean is `means.mean(0)`.
+    The members' other state (BatchNorm's averages) is the trained one; no post-hoc step is applied.
+    """
+    inputs = self.standardise(jax.numpy.asarray(inputs), xp=jax.numpy)
+    state = self.member.method.with_params(self.state, params)
+    member_output = lambda state: self.member.task.member_output(self.member.predict(state, inputs))
+    outputs = jax.vmap(member_output)(state)
+    if self.task.name == 'regression':
+      return self.task.components(outputs, xp=jax.numpy)
+    return outputs
+
+  @property
+  def batch_size(self) -> int:
+    """Inputs per device program; checked whenever it is set, as a batch size below 1 would predict nothing."""
+    return self._batch_size
+
+  @batch_size.setter
+  def batch_size(self, value: int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+      raise UsageError(f'batch_size={value!r} must be a positive number of inputs per device program')
+    object.__setattr__(self, '_batch_size', int(value))
+
+  @property
+  def size(self) -> int:
+    return self.config.ensemble_size
+
+  @property
+  def image_shape(self) -> tuple[int, ...]:
+    return self.member.image_shape
+
+  @property
+  def input_shape(self) -> tuple[int, ...]:
+    """One input's shape: (H, W, C) for images."""
+    return self.member.image_shape
+
+  @property
+  def num_classes(self) -> int:
+    """The members' number of logits, read off their forward pass (without computing it)."""
+    return _output_width(self.member)
+
+  def member_outputs(self, images: Any, *, progress: bool = False, role: str = 'predict') -> np.ndarray:
+    """(K, N, W) float64: every member's output (log-probabilities; a regression member's raw outputs),
+    `batch_size` inputs at a time, the last batch bucketed. Outputs that are not finite are never returned: they
+    are one UsageError that says for how many inputs, and the likely cause."""
+    check_flag('progress', progress)
+    return self._member_outputs(self.check(images, role), progress, role)
+
+  def _member_outputs(self, images: np.ndarray, progress: bool = False, role: str = 'predict') -> np.ndarray:
+    """`member_outputs` of `check`ed inputs."""
+    images = self.standardise(images)
+    if self.member.inputs == 'features':  # what the members compute in: a value beyond float32 is refused
+      images = standardise.in_float32(images, f"{role}: the inputs' features")
+    starts = range(0, len(images), self.batch_size)
+    if progress and len(starts) > 1:
+      starts = console.track(starts, 'predicting', unit='batch', items_per_step=self.batch_size, items='images')
+    batches = [np.zeros((self.size, 0, self.num_classes))]
+    for start in starts:
+      chunk = images[start:start + self.batch_size]
+      if self.member.inputs == 'images':  # in [0, 1] as the device would make it
+        chunk = chunk.astype(np.float32) / 255.0
+      split = {'image': chunk, 'label': np.zeros(len(chunk), np.int32)}
+      batches.append(self._predictor(bucket(len(chunk), self.batch_size)).log_probs(split))
+    outputs = np.concatenate(batches, axis=1)
+    finite = np.isfinite(outputs).all(axis=(0, 2))
+    if not finite.all():
+      cause = _NONFINITE_CAUSES[self.member.inputs]
+      raise UsageError(f'{role}: {int((~finite).sum())} of {len(finite)} inputs give the members non-finite outputs '
+                       f'(NaN or infinity; the first is input {int(np.argmin(finite))}): {cause}')
+    return outputs
+
+  def member_probs(self, images: Any, *, progress: bool = False) -> np.ndarray:
+    """(K, N, C) float64: every member's probabilities, `batch_size` images at a time, the last batch bucketed."""
+    self._require_task('classification', 'member_probs')
+    return np.exp(self.member_outputs(images, progress=progress))
+
+  def components(self, inputs: Any, *, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Regression: the mixture's components' (means, variances), each (K M, N, D) in the targets' units: M = 1
+    Gaussian per member, or the snapshot_cycles snapshots of a snapshot member."""
+    self._require_task('regression', 'components')
+    return self.task.components(self.member_outputs(inputs, progress=progress))
+
+  def standardise(self, inputs: Any, xp=np) -> Any:
+    """Inputs as the members take them: features standardised by the training data's statistics where the members
+    were compiled for standardised ones (a fit in memory standardises on the host, in float64; traced with
+    `xp=jnp`, in float32); as they are otherwise (a restored member standardises them itself)."""
+    if self._transform is None:
+      return inputs
+    return self._transform(inputs) if xp is np else standardise.feature_transform(self._data_info, xp=xp)(inputs)
+
+  def _member_view(self, inputs: np.ndarray, progress: bool = False, role: str = 'predict') -> dict[str, np.ndarray]:
+    """The members' outputs as the post-hoc chain takes them (ensemble/posthoc.py), for checked inputs."""
+    return self._view(self._member_outputs(inputs, progress, role))
+
+  def _view(self, outputs: np.ndarray) -> dict[str, np.ndarray]:
+    """(K, N, W) member outputs as the post-hoc chain takes them."""
+    if self.task.name == 'regression':
+      means, variances = self.task.components(outputs)
+      return {'means': means, 'variances': variances}
+    member_probs = np.exp(outputs)
+    return {'member_probs': member_probs, 'probs': member_probs.mean(0)}
+
+  def _outputs(self, inputs: Any, role: str, progress: bool = False) -> dict[str, np.ndarray]:
+    """The outputs after the whole chain."""
+    return posthoc.apply(self.posthoc, self._member_view(self.check(inputs, role), progress, role))
+
+  def _predictor(self, batch_size: int) -> predictor.Predictor:
+    if batch_size not in self._predictors:
+      self._predictors[batch_size] = predictor.Predictor(self.member, self.state, self.devices, batch_size)
+    return self._predictors[batch_size]
+
+  def predict(self, images: Any, *, members: bool = False, progress: bool = False,
+              levels: Sequence[float] = regression.LEVELS) -> dict[str, np.ndarray]:
+    """Per image: 'probs' (N, C), the members' mean after the post-hoc chain (its temperature); 'class' (N,); and,
+    in nats, 'entropy' (total predictive), 'aleatoric' (expected member entropy), 'mutual_information' (epistemic:
+    their difference) and 'disagreement' (share of member pairs voting differently); the chain's 'set' and 'flag'
+    where it has a conformal or a flags step. 'member_probs' (K, N, C) with `members`. A regression ensemble
+    returns the mixture's mean, std, aleatoric and epistemic variance and its central intervals holding each of
+    `levels` instead (`_predict_regression`; `levels=()`: none, for a loop that needs only the mean and std: the
+    intervals cost most of a small prediction).
+
+    The uncertainty is split on the members' own probabilities, where total =
+    aleatoric + epistemic holds; a temperature only rescales 'probs' (and
+    leaves 'class' as it is).
+    """
+    check_flag('members', members)
+    check_flag('progress', progress)
+    if self.task.name == 'regression':
+      return self._predict_regression(images, members=members, progress=progress, levels=levels)
+    outputs = self._outputs(images, 'predict', progress)
+    member_probs, probs = outputs['member_probs'], outputs['probs']
+    result = {'probs': probs, 'class': np.argmax(probs, -1), **decomposition.decompose(member_probs)}
+    result.update({key: outputs[key] for key in ('set', 'flag') if key in outputs})
+    if members:
+      result['member_probs'] = member_probs
+    return result
+
+  def _predict_regression(self, inputs: Any, *, members: bool, progress: bool,
+                          levels: Sequence[float] = regression.LEVELS) -> dict[str, np.ndarray]:
+    """Regression's `predict`: the mixture's 'mean', 'std', 'variance' = 'aleatoric' + 'epistemic', and the
+    central intervals 'lower_P', 'upper_P' holding P% of it (exact mixture quantiles), of the components as the
+    chain leaves them (times its variance scale); the conformal step's 'conformal_lower' and 'conformal_upper';
+    each (N, D), or (N,) for one target. 'member_means' and 'member_variances' (K M, N, D) with `members`."""
+    levels = regression.checked_levels(levels)
+    outputs = self._outputs(inputs, 'predict', progress)
+    result = regression.predictive(outputs['means'], outputs['variances'], levels)
+    result.update({key: outputs[key] for key in ('conformal_lower', 'conformal_upper') if key in outputs})
+    if self.task.targets == 1:
+      result = {k: v[:, 0] for k, v in result.items()}
+    if members:
+      result['member_means'], result['member_variances'] = outputs['means'], outputs['variances']
+    return result
+
+  def evaluate(self, inputs: Any, labels: Any) -> dict[str, Any]:
+    """The report's scores on labelled inputs: 'ensemble' and 'mean_member' accuracy, NLL, Brier and ECE, and
+    'members', 'best_member', the gains and the ensemble-size curve (`evaluation.score_test_set`); with a
+    temperature in the chain, 'temperature_scaled' scores of the chain's probabilities.
+
+    The NLL comes from the members' log-probabilities, so a confident mistake
+    keeps its cost; the temperature is not applied to the members' scores. A
+    regression ensemble takes float targets and returns RMSE, NLL, CRPS and
+    interval coverage ('variance_scaled' with a variance scale in the chain).
+    """
+    inputs = self._labelled(inputs, 'evaluate')
+    labels = self._labels(labels, len(inputs), 'evaluate')
+    member_outputs = self._member_outputs(inputs, role='evaluate')
+    view = self._view(member_outputs)
+    scaled = posthoc.apply(self.posthoc, view)
+    if self.task.name == 'regression':
+      means, variances = view['means'], view['variances']
+      per_member = len(means) // self.size
+      members_scores = [regression.score(means[k * per_member:(k + 1) * per_member],
+                                         variances[k * per_member:(k + 1) * per_member], labels)
+                        for k in range(self.size)]
+      scores = {'ensemble': regression.score(means, variances, labels), 'members': members_scores,
+                'mean_member': {key: float(np.mean([m[key] for m in members_scores])) for key in members_scores[0]}}
+      if any(step.kind == 'variance_scale' for step in self.posthoc):
+        scores['variance_scaled'] = regression.score(scaled['means'], scaled['variances'], labels)
+      return scores
+    from ensemble import calibration  # pylint: disable=g-import-not-at-top
+    scores = _evaluation().score_test_set(member_outputs, labels)
+    if any(step.kind == 'temperature' for step in self.posthoc):
+      scores['temperature_scaled'] = calibration.scores(scaled['probs'], labels)
+    return scores
+
+  @console.root_logging_kept()
+  def save(self, path: str) -> 'Ensemble':
+    """Writes exactly this value at `path`, which must not exist: its recipe, its members at its one checkpoint,
+    and its post-hoc chain (ensemble/manifest.py); returns it as saved there. `ensemble.load(path)` reads it back
+    whole, and `python -m ensemble.evaluate / predict / export` read it as a workdir.
+
+    Written beside `path` and renamed into place when complete: a failed save leaves nothing at `path`.
+    """
+    from ensemble import manifest  # pylint: disable=g-import-not-at-top  # orbax: only where files are written
+    return self._replace(workdir=manifest.write(self, path))
+
+  # --- the command line's flags, fitted on a workdir's held-out slice ------------------------------------------------
+
+  def flag_threshold(self, target_risk: float = posthoc.DEFAULT_FLAG_RISK, data_dir: str | None = None,
+                     ood_rate: float = posthoc.DEFAULT_FLAG_OOD_RATE) -> dict[str, Any]:
+    """The two thresholds `posthoc.flagged` applies, fitted on the slice of the training split that the trainer
+    held out (`ensemble.evaluation.heldout_split`), read from `data_dir` (default: the data the run was trained
+    with): what `python -m ensemble.predict` flags by, where the chain has no flags step. As a flags step
+    (`flags`) fits them on given rows: 'threshold', with the held-out 'coverage' and 'risk' at it, and
+    'ood_threshold'. Kept in the workdir by checkpoint and settings, so that a prediction costs its start-up.
+    """
+    _check_rates(target_risk, ood_rate)
+    self._require_task('classification', 'flag_threshold')
+    if self.workdir is None:
+      raise UsageError('flag_threshold reads the held-out slice of the data a workdir was trained on, and this '
+                       'ensemble is in memory; fit flags on held-out rows with ens.flags(x, y), or ens = '
+                       'ens.save(path) first')
+    import json  # pylint: disable=g-import-not-at-top
+    from ensemble import files, manifest  # pylint: disable=g-import-not-at-top
+    location = recipe_lib.data_location(self.config.data_dir if data_dir is None else data_dir)
+    key = json.dumps([_evaluation().checkpoint_id(self.workdir, self.epoch), target_risk, ood_rate, location,
+                      self.temperature])
+    path = os.path.join(self.workdir, FLAG_THRESHOLDS_FILE)
+    kept = manifest.read_json(path)
+    if key in kept:  # fitted for this checkpoint and these settings before: a prediction costs its start-up
+      return kept[key]
+    fitted = self._fit_flag_threshold(target_risk, data_dir, ood_rate)
+    try:
+      files.write_atomically(path, json.dumps({**kept, key: fitted}, indent=2))
+    except OSError as e:  # a workdir this process may not write: fitted again next time
+      logging.warning('The flag thresholds cannot be kept in %s (%s): each prediction fits them again.', path, e)
+    return fitted
+
+  def _fit_flag_threshold(self, target_risk: float, data_dir: str | None, ood_rate: float) -> dict[str, Any]:
+    """`flag_threshold`'s fit on the held-out slice, a batch of `batch_size` images at a time."""
+    dataset = data.load(self.config.dataset, self.config.data_dir if data_dir is None else data_dir,
+                        self.config.train_split, self.config.test_split, streaming=self.config.streaming)
+    if tuple(dataset.image_shape) != self.image_shape:
+      raise UsageError(f'{dataset.source} holds {"x".join(map(str, dataset.image_shape))} images but '
+                       f'{self.workdir} was trained on {"x".join(map(str, self.image_shape))}; give --data_dir the '
+                       'data it was trained on')
+    heldout, seen_in_training = _evaluation().heldout_split(dataset.train, self.config)
+    if seen_in_training:
+      logging.warning('%s held out no training examples (heldout_fraction=0): the flag threshold is fitted on '
+                      'examples the members were trained on and flags too few images.', self.workdir)
+    result, labels = _evaluation().predict_split(self.predict, heldout, self.batch_size)
+    return {**posthoc.flag_thresholds(result[posthoc.FLAG_SCORE], result[posthoc.OOD_SCORE],
+                                      result['class'] == labels, target_risk, ood_rate),
+            'examples': len(labels), 'seen_in_training': seen_in_training}
+
+
+def _check_rates(target_risk: Any, ood_rate: Any):
+  if isinstance(target_risk, bool) or not isinstance(target_risk, numbers.Real) or not target_risk == target_risk:
+    raise UsageError(f'target_risk={target_risk!r} must be a number: the error rate the unflagged inputs may have')
+  if isinstance(ood_rate, bool) or not isinstance(ood_rate, numbers.Real) or not 0 <= ood_rate < 1:
+    raise UsageError(f'ood_rate={ood_rate!r} must be a share of the calibration examples in [0, 1)')
+
+
+def given_temperature(task: str, value: float, epoch: int, chain: Sequence[posthoc.Step]) -> posthoc.Step:
+  """A temperature (variance scale) given rather than fitted (`ensemble.load(..., temperature=T)`, a workdir's
+  `ensemble.evaluate` report), after `chain`."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float('inf'):
+    raise UsageError(f'temperature={value!r} must be a positive number')
+  return posthoc.given('variance_scale' if task == 'regression' else 'temperature', chain, epoch, value=float(value))
