@@ -21,19 +21,18 @@ import math
 import numbers
 import os
 import re
-import time
 from typing import Any
 
 import jax
 import numpy as np
 from absl import logging
 
-from ensemble import console, data, defaults, host_memory, loop, manifest, members, posthoc, predictor, starts
+from ensemble import console, data, defaults, errors, host_memory, loop, manifest, members, posthoc, predictor, starts
 from ensemble import recipe as recipe_lib
 from ensemble.data import arrays
 from ensemble.errors import UsageError
 from ensemble import sharing
-from ensemble.trained import FLAG_THRESHOLDS_FILE, Ensemble, check_flag, given_temperature
+from ensemble.trained import Ensemble, check_flag, given_temperature
 
 __all__ = ['Ensemble', 'fit', 'load', 'read']
 
@@ -102,24 +101,6 @@ def load(workdir: str, step: int | None = None, *, model: Any = None, batch_size
   return read(workdir, step, model=model, batch_size=batch_size, temperature=temperature)
 
 
-def keep_flag_threshold(workdir: str):
-  """Fits the flag thresholds that `python -m ensemble.predict` applies by default (for the latest checkpoint, at
-  its temperature) and keeps them in the workdir: what the end of training and `python -m ensemble.evaluate` (which
-  fits a new temperature) run, so that a prediction reads them and costs its start-up. Where they cannot be fitted
-  now (regression, no held-out slice, one model on a mesh, several processes), the first prediction that flags fits
-  them, or says why not."""
-  from ensemble import backends  # pylint: disable=g-import-not-at-top
-  config = _evaluation().load_run_config(workdir)
-  if (jax.process_count() > 1 or config.task != 'classification' or not config.heldout_fraction
-      or config.backend in backends.MESH_MODELS):
-    return
-  started = time.perf_counter()
-  fitted = read(workdir).flag_threshold()
-  logging.info('Flag thresholds kept in %s (entropy > %.4g, mutual information > %.4g; fitted on %d held-out images in '
-               '%.1f s).', os.path.join(workdir, FLAG_THRESHOLDS_FILE), fitted['threshold'], fitted['ood_threshold'],
-               fitted['examples'], time.perf_counter() - started)
-
-
 # Where `fit` departs from ensemble/defaults.py (a program's recipe): no held-out slice and one test pass at the end
 # unless asked, and no persistent compilation cache unless asked (it is a setting of the caller's whole process).
 FIT_DEFAULTS = {'heldout_fraction': 0.0, 'eval_every': 0, 'compilation_cache': '',
@@ -162,7 +143,7 @@ def fit(model: Any, train: Any, test: Any = None, *, ensemble_size: int | None =
   'resnet', 'package.module:Name'). `train` and `test` are (inputs, labels)
   pairs of arrays: images, feature vectors or token ids (`inputs`:
   ensemble/defaults.py says how they are told apart), labels integer classes
-  (float targets for task='regression'); or a split of `ensemble.data.load`
+  (float targets for task='regression'; 0/1 labels (N, L) for task='multilabel'); or a split of `ensemble.data.load`
   ({'image', 'label'} arrays, or a streamed one); or any random-access source
   of (input, label) pairs (a list, a `grain.MapDataset`), streamed. `test` is
   optional: its scores go to `Ensemble.summary` after the last epoch (and
@@ -342,13 +323,14 @@ def fit_dataset(model: Any, dataset: data.Dataset, settings: recipe_lib.Recipe, 
 def _batch_within_rows(settings: recipe_lib.Recipe, dataset: data.Dataset) -> recipe_lib.Recipe:
   """A batch of the whole training set where `batch_size` exceeds it: a Bayesian-optimisation or active-learning
   loop starts from fewer rows than the batch it will grow into (Keras takes the whole set alike). The CLI, whose
-  data is the run's, refuses instead (ensemble/recipe.py)."""
+  data is the run's, refuses instead (ensemble/recipe.py). Said in a hint that names no row count, so that Python
+  shows it once for such a loop's line, not once for each fit as the rows grow."""
   rows = len(dataset.train['label'])
   num_train = rows - data.heldout_count(rows, settings.heldout_fraction)
   if not 0 < num_train < settings.batch_size:
     return settings
-  logging.info('batch_size=%d exceeds the %d training rows: each step takes all of them.', settings.batch_size,
-               num_train)
+  errors.hint(f'batch_size={settings.batch_size} exceeds the training rows: each step takes all of them, one step an '
+              'epoch; give a batch_size below the number of rows for more steps an epoch')
   return settings.replace(batch_size=num_train)
 
 
@@ -420,7 +402,7 @@ def _streamed(train: Any, test: Any, settings: recipe_lib.Recipe) -> data.Datase
   first = splits['train'].source
   inputs = first.inputs
   # Classes from a sample of the labels; the loop checks every label it reads against the model's outputs.
-  outputs = (math.prod(first.label.shape) if settings.task == 'regression'
+  outputs = (math.prod(first.label.shape) if settings.task in ('regression', 'multilabel')
              else int(data.stream.sample(splits['train'])['label'].max()) + 1)
   return data.Dataset(splits['train'], splits['test'], f'{type(train).__name__} source, streamed', outputs,
                       inputs=inputs, task=settings.task)

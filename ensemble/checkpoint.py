@@ -21,6 +21,8 @@ import errno
 import fcntl
 import functools
 import gc
+import hashlib
+import json
 import logging as py_logging
 import os
 import re
@@ -216,6 +218,13 @@ def read_record(workdir: str, epoch: int) -> dict[str, Any]:
   finally:
     handler.close()
 
+
+
+def checkpoint_id(workdir: str, epoch: int) -> str:
+  """What tells this checkpoint from any other of its epoch: a hash of its record, which holds the epoch's
+  summary (its timings too), so a run trained again in the same workdir gets other ids. A copy keeps its id."""
+  record = read_record(workdir, epoch)
+  return hashlib.sha256(json.dumps(record, sort_keys=True).encode('utf-8')).hexdigest()[:16]
 
 def _writes_shared_once(method: Any) -> bool:
   """Whether checkpoints hold the members' shared parameters once: those `shared=` names (ensemble/sharing.py).

@@ -20,13 +20,14 @@ import os
 import shlex
 import sys
 import time
+import warnings
 from typing import Any, Iterable, Iterator, Mapping, TextIO
 
 import numpy as np
 from absl import flags, logging
 from tqdm.auto import tqdm  # a widget in a notebook, text on a terminal
 
-from ensemble.errors import UsageError
+from ensemble.errors import EnsembleWarning, UsageError, exit_with_error
 
 FLAGS = flags.FLAGS
 
@@ -57,6 +58,27 @@ def root_logging_kept():
         root.removeHandler(handler)
 
 
+@contextlib.contextmanager
+def hints_logged():
+  """While a program runs: each `EnsembleWarning` (`errors.hint`) is one WARNING line of its log, at the library's
+  line that gave it, where Python would print it as a warning beside that log (two lines, then the source line of
+  the caller). The warnings filters still apply (shown once per line that caused it; `-W ignore::...` silences
+  them); other warnings print as before, and all is as it was afterwards."""
+  with warnings.catch_warnings():
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+      if not issubclass(category, EnsembleWarning):
+        return shown(message, category, filename, lineno, file, line)
+      logger = logging.get_absl_logger()
+      if logger.isEnabledFor(py_logging.WARNING):
+        origin = getattr(message, 'origin', None) or (filename, lineno)
+        logger.handle(logger.makeRecord(logger.name, py_logging.WARNING, origin[0], origin[1], '%s', (str(message),),
+                                        None))
+    warnings.showwarning = show
+    yield
+
+
 def quiet_libraries():
   """Silences the start-up notices of TensorFlow and XLA's C++ code; call it before either is imported.
 
@@ -75,6 +97,34 @@ def quiet_libraries():
   """
   os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
+
+
+# The file a run's lock is on (ensemble/checkpoint.py's LOCK_FILE, which imports jax).
+WORKDIR_LOCK = 'lock'
+
+
+def refuse_a_busy_workdir(argv: list[str]):
+  """Ends the program with the `error:` line a busy workdir gets (ensemble/checkpoint.py's `lock_workdir`) before
+  JAX and the data load, where that refusal came after seconds of them: the --workdir on the command line has a lock
+  file that another live process holds. The lock is not taken here, only asked for shared and let go at once (a
+  file that is not there is not made); the run takes it as before, and refuses there whatever this let pass."""
+  workdir = next((arg.split('=', 1)[1] for arg in argv if arg.startswith(('--workdir=', '-workdir='))), None)
+  if workdir is None:
+    workdir = next((value for arg, value in zip(argv, argv[1:]) if arg in ('--workdir', '-workdir')), None)
+  if not workdir:
+    return
+  import fcntl  # pylint: disable=g-import-not-at-top  # POSIX only, as the run's own lock
+  path = os.path.join(os.path.abspath(workdir), WORKDIR_LOCK)
+  try:
+    with open(path, encoding='utf-8') as f:
+      try:
+        fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)  # let go when the file closes
+      except BlockingIOError:
+        holder = f.read().strip() or 'another process'
+        exit_with_error(f'{os.path.abspath(workdir)} is in use by {holder} (it holds {path}); wait for that run to end '
+                        'or stop it, or train in another --workdir')
+  except OSError:  # no lock file (a new workdir), or a file system without flock: the run's own check decides
+    return
 
 
 def setup(program_name: str):
@@ -109,9 +159,16 @@ def _is_main_process() -> bool:
   return jax.process_index() == 0
 
 
+def plural_of(noun: str) -> str:
+  """'steps', 'severities', 'batches': an English noun's plural by its ending (progress lines name their units)."""
+  if noun.endswith('y') and noun[-2:-1] not in ('', 'a', 'e', 'i', 'o', 'u'):
+    return noun[:-1] + 'ies'
+  return noun + ('es' if noun.endswith(('s', 'x', 'z', 'ch', 'sh')) else 's')
+
+
 def count(number: int, noun: str, plural: str = '') -> str:
   """'1 member', '8 members' ('1 class', '2 classes' with `plural`): a log line that reads as written."""
-  return f'{number} {noun if number == 1 else plural or noun + "s"}'
+  return f'{number} {noun if number == 1 else plural or plural_of(noun)}'
 
 
 def _duration(seconds: float) -> str:
@@ -184,7 +241,7 @@ class Progress:
   def __init__(self, total: int, desc: str, *, unit: str = 'step', items_per_step: int = 0,
                items: str = 'member-images', every_secs: float | None = None, file: TextIO | None = None,
                show: bool | None = None, bar: bool | None = None, loss: tuple[str, float] = ('loss', 0.0)):
-    self.total, self.desc, self.unit = total, desc, unit
+    self.total, self.desc, self.unit, self.units = total, desc, unit, plural_of(unit)
     self._loss_key, self._loss_offset = loss
     self._items_per_step, self._items = items_per_step, items
     self._file = sys.stderr if file is None else file
@@ -202,7 +259,7 @@ class Progress:
     if bar:
       self._bar = _Bar(total=total, desc=desc, file=self._file, leave=False, dynamic_ncols=True,
                        mininterval=BAR_EVERY_SECS if every_secs is None else every_secs,
-                       bar_format='{desc}: {percentage:3.0f}%|{bar}| {n}/{total} ' + unit + 's '
+                       bar_format='{desc}: {percentage:3.0f}%|{bar}| {n}/{total} ' + self.units + ' '
                                   '[{elapsed}<{remaining}{postfix}]',
                        describe=self._describe)
       root = py_logging.getLogger()
@@ -230,7 +287,7 @@ class Progress:
       self._last_log = (now, self._n)
       rate = (self._n - n_then) / max(now - then, 1e-9)
       eta = (self.total - self._n) / rate
-      logging.info('%s: %d/%d %ss (%.0f%%), %s, ETA %s', self.desc, self._n, self.total, self.unit,
+      logging.info('%s: %d/%d %s (%.0f%%), %s, ETA %s', self.desc, self._n, self.total, self.units,
                    100 * self._n / self.total, self._describe(rate), tqdm.format_interval(eta))
 
   def _running_loss(self) -> float | None:
@@ -243,9 +300,9 @@ class Progress:
 
   def _describe(self, rate: float | None) -> str:
     if not rate:
-      parts = [f'? {self.unit}s/s']
+      parts = [f'? {self.units}/s']
     elif rate >= 1:
-      parts = [f'{rate:.3g} {self.unit}s/s']
+      parts = [f'{rate:.3g} {self.units}/s']
     else:
       parts = [f'{1 / rate:.3g} s/{self.unit}']
     if self._items_per_step:

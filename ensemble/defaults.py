@@ -91,10 +91,15 @@ class Recipe:
   # standard deviations for standardised features (standardize_features=True). About 2x a step's cost. The paper
   # (Lakshminarayanan et al. 2017) used 0.01.
   adversarial_epsilon: float = 0.0
-  # What the members predict (ensemble/tasks/): 'classification' (logits, one per class; integer labels) or
+  # What the members predict (ensemble/tasks/): 'classification' (logits, one per class; integer labels),
   # 'regression' (float targets (N,) or (N, D); the model's last layer gives 2 D numbers, a mean and a raw scale
-  # per target, and the ensemble predicts the uniform mixture of the members' Gaussians). docs/python-api.md.
+  # per target, and the ensemble predicts the uniform mixture of the members' Gaussians) or 'multilabel' (labels
+  # (N, L) of 0 and 1; a logit per label, a sigmoid each, the ensemble the mean of the members' probabilities).
+  # docs/python-api.md.
   task: str = 'classification'
+  # Multi-label: per label, the weight of its positive examples in the binary cross-entropy (a rare label's
+  # positives count more, e.g. negatives / positives); () weighs every example 1.
+  pos_weight: tuple[float, ...] = ()
   # Regression's loss: 'nll' (the Gaussian negative log-likelihood), 'beta_nll' (each target's NLL weighted by
   # its predicted variance to the power beta, Seitzer et al. 2022) or 'mse' (squared error of the mean only).
   loss: str = 'nll'

@@ -107,9 +107,9 @@ def _check(ens: Any, temperature: Any, fit_kwargs: dict[str, Any]):
   if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
     raise UsageError(f'temperature={temperature!r} must be a positive number (1: the ensemble\'s probabilities as '
                      'they are)')
-  if ens.task.name == 'regression' and temperature != 1:
+  if ens.task.name != 'classification' and temperature != 1:
     raise UsageError(f'temperature={temperature} sharpens or softens class probabilities, and {ens._name} is a '
-                     'regression ensemble: leave temperature= out')
+                     f'{ens.task.name} ensemble: leave temperature= out')
   for key, why in _FIXED.items():
     if key in fit_kwargs:
       raise UsageError(f'distill sets {key}= itself ({why}): leave {key}= out')
@@ -153,6 +153,9 @@ def distill(ens: api.Ensemble, student_model: Any, data: Any, *, temperature: fl
   source = f'the predictive of {ens._name}'  # pylint: disable=protected-access
   if task == 'regression':
     dataset = arrays.from_arrays(regression_targets(ens, inputs), None, ens.member.inputs, task, source)
+  elif task == 'multilabel':  # each label's mean probability, a soft target of its binary cross-entropy
+    train = {'image': inputs, 'label': ens.predict(inputs, members=True)['member_probs'].mean(0).astype(np.float32)}
+    dataset = base.Dataset(train, None, source, ens.num_classes, inputs=ens.member.inputs, task=task)
   else:
     train = {'image': inputs, 'label': classification_targets(ens, inputs)}
     dataset = base.Dataset(train, None, source, ens.num_classes, inputs=ens.member.inputs)

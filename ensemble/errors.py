@@ -5,7 +5,9 @@ are); the CLIs print it as a single `error:` line and exit 2; anything else
 is a bug and keeps its traceback.
 """
 
+import os
 import sys
+import warnings
 from typing import Callable
 
 
@@ -14,8 +16,28 @@ class UsageError(ValueError):
 
 
 class EnsembleWarning(UserWarning):
-  """What the library trains as asked but says may not be what was meant (members with no source of diversity),
-  in one line with the fix; `warnings.filterwarnings('ignore', category=EnsembleWarning)` silences it."""
+  """What the library does as asked but says may not be what was meant (members with no source of diversity, a
+  batch larger than the data, a loss still falling at the end, members still at chance), in one line with the fix
+  (`hint`); `warnings.filterwarnings('ignore', category=EnsembleWarning)` silences it. `origin` is the library's
+  (file, line) that gave it, where the warning itself points at the caller's code."""
+  origin: tuple[str, int] | None = None
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def hint(message: str):
+  """Says what a user should act on, in one line (`message` names the problem and the fix): an `EnsembleWarning`,
+  which a script sees without logging set up, attributed to the caller's first line outside the package (its
+  `ensemble.fit(...)`), so Python shows each once per line that caused it. The programs show it as one log line
+  instead (ensemble/console.py's `hints_logged`, in ensemble/cli.py's `run`)."""
+  caller = sys._getframe(1)  # pylint: disable=protected-access
+  warning = EnsembleWarning(message)
+  warning.origin = (caller.f_code.co_filename, caller.f_lineno)
+  frame, level = caller, 2  # stacklevel 2: `hint`'s caller
+  while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+    frame, level = frame.f_back, level + 1
+  warnings.warn(warning, stacklevel=level)
 
 
 def exit_with_error(message: str, exit_: Callable[[int], None] = sys.exit):

@@ -47,7 +47,8 @@ FLAGS = flags.FLAGS
 def forward(model: api.Ensemble) -> Callable[[jnp.ndarray], dict[str, jnp.ndarray]]:
   """float32 images (N, H, W, C) in [0, 1] (or the run's features, or int32 tokens) -> {'member_log_probs':
   (K, N, C), 'probs': (N, C)} on one device, after the ensemble's post-hoc chain (its temperature; 'set' and
-  'flag' where it has a conformal or a flags step).
+  'flag' where it has a conformal or a flags step); a regression's or a multi-label ensemble's own
+  (`_regression_forward`, `_labels_forward`).
 
   Each member's forward pass is `steps.Member.predict`, as in training and
   evaluation, mapped over the members as `backends.predict_members` maps
@@ -60,6 +61,8 @@ def forward(model: api.Ensemble) -> Callable[[jnp.ndarray], dict[str, jnp.ndarra
   outputs = lambda inputs: members(state, model.standardise(inputs, xp=jnp))
   if model.task.name == 'regression':
     return _regression_forward(model, outputs)
+  if model.task.name == 'multilabel':
+    return _labels_forward(model, outputs)
 
   def fn(images):
     member_log_probs = outputs(images)
@@ -67,6 +70,20 @@ def forward(model: api.Ensemble) -> Callable[[jnp.ndarray], dict[str, jnp.ndarra
     chained = posthoc.apply(model.posthoc, {'member_probs': jnp.exp(member_log_probs), 'probs': mean_probs}, xp=jnp)
     return {'member_log_probs': member_log_probs, 'probs': chained['probs'],
             **{key: chained[key] for key in ('set', 'flag') if key in chained}}
+  return fn
+
+
+def _labels_forward(model: api.Ensemble, outputs) -> Callable[[jnp.ndarray], dict[str, jnp.ndarray]]:
+  """A multi-label ensemble's forward pass: 'member_logits' (K, N, L), 'probs' (N, L) after the chain (its
+  temperature), and its conformal step's 'set' (N, L, 2)."""
+
+  def fn(inputs):
+    member_logits = outputs(inputs)
+    member_probs = jax.nn.sigmoid(member_logits)
+    chained = posthoc.apply(model.posthoc, {'member_label_probs': member_probs, 'label_probs': member_probs.mean(0)},
+                            xp=jnp)
+    return {'member_logits': member_logits, 'probs': chained['label_probs'],
+            **{key: chained[key] for key in ('set',) if key in chained}}
   return fn
 
 

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from ensemble import backends, console, data, devices as devices_lib, distributed, divergence, members, standardise
+from ensemble import backends, console, data, devices as devices_lib, distributed, divergence, errors, members
+from ensemble import standardise
 from ensemble import steps, tasks
 from ensemble import recipe as recipe_lib
 from ensemble.defaults import Recipe
@@ -340,7 +341,8 @@ def _save_points(config: Recipe, first: int, last: int, per_dispatch: int) -> li
 
 
 def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence[Hook] = (),
-          progress: bool | None = None, best: Best | None = None) -> tuple[Any, dict[str, float]]:
+          progress: bool | None = None, best: Best | None = None,
+          earlier_losses: Sequence[float] | None = None) -> tuple[Any, dict[str, float]]:
   """Trains `state` (the backend's) from `start` to `config.num_epochs` (or `num_train_steps`); returns it in the
   canonical layout and the last epoch's summary.
 
@@ -360,13 +362,18 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
   it); the run stops once N epochs pass without a lower one, and returns the
   members of the best epoch with that epoch's summary (and 'epochs_trained'),
   the test pass run on them. `best`: the best epoch of the run resumed.
+
+  `earlier_losses`: the training loss of each epoch a resume completed before `start` (metrics.jsonl's), so that
+  the notes on the run's losses (`note_if_still_falling`) speak of all its epochs; where a resume does not give
+  them, none is made.
   """
   config, backend, per_epoch = run.recipe, run.backend, run.steps_per_epoch
   patience = config.early_stopping
   show = progress is not False and (progress or logging.level_info())
   if not patience and _at_once(run, start, hooks, show):
     return _train_at_once(run, state)
-  losses, improved = [], False  # each epoch's training loss
+  losses, improved, judged = [], False, False  # each epoch's training loss; whether `note_if_near_chance` ran
+  history = [] if start.step == 0 else earlier_losses  # the epochs before a resume's (None: not known)
   per_dispatch = run.steps_per_dispatch
   resident = None
   if per_dispatch:
@@ -418,6 +425,10 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
             raise Stopped(f'SIGTERM at step {step}')
       summary = {'epoch': epoch, 'train_seconds': time.perf_counter() - origin}
       train_metrics = so_far()
+      if not judged and (epoch >= min(NEAR_CHANCE_EPOCH, config.num_epochs)) and step >= NEAR_CHANCE_STEPS:
+        judged = True  # once, after the first epochs: each member's loss over this epoch's steps
+        note_if_near_chance(run, epoch, np.concatenate(
+            [np.reshape(chunk['loss'], (config.ensemble_size, -1)) for chunk in outputs], axis=1).mean(1))
       test = None
       if run.test is not None and _test_due(config, epoch):
         started = time.perf_counter()
@@ -459,7 +470,8 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
                  run.train.source.rows_read - rows_read, run.train.source.name)
   if patience and best is not None:
     return _best(run, best, summary)
-  note_if_still_falling(losses)
+  if history is not None:
+    note_if_still_falling([*history, *losses])
   return backend.to_canonical(state) if canonical is None else canonical, summary
 
 
@@ -484,17 +496,57 @@ def copied(tree: Any) -> Any:
 
 
 def note_if_still_falling(losses: Sequence[float]):
-  """One info line where the training loss was still falling when training ended (over the last quarter of the
-  epochs, by at least 1% of its whole fall an epoch): the members are likely under-trained, whatever their
-  intervals' coverage says (10 epochs of the regression recipe on 500 rows fell 2% an epoch; 70, 0.03%)."""
+  """One hint (`errors.hint`) where the training loss was still falling when training ended (over the last quarter
+  of the run's epochs, `losses` every one of them, by at least 1% of its whole fall an epoch): the members are likely
+  under-trained, whatever their intervals' coverage says (10 epochs of the regression recipe on 500 rows fell 2% an
+  epoch; 70, 0.03%)."""
   if len(losses) < 4:
     return
   recent = max(1, len(losses) // 4)
   total, last = losses[0] - losses[-1], losses[-1 - recent] - losses[-1]
   if total > 0 and last / recent >= 0.01 * total:
-    logging.info('The training loss was still falling when training ended (%.4g -> %.4g over the last %d of %d '
-                 'epochs): more epochs would likely fit better; early_stopping=N with validation= stops when they '
-                 'stop helping.', losses[-1 - recent], losses[-1], recent, len(losses))
+    errors.hint(f'The training loss was still falling when training ended ({losses[-1 - recent]:.4g} -> '
+                f'{losses[-1]:.4g} over the last {recent} of {len(losses)} epochs): more epochs would likely fit '
+                'better; early_stopping=N with validation= stops when they stop helping.')
+
+
+# After this many epochs (or the run's last, where it has fewer), and once this many steps are trained, each
+# member's training loss over its latest epoch is compared with chance's (`note_if_near_chance`).
+NEAR_CHANCE_EPOCH = 2
+NEAR_CHANCE_STEPS = 50
+# A member is still at chance while its training loss is above this share of log C (C classes): it has learned
+# less than 5% of the way from chance, or its loss rose above it.
+NEAR_CHANCE_SHARE = 0.95
+
+
+def note_if_near_chance(run: Run, epoch: int, member_losses: np.ndarray):
+  """One hint (`errors.hint`) naming the members whose mean training loss over epoch `epoch` (`member_losses`, one
+  per member) is still at chance's, log C for C classes, or above it (`NEAR_CHANCE_SHARE`), with the likely causes;
+  for a classifier trained on labels (not a student on a teacher's probabilities). Such a member learns nothing and
+  blurs the ensemble's average, with no NaN to stop the run; the test set's accuracy (`console.log_epoch`) shows it
+  only where there is a test set, and only as a log line."""
+  if run.dataset.task != 'classification' or run.data_info['num_classes'] < 2:
+    return
+  if not data.stream.is_streamed(run.train) and not np.issubdtype(np.asarray(run.train['label']).dtype, np.integer):
+    return  # `ensemble.distill`'s student: its loss against soft targets stays above log C's share where they are
+  chance = float(np.log(run.data_info['num_classes']))  # cross-entropy of uniform probabilities
+  near = np.flatnonzero(np.asarray(member_losses) >= NEAR_CHANCE_SHARE * chance)
+  if not len(near):
+    return
+  config = run.recipe
+  which = (f'member {near[0]}' if len(near) == 1 else f'members {near.tolist()}') + (
+      f' of {config.ensemble_size}' if config.ensemble_size > 1 else '')
+  rate = ('each member\'s own learning rate, which method hyper draws from hyper_learning_rate: narrow it'
+          if config.method == 'hyper' else f'learning_rate={config.learning_rate:g} ({config.optimizer})')
+  scale = ('; or inputs on another scale than the model expects (images arrive standardised, mean 0 and std 1 per '
+           'channel)' if run.dataset.inputs == 'images' else
+           '; or features on another scale than the model expects (standardize_features=True)'
+           if run.dataset.inputs == 'features' and not config.standardize_features else '')
+  classes = run.data_info['num_classes']
+  losses = ', '.join(f'{member_losses[i]:.3g}' for i in near)
+  errors.hint(f'{which}: training loss still at or above chance after epoch {epoch} ({losses}; uniform probabilities '
+              f'over {classes} classes score log {classes} = {chance:.3g}): likely a learning rate too low or too high '
+              f'for {"it" if len(near) == 1 else "them"}, {rate}{scale}')
 
 
 def _at_once(run: Run, start: Position, hooks: Sequence[Hook], show: bool) -> bool:
@@ -539,6 +591,10 @@ def _train_at_once(run: Run, state: Any) -> tuple[Any, dict[str, float]]:
     summary['test_seconds'] = time.perf_counter() - started
   summary.update(run.task.summary(_train_summary([{k: v[:, -1] for k, v in metrics.items()}]), test))
   summary = _numbers(summary)
+  judge = next((epoch for epoch in range(min(NEAR_CHANCE_EPOCH, config.num_epochs), config.num_epochs + 1)
+                if epoch * per_epoch >= NEAR_CHANCE_STEPS), None)  # the epoch `train` judges at
+  if judge is not None:
+    note_if_near_chance(run, judge, losses[:, judge - 1].reshape(config.ensemble_size, -1).mean(1))
   note_if_still_falling(run.task.summary({k: v.mean((0, 2)) for k, v in metrics.items()})['train_loss'].tolist())
   return backend.to_canonical(state), summary
 

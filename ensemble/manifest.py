@@ -27,6 +27,9 @@ MANIFEST_FILE = 'ensemble.json'
 FORMAT = 1
 # What `Ensemble.save` wrote of a calibrated ensemble before the manifest: its temperature and conformal quantile.
 CALIBRATION_FILE = 'calibration.json'
+# The flag thresholds `python -m ensemble.predict` applies to a run's workdir, fitted on its held-out slice, by
+# checkpoint and settings (`Ensemble.flag_threshold`, `python -m ensemble.evaluate`): fitted once, not at every call.
+FLAG_THRESHOLDS_FILE = 'flag_thresholds.json'
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -39,10 +42,34 @@ def read_json(path: str) -> dict[str, Any]:
   return found if isinstance(found, dict) else {}
 
 
+def _flag_key(workdir: str, epoch: int, target_risk: float, ood_rate: float, data_dir: str, temperature: float) -> str:
+  from ensemble import checkpoint  # pylint: disable=g-import-not-at-top  # orbax
+  return json.dumps([checkpoint.checkpoint_id(workdir, epoch), target_risk, ood_rate,
+                     recipe_lib.data_location(data_dir), temperature])
+
+
+def kept_flag_thresholds(workdir: str, epoch: int, target_risk: float, ood_rate: float, data_dir: str,
+                         temperature: float) -> dict[str, Any] | None:
+  """The flag thresholds kept for this checkpoint and these settings, None where none are."""
+  kept = read_json(os.path.join(workdir, FLAG_THRESHOLDS_FILE))
+  return kept.get(_flag_key(workdir, epoch, target_risk, ood_rate, data_dir, temperature))
+
+
+def keep_flag_thresholds(workdir: str, epoch: int, fitted: dict[str, Any], temperature: float, data_dir: str):
+  """Keeps `fitted` (its 'target_risk' and 'ood_rate' among them) for this checkpoint, data and temperature; a
+  workdir this process may not write is left as it is (they are fitted again when next needed)."""
+  path = os.path.join(workdir, FLAG_THRESHOLDS_FILE)
+  key = _flag_key(workdir, epoch, fitted['target_risk'], fitted['ood_rate'], data_dir, temperature)
+  try:
+    files.write_atomically(path, json.dumps({**read_json(path), key: fitted}, indent=2))
+  except OSError as e:
+    logging.warning('The flag thresholds cannot be kept in %s (%s): each prediction fits them again.', path, e)
+
+
 def write(ens: Any, path: str) -> str:
   """Writes the ensemble `ens` at `path` (which must not exist) and returns the absolute path: a new folder,
   filled beside it and renamed into place when complete, so that a failed save leaves nothing at `path`."""
-  from ensemble import checkpoint, evaluation  # pylint: disable=g-import-not-at-top  # orbax
+  from ensemble import checkpoint  # pylint: disable=g-import-not-at-top  # orbax
   path = os.path.abspath(os.path.expanduser(path))
   if os.path.exists(path):
     raise UsageError(f'{path} exists; save to a new path (a saved ensemble is never overwritten)')
@@ -61,7 +88,7 @@ def write(ens: Any, path: str) -> str:
     finally:
       ckpt.close()
     files.write_atomically(os.path.join(partial, 'metrics.jsonl'), json.dumps({'step': step, **trained}) + '\n')
-    manifest = {'format': FORMAT, 'epoch': ens.epoch, 'checkpoint': evaluation.checkpoint_id(partial, ens.epoch),
+    manifest = {'format': FORMAT, 'epoch': ens.epoch, 'checkpoint': checkpoint.checkpoint_id(partial, ens.epoch),
                 'summary': trained, 'posthoc': posthoc.to_json(ens.posthoc)}
     files.write_atomically(os.path.join(partial, MANIFEST_FILE), json.dumps(manifest, indent=2))
     os.replace(partial, path)
@@ -101,11 +128,11 @@ def read(workdir: str, config: recipe_lib.Recipe, epoch: int, task: str,
   found = _manifest(workdir)
   if found is None:
     return legacy_chain(workdir, config, epoch, task), summary
-  from ensemble import evaluation  # pylint: disable=g-import-not-at-top
+  from ensemble import checkpoint  # pylint: disable=g-import-not-at-top  # orbax
   where = os.path.join(workdir, MANIFEST_FILE)
   if found['epoch'] != epoch:
     raise UsageError(f'{where} is the ensemble of checkpoint {found["epoch"]}, not {epoch}: load it without step=')
-  if found.get('checkpoint') != evaluation.checkpoint_id(workdir, epoch):
+  if found.get('checkpoint') != checkpoint.checkpoint_id(workdir, epoch):
     raise UsageError(f'{where} names another checkpoint {epoch} than the one in {workdir} (it was replaced since '
                      'the ensemble was saved); save the ensemble again')
   chain = posthoc.from_json(found.get('posthoc', []), where)
@@ -119,10 +146,12 @@ def legacy_chain(workdir: str, config: recipe_lib.Recipe, epoch: int, task: str)
   temperature `python -m ensemble.evaluate` fitted on the held-out slice (eval/metrics.json). Steps given, not
   fitted here: they record no examples."""
   saved = _saved_calibration(workdir, epoch)
-  kind = 'variance_scale' if task == 'regression' else 'temperature'
+  kind = posthoc.SCALE_KINDS[task]
   temperature = saved.get('temperature') or fitted_temperature(workdir, config, epoch)
   chain = []
-  if temperature and temperature != 1.0:
+  if isinstance(temperature, list):  # a multi-label ensemble's, one per label
+    chain.append(posthoc.given(kind, chain, epoch, value=[float(t) for t in temperature]))
+  elif temperature and temperature != 1.0:
     chain.append(posthoc.given(kind, chain, epoch, value=float(temperature)))
   found = saved.get('conformal')
   if found:
@@ -153,7 +182,7 @@ def fitted_temperature(workdir: str, config: recipe_lib.Recipe, epoch: int) -> f
   """The temperature `ensemble.evaluate` fitted (in WORKDIR/eval/metrics.json; for a regression workdir its
   variance scale, regression's temperature), if it was fitted for this checkpoint and on the held-out slice of the
   data this run was trained on; None, with a warning that says why, if not."""
-  from ensemble import data, evaluation  # pylint: disable=g-import-not-at-top
+  from ensemble import checkpoint, data  # pylint: disable=g-import-not-at-top
   path = os.path.join(workdir, 'eval', 'metrics.json')
   try:
     with open(path, encoding='utf-8') as f:
@@ -171,7 +200,7 @@ def fitted_temperature(workdir: str, config: recipe_lib.Recipe, epoch: int) -> f
                            recipe_lib.data_location(config.data_dir))
   if results.get('epoch') != epoch:
     problem = f'was fitted for epoch {results.get("epoch")}, not {epoch}'
-  elif results.get('checkpoint') != evaluation.checkpoint_id(workdir, epoch):
+  elif results.get('checkpoint') != checkpoint.checkpoint_id(workdir, epoch):
     problem = (f'was fitted for another checkpoint of epoch {epoch} (the run was trained again since)'
                if results.get('checkpoint') else 'does not record the checkpoint it was fitted for (an older version)')
   elif config.dataset != data.ARRAYS and fitted_on != trained_on:  # arrays in memory: --data_dir names them

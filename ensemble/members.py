@@ -101,6 +101,11 @@ def check_model(member: steps.Member, num_classes: int, method: str) -> int:
       got = _batch_named(getattr(logits, 'shape', type(logits).__name__))
       raise UsageError(f'the model maps inputs {shape} to {got}, not to (batch, {num_classes}): for {targets} '
                        f'target(s) give its last layer {num_classes} outputs, a mean and a raw scale per target')
+  elif member.task.name == 'multilabel':
+    if not hasattr(logits, 'shape') or len(logits.shape) != 2 or logits.shape[1] != num_classes:
+      got = _batch_named(getattr(logits, 'shape', type(logits).__name__))
+      raise UsageError(f'the model maps inputs {shape} to {got}, not to (batch, {num_classes}) logits, one per '
+                       f'label: give its last layer {num_classes} outputs')
   elif (not hasattr(logits, 'shape') or len(logits.shape) != 2 or logits.shape[0] != 1
         or logits.shape[1] < num_classes):
     got = _batch_named(getattr(logits, 'shape', type(logits).__name__))

@@ -77,4 +77,6 @@ class TaskMetrics(NamedTuple):
 BY_TASK = {
     'classification': TaskMetrics(TrainMetrics, EvalMetrics),
     'regression': TaskMetrics(RegressionTrainMetrics, RegressionEvalMetrics),
+    # The same fields: a label's loss and accuracy averaged over the labels (tasks/multilabel.py).
+    'multilabel': TaskMetrics(TrainMetrics, EvalMetrics),
 }

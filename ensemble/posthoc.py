@@ -2,9 +2,10 @@
 of the ensemble's outputs composed in the order they were fitted (as optax composes transforms of updates).
 
 The outputs flow through the chain as a dict: a classification ensemble's 'member_probs' (K, N, C) and 'probs'
-(N, C), their mean; a regression ensemble's mixture components 'means' and 'variances' (K M, N, D). A step reads
-them as the steps before it left them, and changes them (a temperature: 'probs'; a variance scale: 'variances') or
-adds its own answer (conformal: 'set', or 'conformal_lower' and 'conformal_upper'; flags: 'flag'):
+(N, C), their mean; a multi-label ensemble's 'member_label_probs' (K, N, L) and 'label_probs' (N, L); a regression
+ensemble's mixture components 'means' and 'variances' (K M, N, D). A step reads them as the steps before it left
+them, and changes them (a temperature: 'probs' or 'label_probs'; a variance scale: 'variances') or adds its own
+answer (conformal: 'set', or 'conformal_lower' and 'conformal_upper'; flags: 'flag'):
 
   step = posthoc.fit('temperature', chain, outputs, labels, inputs, epoch)  # fitted on `apply(chain, outputs)`
   outputs = posthoc.apply(chain + (step,), outputs)                         # numpy, or traced with xp=jnp
@@ -29,7 +30,7 @@ import numpy as np
 from ensemble import calibration
 from ensemble.errors import UsageError
 from ensemble.tasks import regression
-from ensemble.uncertainty import conformal, decomposition, selective
+from ensemble.uncertainty import conformal, decomposition, multilabel, selective
 
 # The flag (`flags`) is two tests. The total predictive entropy counts both kinds of doubt, a blurred digit
 # (aleatoric) and a shape no member has seen (epistemic), and its threshold keeps the error rate of the unflagged
@@ -104,6 +105,17 @@ def _apply_temperature(step, outputs, xp):
   return {**outputs, 'probs': calibration.temperature_scale(outputs['probs'], step['value'], xp=xp)}
 
 
+def _fit_label_temperature(outputs, labels, per_label=False):
+  value = multilabel.fit_temperature(outputs['label_probs'], labels, per_label=per_label)
+  return {'value': [float(v) for v in value] if per_label else float(value)}
+
+
+def _apply_label_temperature(step, outputs, xp):
+  value = step['value']
+  value = xp.asarray(value) if isinstance(value, tuple) else value
+  return {**outputs, 'label_probs': multilabel.temperature_scale(outputs['label_probs'], value, xp=xp)}
+
+
 def _fit_variance_scale(outputs, targets):
   return {'value': regression.scale_variances(outputs['means'], outputs['variances'], targets)}
 
@@ -123,6 +135,9 @@ def _fit_conformal(outputs, labels, alpha, score):
     moments = regression.mixture_moments(outputs['means'], outputs['variances'])
     q = regression.conformal_quantile(moments['mean'], moments['std'], labels, alpha)
     return {'alpha': float(alpha), 'score': score, 'quantile': [float(v) for v in q]}
+  if 'label_probs' in outputs:  # multi-label: a quantile per label, of 1 - p(the label's value)
+    q = multilabel.calibrated_quantiles(outputs['label_probs'], labels, alpha)
+    return {'alpha': float(alpha), 'score': score, 'quantile': [float(v) for v in q]}
   return {'alpha': float(alpha), 'score': score,
           'quantile': conformal.calibrated_quantile(outputs['probs'], labels, alpha, score)}
 
@@ -132,6 +147,8 @@ def _apply_conformal(step, outputs, xp):
     moments = regression.mixture_moments(outputs['means'], outputs['variances'])
     lower, upper = regression.conformal_interval(moments['mean'], moments['std'], step['quantile'], xp=xp)
     return {**outputs, 'conformal_lower': lower, 'conformal_upper': upper}
+  if 'label_probs' in outputs:
+    return {**outputs, 'set': multilabel.prediction_sets(outputs['label_probs'], xp.asarray(step['quantile']), xp=xp)}
   return {**outputs, 'set': conformal.prediction_sets(outputs['probs'], step['quantile'], step['score'], xp=xp)}
 
 
@@ -181,6 +198,8 @@ class Kind(NamedTuple):
 KINDS = {
     'temperature': Kind('classification', _fit_temperature, _apply_temperature,
                         lambda s: f'temperature {s["value"]:.4g}'),
+    'label_temperature': Kind('multilabel', _fit_label_temperature, _apply_label_temperature,
+                              lambda s: f'temperature {_values(s["value"])}'),
     'variance_scale': Kind('regression', _fit_variance_scale, _apply_variance_scale,
                            lambda s: f'variance_scale {s["value"]:.4g}'),
     'conformal': Kind('any', _fit_conformal, _apply_conformal,
@@ -188,6 +207,11 @@ KINDS = {
     'flags': Kind('classification', _fit_flags, _apply_flags,
                   lambda s: f'flags risk {s["target_risk"]:g} ood_rate {s["ood_rate"]:g}'),
 }
+
+
+# What `Ensemble.calibrate` fits, and a temperature given by hand is, for each task: the one step that rescales its
+# outputs' confidence.
+SCALE_KINDS = {'classification': 'temperature', 'multilabel': 'label_temperature', 'regression': 'variance_scale'}
 
 
 # --- a chain -------------------------------------------------------------------------------------------------------
@@ -230,10 +254,19 @@ def describe(chain: Sequence[Step]) -> str:
   return ' -> '.join(step.describe() for step in chain)
 
 
-def product(chain: Sequence[Step], kind: str) -> float:
-  """What the chain's steps of `kind` ('temperature', 'variance_scale') amount to together: their product (two
-  temperatures in a row scale as their product does)."""
-  return math.prod(step['value'] for step in chain if step.kind == kind)
+def _values(value) -> str:
+  """A temperature, or one per label, as a repr shows it."""
+  return f'{value:.4g}' if isinstance(value, numbers.Real) else '(' + ', '.join(f'{v:.4g}' for v in value) + ')'
+
+
+def product(chain: Sequence[Step], kind: str) -> Any:
+  """What the chain's steps of `kind` ('temperature', 'label_temperature', 'variance_scale') amount to together:
+  their product (two temperatures in a row scale as their product does); one per label where a step has one per
+  label, a tuple."""
+  values = [step['value'] for step in chain if step.kind == kind]
+  if any(isinstance(v, tuple) for v in values):
+    return tuple(float(v) for v in np.prod(np.broadcast_arrays(*values, 1.0), axis=0))
+  return math.prod(values)
 
 
 def last(chain: Sequence[Step], kind: str) -> Step | None:
@@ -243,7 +276,9 @@ def last(chain: Sequence[Step], kind: str) -> Step | None:
 def summary(chain: Sequence[Step]) -> dict[str, float]:
   """What `Ensemble.summary` says of the chain: the temperature (a regression's variance scale) the steps amount
   to, and the last conformal step's alpha."""
-  found = {kind: product(chain, kind) for kind in ('temperature', 'variance_scale')
+  # A multi-label ensemble's temperature (one, or one per label) is its summary's 'temperature' too.
+  found = {kind.replace('label_', ''): product(chain, kind) for kind in ('temperature', 'label_temperature',
+                                                                       'variance_scale')
            if any(step.kind == kind for step in chain)}
   conformal_step = last(chain, 'conformal')
   if conformal_step is not None:

@@ -137,6 +137,9 @@ def predict_files(workdir: str, input_path: str, output: str | None = None, *, s
   if not input_path:
     raise UsageError('--input is required: an image, a folder of images, an .npy/.npz array or an IDX file')
   model = api.read(workdir, step, batch_size=batch_size)
+  if model.task.name == 'multilabel':
+    raise UsageError(f'{workdir} holds a multilabel ensemble, which this program does not write rows for yet: '
+                     'predict from Python, ensemble.load(workdir).predict(x)')
   names, images, skipped = inputs.read(input_path, model.image_shape, array, skip_unreadable)
   model.check(images, role=input_path)  # its errors name the file
   if model.task.name == 'regression':

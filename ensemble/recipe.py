@@ -36,7 +36,7 @@ from ensemble.tasks import regression
 __all__ = ['Recipe', 'of', 'resolve', 'from_record']
 
 MEMBER_DATA = ('shared', 'shuffled', 'bootstrap')
-TASKS = ('classification', 'regression')
+TASKS = ('classification', 'regression', 'multilabel')
 DTYPES = ('float32', 'bfloat16')
 MAX_SEED = 2**32 - 1  # jax.random.key folds larger seeds onto the same keys
 # The members of `ensemble_size=0` on a single device (a laptop's CPU, one GPU): several on the device, as 0 means one
@@ -108,7 +108,9 @@ def _typed(name: str, value: Any) -> Any:
     _require(isinstance(value, Mapping) or hasattr(value, 'to_dict'),
              f'{name}={value!r} must be a dict of the model\'s arguments')
     return _frozen(name, value, 'its values must be numbers, strings, lists or dicts of them')
-  # A tuple: hyper's ranges, the logical axis rules, the mesh's shape.
+  # A tuple: hyper's ranges, the logical axis rules, the mesh's shape, the labels' weights (a numpy array too).
+  if hasattr(value, '__array__') and hasattr(value, 'tolist'):
+    value = value.tolist()
   _require(isinstance(value, (tuple, list)), f'{name}={value!r} must be a tuple, e.g. {default!r}')
   return _frozen(name, value, f'it must be a tuple of numbers or names, e.g. {default!r}')
 
@@ -199,6 +201,10 @@ def _check_field(name: str, value: Any):
     _require(not value or os.path.isdir(os.path.expanduser(value)),
              f'init_from={value!r} is no folder: give the workdir of a trained run (a 1-member run of the same model, '
              'or an ensemble saved with Ensemble.save)')
+  elif name == 'pos_weight':
+    _require(all(isinstance(v, numbers.Real) and not isinstance(v, bool) and _positive(v) for v in value),
+             f'pos_weight={value!r} must be positive weights, one per label, e.g. negatives / positives of each; '
+             'or () for 1 each')
   elif name in ('shared', 'frozen'):
     _require(all(isinstance(v, str) and v.strip('/') for v in value),
              f"{name}={value!r} must be module paths, e.g. --config.{name}=\"('backbone',)\"")
@@ -288,7 +294,7 @@ def _single_model(r: Recipe, devices: Sequence[jax.Device]) -> dict[str, Any]:
            'at independent, or use backend pmap or jit for the ensembling methods')
   _require(r.member_data == 'shared', f"backend {backend!r} trains one model: set --config.member_data=shared")
   _require(r.task == 'classification',
-           f'backend {backend!r} trains one classifier: use backend pmap or jit for --config.task=regression')
+           f'backend {backend!r} trains one classifier: use backend pmap or jit for --config.task={r.task}')
   _require(r.augment == 'none', f'backend {backend!r} trains one model on plain batches: set --config.augment=none, '
            'or use backend pmap or jit for augmented training')
   _require(not r.adversarial_epsilon, f'backend {backend!r} trains one model on plain batches: set '
@@ -434,6 +440,10 @@ def _fit_to_data(r: Recipe, dataset: data.Dataset, model: Any) -> dict[str, Any]
            '--config.inputs=auto')
   _require(dataset.task == r.task, f'{dataset.source} holds {dataset.task} data but task={r.task!r}: set '
            f'--config.task={dataset.task}')
+  _require(not r.pos_weight or (r.task == 'multilabel' and len(r.pos_weight) == dataset.num_classes),
+           f'pos_weight holds {len(r.pos_weight)} weights, but {dataset.source} has '
+           + (f'{dataset.num_classes} labels: give one weight per label' if r.task == 'multilabel'
+              else f'{r.task} data: pos_weight weighs the labels of task=multilabel; leave it out'))
   if r.adversarial_epsilon:
     _require(dataset.inputs != 'tokens', 'adversarial_epsilon perturbs inputs along their gradient, and token ids '
              'have none: set --config.adversarial_epsilon=0')
@@ -562,6 +572,7 @@ _READ_BY = {
                     lambda r: r.method == 'multiswag'),
     **dict.fromkeys(('loss', 'beta'), lambda r: r.task == 'regression'),
     'distill_temperature': lambda r: r.task == 'classification',
+    'pos_weight': lambda r: r.task == 'multilabel',
     # The built-in models' dropout is method mc_dropout's (and the mesh classifier's); a user's model keeps its own.
     'dropout_rate': lambda r: r.method == 'mc_dropout' or r.model == 'classifier',
     **dict.fromkeys(('resnet_depth', 'resnet_width'), lambda r: r.model == 'resnet'),

@@ -21,13 +21,15 @@ ENSEMBLE_STYLE = {'color': 'C0', 'marker': 'o', 'label': 'ensemble'}
 MEMBER_STYLE = {'color': 'C1', 'marker': 's', 'label': 'mean member'}
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> str:
+def table(header: list[str], rows: list[list[Any]]) -> str:
   cell = lambda v: f'{v:.4f}' if isinstance(v, float) else str(v)
   lines = ['| ' + ' | '.join(header) + ' |', '|' + ' --- |' * len(header)]
   return '\n'.join(lines + ['| ' + ' | '.join(cell(v) for v in row) + ' |' for row in rows])
 
 
 def markdown(results: dict[str, Any]) -> str:
+  """report.md: every section the results hold (an ensemble of features has no rotations, one scored without
+  calibration examples no temperature or conformal sets)."""
   scores_row = lambda name, scores: [name, *(scores[s] for s in SCORES)]
   test_rows = [scores_row('**ensemble**', results['ensemble']),
                scores_row('mean member', results['mean_member']),
@@ -35,14 +37,10 @@ def markdown(results: dict[str, Any]) -> str:
                scores_row('gain over mean member', results['gain_over_mean_member']),
                scores_row('gain over best member', results['gain_over_best_member'])]
   test_rows += [scores_row(f'member {i}', scores) for i, scores in enumerate(results['members'])]
-  ensemble, temperature = results['ensemble'], results['temperature_scaling']
-  seen = temperature['seen_in_training']
+  ensemble = results['ensemble']
   columns = [(who, s) for who in ('ensemble', 'mean_member') for s in ('accuracy', 'nll', 'ece')]
-  rotation_rows = [[row['angle'], *(row[who][s] for who, s in columns)] for row in results['rotation']]
-  noise_rows = [[row['severity'], row['std'], *(row[who][s] for who, s in columns)]
-                for row in results['gaussian_noise']]
   shift_columns = ['ensemble accuracy', 'ensemble NLL', 'ensemble ECE', 'member accuracy', 'member NLL', 'member ECE']
-  return '\n'.join([
+  lines = [
       f'# Evaluation of `{results["workdir"]}`',
       '',
       f'Checkpoint of {results.get("checkpoint_unit", "epoch")} {results["epoch"]}, '
@@ -51,7 +49,7 @@ def markdown(results: dict[str, Any]) -> str:
       '',
       '## Test set',
       '',
-      _table(['', *(TITLES[s] for s in SCORES)], test_rows),
+      table(['', *(TITLES[s] for s in SCORES)], test_rows),
       '',
       f'Ensemble predictive entropy {ensemble["entropy"]:.4f} nats; mean pairwise disagreement '
       f'between members {ensemble["disagreement"]:.4f}. ECE uses 15 equal-width confidence bins. '
@@ -61,40 +59,52 @@ def markdown(results: dict[str, Any]) -> str:
       '',
       'The ensemble of the first k members.',
       '',
-      _table(['members', 'accuracy', 'NLL'],
+      table(['members', 'accuracy', 'NLL'],
              [[row['members'], row['accuracy'], row['nll']] for row in results['ensemble_size_curve']]),
-      '',
-      '## Rotated test set',
-      '',
-      _table(['angle', *shift_columns], rotation_rows),
-      '',
-      '## Test set with Gaussian noise',
-      '',
-      'Pixels in [0, 1] plus Gaussian noise of the standard deviations of CIFAR-10-C\'s five severities, clipped.',
-      '',
-      _table(['severity', 'std', *shift_columns], noise_rows),
-      '',
-      '"member" is the mean over members of each member\'s score.',
-      '',
-      '## Temperature scaling after averaging',
-      '',
-      f'Temperature {temperature["temperature"]:.4f}, fitted on the last {temperature["fit_examples"]} '
-      'examples of the training split '
-      f'({"which the members were trained on" if seen else "held out of training"}) and applied to the log '
-      'of the ensemble\'s mean probabilities; scores on the test set:',
-      *(['', '**This run held out no training examples (`heldout_fraction=0`): on examples they were trained '
-             'on the members are more confident than on new data, so this temperature sharpens the ensemble. '
-             'Train with `--config.heldout_fraction=0.1` for a fair fit.**'] if seen else []),
-      '',
-      _table(['', 'NLL', 'ECE'], [[when, temperature[when]['nll'], temperature[when]['ece']]
-                                  for when in ('before', 'after')]),
-      '',
-      *uncertainty_markdown(results),
-      '## Plots',
-      '',
-      *(f'![{name[:-4]}]({name})' for name in PLOTS),
-      '',
-  ])
+      '']
+  if results.get('rotation'):
+    lines += ['## Rotated test set', '',
+              table(['angle', *shift_columns], [[row['angle'], *(row[who][s] for who, s in columns)]
+                                                 for row in results['rotation']]), '']
+  if results.get('gaussian_noise'):
+    lines += ['## Test set with Gaussian noise', '',
+              'Pixels in [0, 1] plus Gaussian noise of the standard deviations of CIFAR-10-C\'s five severities, '
+              'clipped.', '',
+              table(['severity', 'std', *shift_columns], [[row['severity'], row['std'],
+                                                            *(row[who][s] for who, s in columns)]
+                                                           for row in results['gaussian_noise']]), '']
+  if results.get('rotation') or results.get('gaussian_noise'):
+    lines += ['"member" is the mean over members of each member\'s score.', '']
+  temperature = results.get('temperature_scaling')
+  if temperature:
+    seen = temperature['seen_in_training']
+    lines += [
+        '## Temperature scaling after averaging',
+        '',
+        f'Temperature {temperature["temperature"]:.4f}, fitted on '
+        f'{calibrated_on(results, temperature["fit_examples"], seen)} and applied to the log of the ensemble\'s '
+        'mean probabilities; scores on the test set:',
+        *(['', '**This run held out no training examples (`heldout_fraction=0`): on examples they were trained '
+               'on the members are more confident than on new data, so this temperature sharpens the ensemble. '
+               'Train with `--config.heldout_fraction=0.1` for a fair fit.**'] if seen else []),
+        '',
+        table(['', 'NLL', 'ECE'], [[when, temperature[when]['nll'], temperature[when]['ece']]
+                                    for when in ('before', 'after')]),
+        '']
+  else:
+    lines += ['No calibration examples were given: no temperature, conformal sets or flag thresholds '
+              '(`Ensemble.report(..., calibration=(x_cal, y_cal))`).', '']
+  plots = [name for name, _ in _plots(results)]
+  return '\n'.join([*lines, *uncertainty_markdown(results), '## Plots', '',
+                    *(f'![{name[:-4]}]({name})' for name in plots if name in PLOTS), ''])
+
+
+def calibrated_on(results: dict[str, Any], count: int, seen: bool) -> str:
+  """Which examples a temperature or the conformal sets were fitted on, in words."""
+  if results.get('calibration') == 'given':
+    return f'the {count} calibration examples given'
+  return (f'the last {count} examples of the training split '
+          f'({"which the members were trained on" if seen else "held out of training"})')
 
 
 def _reliability_figure(results: dict[str, Any]) -> Figure:
@@ -170,7 +180,7 @@ def uncertainty_markdown(results: dict[str, Any]) -> list[str]:
         'the risk is the error rate among the answered ones. AURC is the area under the risk-coverage curve '
         '(lower is better); each member ranks by its own entropy.',
         '',
-        _table(['coverage', 'ensemble risk', 'member risk'],
+        table(['coverage', 'ensemble risk', 'member risk'],
                [[f'{row["coverage"]:.0%}', row['ensemble'], row['mean_member']] for row in selective['table']]
                + [['AURC', selective['ensemble']['aurc'], selective['mean_member']['aurc']]]),
         '',
@@ -181,27 +191,37 @@ def uncertainty_markdown(results: dict[str, Any]) -> list[str]:
     n = conformal['calibration_examples']
     alphas = sorted({row['alpha'] for row in conformal['rows']}, reverse=True)
     example = alphas[0]
+    outside = [row for row in conformal['rows'] if not row.get('within_bounds', True)]
     lines += [
         '## Conformal prediction sets',
         '',
-        f'Each test image gets a set of classes, calibrated on the last {n} training examples '
-        f'({"which the members were trained on" if conformal["seen_in_training"] else "held out of training"}). '
-        f'What this guarantees, in plain words: for a new image drawn the way the held-out images were, the set '
-        f'contains the true class at least 1 - alpha of the time (at alpha = {example:g}, at least '
-        f'{1 - example:.0%} of images), whatever the model, and with {n} calibration images not much more often: at '
-        f'most 1 - alpha + 1/{n + 1} on average. It is a promise about the share of images over many images, not '
-        'about any one image, and it does not hold for images unlike the training data (the out-of-distribution '
-        'sets below). At the same coverage, smaller sets are more useful. Scores: 1 - p(class) gives the smallest '
-        'sets on average; APS (adaptive prediction sets, randomised) gives small sets to easy images and larger ones '
-        'to hard ones. The mean member is each member calibrated on its own.',
+        'Each test example gets a set of classes, calibrated on '
+        f'{calibrated_on(results, n, conformal["seen_in_training"])}. '
+        f'What this guarantees, in plain words: for a new example drawn the way the calibration examples were, the '
+        f'set contains the true class at least 1 - alpha of the time (at alpha = {example:g}, at least '
+        f'{1 - example:.0%} of examples), whatever the model, and with {n} calibration examples not much more often: '
+        f'at most 1 - alpha + 1/{n + 1} on average over draws of them ("expected"). On one test set of '
+        f'{results["test_examples"]} examples the measured coverage varies around that: where calibration and test '
+        'examples are drawn alike, it falls within the "99% bounds" 99 times in 100. It is a promise about the share '
+        'of examples over many examples, not about any one example, and it does not hold for examples unlike the '
+        'calibration data (the out-of-distribution sets below). At the same coverage, smaller sets are more useful. '
+        'Scores: 1 - p(class) gives the smallest sets on average; APS (adaptive prediction sets, randomised) gives '
+        'small sets to easy examples and larger ones to hard ones. The mean member is each member calibrated on its '
+        'own.',
         *(['', '**The calibration examples were seen in training (`heldout_fraction=0`): the members are more '
-               'confident on them than on new images, so the sets are too small and the guarantee does not '
+               'confident on them than on new examples, so the sets are too small and the guarantee does not '
                'hold.**'] if conformal['seen_in_training'] else []),
+        *(['', f'**{len(outside)} of the {len(conformal["rows"])} rows measure a coverage outside their 99% bounds '
+               '(marked): the test examples are not drawn as the calibration examples were (the training split\'s '
+               'held-out slice and the test split differ), so the guarantee holds for examples like the calibration '
+               'ones, not for this test set.**'] if outside else []),
         '',
-        _table(['alpha', 'score', 'guaranteed coverage', 'ensemble coverage', 'ensemble set size',
-                'member coverage', 'member set size'],
+        table(['alpha', 'score', 'expected coverage', '99% bounds on this test set', 'ensemble coverage',
+                'ensemble set size', 'member coverage', 'member set size'],
                [[f'{row["alpha"]:g}', CONFORMAL_SCORE_TITLES[row['score']],
-                 f'{row["guaranteed"][0]:.4f} to {row["guaranteed"][1]:.4f}', row['ensemble']['coverage'],
+                 f'{row["guaranteed"][0]:.4f} to {row["guaranteed"][1]:.4f}',
+                 f'{row["bounds"][0]:.4f} to {row["bounds"][1]:.4f}' if 'bounds' in row else '-',
+                 f'{row["ensemble"]["coverage"]:.4f}' + ('' if row.get('within_bounds', True) else ' (outside)'),
                  row['ensemble']['mean_size'], row['mean_member']['coverage'], row['mean_member']['mean_size']]
                 for row in conformal['rows']]),
         '']
@@ -221,7 +241,7 @@ def uncertainty_markdown(results: dict[str, Any]) -> list[str]:
         'test images flagged when 95% of the out-of-distribution images are (lower is better). A single member has '
         'no mutual information.',
         '',
-        _table(['set', 'score', 'ensemble AUROC', 'ensemble AUPR', 'ensemble FPR95', 'member AUROC', 'member AUPR',
+        table(['set', 'score', 'ensemble AUROC', 'ensemble AUPR', 'ensemble FPR95', 'member AUROC', 'member AUPR',
                 'member FPR95'], rows),
         '',
         '![ood_scores](ood_scores.png)',
@@ -268,11 +288,17 @@ def uncertainty_plots(results: dict[str, Any]) -> list[tuple[str, Any]]:
   return plots + ([('ood_scores.png', _ood_figure)] if results.get('ood') else [])
 
 
+def _plots(results: dict[str, Any]) -> list[tuple[str, Any]]:
+  """(file name, drawing function) of every plot the results hold."""
+  held = {'rotation.png': 'rotation', 'gaussian_noise.png': 'gaussian_noise'}
+  return [(name, draw) for name, draw in zip(PLOTS, (_reliability_figure, _rotation_figure, _noise_figure,
+                                                     _ensemble_size_figure))
+          if results.get(held.get(name, 'ensemble'))] + uncertainty_plots(results)
+
+
 def write(results: dict[str, Any], output_dir: str):
-  """metrics.json, report.md and the PNGs in `PLOTS`, into `output_dir` (`save`)."""
-  drawings = [*zip(PLOTS, (_reliability_figure, _rotation_figure, _noise_figure, _ensemble_size_figure)),
-              *uncertainty_plots(results)]
-  save(results, markdown(results), {name: draw(results) for name, draw in drawings}, output_dir)
+  """metrics.json, report.md and the PNGs of the results (`_plots`), into `output_dir` (`save`)."""
+  save(results, markdown(results), {name: draw(results) for name, draw in _plots(results)}, output_dir)
 
 
 def save(results: dict[str, Any], report_md: str, figures: dict[str, Figure], output_dir: str):

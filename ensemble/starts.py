@@ -6,15 +6,12 @@
   state = starts.from_ensemble(run, ens, keep_optimizer=False)    # ensemble.fit(init=ens)
 """
 
-import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from absl import logging
-
-from ensemble import distributed, loop, optim, sharing, steps
-from ensemble.errors import EnsembleWarning, UsageError
+from ensemble import distributed, errors, loop, optim, sharing, steps
+from ensemble.errors import UsageError
 
 
 def from_variables(run: loop.Run, state: Any, init_params: Any) -> Any:
@@ -66,12 +63,12 @@ DIVERSE_METHODS = ('hyper', 'bagging', 'mc_dropout', 'mimo', 'multiswag')
 
 
 def warn_if_alike(run: loop.Run, canonical: Any):
-  """One warning (an `EnsembleWarning`, logged too) where the members have no source of diversity that the run can
-  see: each one's own parameters the same as every other's (`init_params` gave them all, with no `init_noise`), the
-  same batches (member_data='shared'), no augmentation, and a method that adds none of its own: they would train
-  into K copies of one network, whose disagreement is 0. A warning, not a refusal: a model may draw random numbers
-  of its own (a noise layer of its own: each member's key is its own), which the run cannot see; only dropout
-  layers (nn.Dropout, nnx.Dropout) are found, traced."""
+  """One hint (`errors.hint`: an `EnsembleWarning`; a log line in the programs) where the members have no source of
+  diversity that the run can see: each one's own parameters the same as every other's (`init_params` gave them all,
+  with no `init_noise`), the same batches (member_data='shared'), no augmentation, and a method that adds none of its
+  own: they would train into K copies of one network, whose disagreement is 0. A warning, not a refusal: a model may
+  draw random numbers of its own (a noise layer of its own: each member's key is its own), which the run cannot
+  see; only dropout layers (nn.Dropout, nnx.Dropout) are found, traced."""
   config = run.recipe
   if (config.ensemble_size < 2 or config.member_data != 'shared' or config.init_noise
       or (run.member.inputs == 'images' and config.augment != 'none') or config.method in DIVERSE_METHODS):
@@ -85,8 +82,7 @@ def warn_if_alike(run: loop.Run, canonical: Any):
              f'and method {config.method} adds no diversity: unless the model draws random numbers of its own, they '
              "train into copies of one network; set init_noise=0.01, member_data='shuffled' or an augment, or give "
              'init_params only the layers to share')
-  warnings.warn(message, EnsembleWarning, stacklevel=2)
-  logging.warning('%s', message)
+  errors.hint(message)
 
 
 def _drops_out(member: steps.Member) -> bool:

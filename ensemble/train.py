@@ -18,13 +18,14 @@ import sys
 from ensemble import console
 
 console.quiet_libraries()  # before TensorFlow and JAX load
+if __name__ == '__main__':  # a workdir another run holds is refused before JAX starts and the data load
+  console.refuse_a_busy_workdir(sys.argv[1:])
 
 from absl import flags, logging  # pylint: disable=g-import-not-at-top,g-multiple-import
 import jax  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
 from ensemble import cli, distributed, host_memory, trainer  # pylint: disable=g-import-not-at-top
-from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 
@@ -94,18 +95,9 @@ def _train():
     go_on = f'resume from {e.unit} {e.saved_epoch}' if e.saved_epoch else 'start again'
     raise trainer.Interrupted(f'{e}; to {go_on}, run the same command: {_command()}', e.saved_epoch,
                               e.terminated, e.unit) from None
+  # The flag thresholds `python -m ensemble.predict` applies are fitted when first needed (and kept), or by
+  # `python -m ensemble.evaluate` from the held-out outputs it predicts: not in a second pass here.
   console.log_training_summary(FLAGS.workdir, summary, method=FLAGS.config.method)
-  _keep_flag_threshold(FLAGS.workdir)
-
-
-def _keep_flag_threshold(workdir: str):
-  """`python -m ensemble.predict` reads the flag thresholds kept now; where they cannot be fitted (the data moved),
-  the training still stands, and the first prediction says why."""
-  from ensemble import api  # pylint: disable=g-import-not-at-top  # only once training is over
-  try:
-    api.keep_flag_threshold(workdir)
-  except UsageError as e:  # DataError among them
-    logging.warning('The flag thresholds were not kept (%s): the first prediction with the flag fits them.', e)
 
 
 def _command() -> str:

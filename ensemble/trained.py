@@ -9,23 +9,19 @@ changes an ensemble once made: a chain's step was fitted on what the steps befor
 
 import functools
 import numbers
-import os
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 from absl import logging
 
-from ensemble import console, data, members, posthoc, predictor, standardise, steps
+from ensemble import console, data, members, posthoc, predictor, scoring, standardise, steps
 from ensemble import recipe as recipe_lib
 from ensemble.data import arrays
 from ensemble.errors import UsageError
 from ensemble.tasks import regression
-from ensemble.uncertainty import conformal, decomposition
+from ensemble.uncertainty import conformal, decomposition, multilabel
 
-# The flag thresholds `Ensemble.flag_threshold` fitted on a workdir's held-out slice, by checkpoint and settings:
-# `python -m ensemble.predict` fits them once (6,000 held-out images), not at every call.
-FLAG_THRESHOLDS_FILE = 'flag_thresholds.json'
 # What a predicted input that the members give NaN or infinity for most likely is, by the kind of inputs.
 _NONFINITE_CAUSES = {
     'tokens': 'token ids the model cannot embed, or a model that is not finite on them',
@@ -134,7 +130,7 @@ class Ensemble:
   @property
   def temperature(self) -> float:
     """What the chain's temperatures (a regression ensemble's variance scales) amount to: 1 without any."""
-    return posthoc.product(self.posthoc, 'variance_scale' if self.task.name == 'regression' else 'temperature')
+    return posthoc.product(self.posthoc, posthoc.SCALE_KINDS[self.task.name])
 
   @property
   def conformal_calibration(self) -> dict[str, Any] | None:
@@ -148,6 +144,8 @@ class Ensemble:
   def __repr__(self) -> str:
     if self.task.name == 'regression':
       predicts = console.count(self.task.targets, 'target')
+    elif self.task.name == 'multilabel':
+      predicts = console.count(self.num_classes, 'label')
     else:
       predicts = console.count(self.num_classes, 'class', 'classes')
     where = f'workdir={self.workdir!r}' if self.workdir else 'in memory'
@@ -165,14 +163,19 @@ class Ensemble:
                        **settings)
     return self._replace(chain=(*self.posthoc, step))
 
-  def calibrate(self, inputs: Any, labels: Any) -> 'Ensemble':
+  def calibrate(self, inputs: Any, labels: Any, *, per_label: bool = False) -> 'Ensemble':
     """A new ensemble calibrated on labelled data the members did not train on: a classification ensemble's
-    temperature, a regression ensemble's variance scale (every component's variance times it), each the value that
-    minimises the NLL of the outputs as the chain so far gives them (`calibration.fit_temperature`,
-    `regression.scale_variances`). Its `predict`, `evaluate` ('temperature_scaled' / 'variance_scaled' scores
-    beside the members' own), `save` and `export` use it; a conformal step fitted before it keeps its sets."""
-    kind = 'variance_scale' if self.task.name == 'regression' else 'temperature'
-    return self._fit_step(kind, 'calibrate', inputs, labels)
+    temperature, a multi-label ensemble's (one, or with `per_label` one per label, each label's logits over it), a
+    regression ensemble's variance scale (every component's variance times it), each the value that minimises the
+    NLL of the outputs as the chain so far gives them (`calibration.fit_temperature`,
+    `uncertainty.multilabel.fit_temperature`, `regression.scale_variances`). Its `predict`, `evaluate`
+    ('temperature_scaled' / 'variance_scaled' scores beside the members' own), `save` and `export` use it; a
+    conformal step fitted before it keeps its sets."""
+    check_flag('per_label', per_label)
+    if per_label:
+      self._require_task('multilabel', 'per_label=True')
+      return self._fit_step('label_temperature', 'calibrate', inputs, labels, per_label=True)
+    return self._fit_step(posthoc.SCALE_KINDS[self.task.name], 'calibrate', inputs, labels)
 
   def conformal(self, inputs: Any, labels: Any, alpha: float = 0.1, score: str | None = None) -> 'Ensemble':
     """A new ensemble whose `predict` also returns split-conformal prediction sets (classification: 'set', (N, C)
@@ -184,12 +187,14 @@ class Ensemble:
     (ensemble/uncertainty/conformal.py). `score`: 'thr' (the default: the
     smallest sets on average) or 'aps' (adaptive sets, larger where the members
     are unsure; not randomised, so that an input's set is a function of it, and
-    so conservative); regression's one score, 'normalised', is |y - mean| / std.
+    so conservative); regression's one score, 'normalised', is |y - mean| / std. A multi-label ensemble's sets are
+    per label ('set' (N, L, 2): which of 0 and 1 each label's set holds), each label covered with probability at
+    least 1 - alpha; its one score, 'label', is 1 - p(the label's value).
     The sets are of the outputs as the chain so far gives them (after a
     `calibrate` before it; one after it leaves them as they are).
     """
     posthoc.check_alpha(alpha)
-    scores = ('normalised',) if self.task.name == 'regression' else tuple(conformal.SCORES)
+    scores = {'regression': ('normalised',), 'multilabel': ('label',)}.get(self.task.name, tuple(conformal.SCORES))
     score = scores[0] if score is None else score
     if score not in scores:
       raise UsageError(f'score={score!r}: give one of {list(scores)}, the conformal scores of a {self.task.name} '
@@ -231,10 +236,11 @@ class Ensemble:
     return inputs
 
   def _labels(self, labels: Any, count: int, role: str) -> np.ndarray:
-    """Labels for `count` inputs: int32 classes the members predict, or a regression's (N, D) float64 targets."""
+    """Labels for `count` inputs: int32 classes the members predict, a multi-label ensemble's (N, L) int32 0s and
+    1s, or a regression's (N, D) float64 targets."""
     if self.task.name == 'regression':
       return arrays.labels(labels, 'regression', role, count, outputs=self.task.targets).astype(np.float64)
-    return arrays.labels(labels, 'classification', role, count, outputs=self.num_classes)
+    return arrays.labels(labels, self.task.name, role, count, outputs=self.num_classes)
 
   def _require_task(self, task: str, what: str):
     if self.task.name != task:
@@ -254,8 +260,9 @@ class Ensemble:
     leaf (K, ...)): it runs under `jax.jit`, `jax.grad` and `jax.vmap`, so that an acquisition function or the
     predictive mean can be differentiated with respect to the inputs or the parameters.
 
-    Classification: (K, N, C) log-probabilities. Regression: (means, variances), each (K M, N, D) in the targets'
-    units (M = 1 component per member, or a snapshot member's snapshots); the mixture's mean is `means.mean(0)`.
+    Classification: (K, N, C) log-probabilities. Multi-label: (K, N, L) logits. Regression: (means, variances),
+    each (K M, N, D) in the targets' units (M = 1 component per member, or a snapshot member's snapshots); the
+    mixture's mean is `means.mean(0)`.
     The members' other state (BatchNorm's averages) is the trained one; no post-hoc step is applied.
     """
     inputs = self.standardise(jax.numpy.asarray(inputs), xp=jax.numpy)
@@ -296,7 +303,8 @@ class Ensemble:
     return _output_width(self.member)
 
   def member_outputs(self, images: Any, *, progress: bool = False, role: str = 'predict') -> np.ndarray:
-    """(K, N, W) float64: every member's output (log-probabilities; a regression member's raw outputs),
+    """(K, N, W) float64: every member's output (log-probabilities; a multi-label member's logits; a regression
+    member's raw outputs),
     `batch_size` inputs at a time, the last batch bucketed. Outputs that are not finite are never returned: they
     are one UsageError that says for how many inputs, and the likely cause."""
     check_flag('progress', progress)
@@ -313,7 +321,7 @@ class Ensemble:
     batches = [np.zeros((self.size, 0, self.num_classes))]
     for start in starts:
       chunk = images[start:start + self.batch_size]
-      if self.member.inputs == 'images':  # in [0, 1] as the device would make it
+      if self.member.inputs == 'images' and chunk.dtype == np.uint8:  # in [0, 1] as the device would make it
         chunk = chunk.astype(np.float32) / 255.0
       split = {'image': chunk, 'label': np.zeros(len(chunk), np.int32)}
       batches.append(self._predictor(bucket(len(chunk), self.batch_size)).log_probs(split))
@@ -326,7 +334,10 @@ class Ensemble:
     return outputs
 
   def member_probs(self, images: Any, *, progress: bool = False) -> np.ndarray:
-    """(K, N, C) float64: every member's probabilities, `batch_size` images at a time, the last batch bucketed."""
+    """(K, N, C) float64: every member's probabilities, `batch_size` images at a time, the last batch bucketed; a
+    multi-label ensemble's per label, (K, N, L)."""
+    if self.task.name == 'multilabel':
+      return multilabel.sigmoid(self.member_outputs(images, progress=progress))
     self._require_task('classification', 'member_probs')
     return np.exp(self.member_outputs(images, progress=progress))
 
@@ -353,6 +364,9 @@ class Ensemble:
     if self.task.name == 'regression':
       means, variances = self.task.components(outputs)
       return {'means': means, 'variances': variances}
+    if self.task.name == 'multilabel':
+      member_probs = multilabel.sigmoid(outputs)
+      return {'member_label_probs': member_probs, 'label_probs': member_probs.mean(0)}
     member_probs = np.exp(outputs)
     return {'member_probs': member_probs, 'probs': member_probs.mean(0)}
 
@@ -366,14 +380,16 @@ class Ensemble:
     return self._predictors[batch_size]
 
   def predict(self, images: Any, *, members: bool = False, progress: bool = False,
-              levels: Sequence[float] = regression.LEVELS) -> dict[str, np.ndarray]:
+              levels: Sequence[float] = regression.LEVELS, threshold: float = 0.5) -> dict[str, np.ndarray]:
     """Per image: 'probs' (N, C), the members' mean after the post-hoc chain (its temperature); 'class' (N,); and,
     in nats, 'entropy' (total predictive), 'aleatoric' (expected member entropy), 'mutual_information' (epistemic:
     their difference) and 'disagreement' (share of member pairs voting differently); the chain's 'set' and 'flag'
     where it has a conformal or a flags step. 'member_probs' (K, N, C) with `members`. A regression ensemble
     returns the mixture's mean, std, aleatoric and epistemic variance and its central intervals holding each of
     `levels` instead (`_predict_regression`; `levels=()`: none, for a loop that needs only the mean and std: the
-    intervals cost most of a small prediction).
+    intervals cost most of a small prediction). A multi-label ensemble returns per label (N, L): 'probs', 'labels'
+    (1 where 'probs' exceeds `threshold`), 'entropy', 'aleatoric' and 'mutual_information'; the conformal step's
+    'set' (N, L, 2); 'member_probs' (K, N, L) with `members`.
 
     The uncertainty is split on the members' own probabilities, where total =
     aleatoric + epistemic holds; a temperature only rescales 'probs' (and
@@ -383,10 +399,30 @@ class Ensemble:
     check_flag('progress', progress)
     if self.task.name == 'regression':
       return self._predict_regression(images, members=members, progress=progress, levels=levels)
+    if self.task.name == 'multilabel':
+      return self._predict_labels(images, members=members, progress=progress, threshold=threshold)
+    if threshold != 0.5:
+      raise UsageError(f'threshold={threshold!r} decides the labels of a multilabel ensemble, and this is a '
+                       f'{self.task.name} ensemble; leave it out')
     outputs = self._outputs(images, 'predict', progress)
     member_probs, probs = outputs['member_probs'], outputs['probs']
     result = {'probs': probs, 'class': np.argmax(probs, -1), **decomposition.decompose(member_probs)}
     result.update({key: outputs[key] for key in ('set', 'flag') if key in outputs})
+    if members:
+      result['member_probs'] = member_probs
+    return result
+
+  def _predict_labels(self, inputs: Any, *, members: bool, progress: bool, threshold: float) -> dict[str, np.ndarray]:
+    """Multi-label's `predict`: per label, the chain's probabilities, the decisions at `threshold` and the members'
+    own probabilities' split of the uncertainty (`uncertainty.multilabel.decompose`)."""
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 < threshold < 1:
+      raise UsageError(f'threshold={threshold!r} must be in (0, 1): a label is predicted where its probability '
+                       'exceeds it')
+    outputs = self._outputs(inputs, 'predict', progress)
+    member_probs, probs = outputs['member_label_probs'], outputs['label_probs']
+    result = {'probs': probs, 'labels': (probs > threshold).astype(np.int32), **multilabel.decompose(member_probs)}
+    if 'set' in outputs:
+      result['set'] = outputs['set']
     if members:
       result['member_probs'] = member_probs
     return result
@@ -409,13 +445,14 @@ class Ensemble:
 
   def evaluate(self, inputs: Any, labels: Any) -> dict[str, Any]:
     """The report's scores on labelled inputs: 'ensemble' and 'mean_member' accuracy, NLL, Brier and ECE, and
-    'members', 'best_member', the gains and the ensemble-size curve (`evaluation.score_test_set`); with a
+    'members', 'best_member', the gains and the ensemble-size curve (`scoring.score_test_set`); with a
     temperature in the chain, 'temperature_scaled' scores of the chain's probabilities.
 
     The NLL comes from the members' log-probabilities, so a confident mistake
     keeps its cost; the temperature is not applied to the members' scores. A
     regression ensemble takes float targets and returns RMSE, NLL, CRPS and
-    interval coverage ('variance_scaled' with a variance scale in the chain).
+    interval coverage ('variance_scaled' with a variance scale in the chain); a multi-label ensemble 0/1 labels
+    (N, L) and per-label scores (`scoring.score_labels`).
     """
     inputs = self._labelled(inputs, 'evaluate')
     labels = self._labels(labels, len(inputs), 'evaluate')
@@ -424,20 +461,67 @@ class Ensemble:
     scaled = posthoc.apply(self.posthoc, view)
     if self.task.name == 'regression':
       means, variances = view['means'], view['variances']
-      per_member = len(means) // self.size
-      members_scores = [regression.score(means[k * per_member:(k + 1) * per_member],
-                                         variances[k * per_member:(k + 1) * per_member], labels)
-                        for k in range(self.size)]
+      members_scores = [regression.score(m, v, labels) for m, v in scoring.member_components(means, variances,
+                                                                                             self.size)]
       scores = {'ensemble': regression.score(means, variances, labels), 'members': members_scores,
                 'mean_member': {key: float(np.mean([m[key] for m in members_scores])) for key in members_scores[0]}}
       if any(step.kind == 'variance_scale' for step in self.posthoc):
         scores['variance_scaled'] = regression.score(scaled['means'], scaled['variances'], labels)
       return scores
+    if self.task.name == 'multilabel':
+      return scoring.score_labels(member_outputs, labels, scaled['label_probs']
+                                  if any(step.kind == 'label_temperature' for step in self.posthoc) else None)
     from ensemble import calibration  # pylint: disable=g-import-not-at-top
-    scores = _evaluation().score_test_set(member_outputs, labels)
+    scores = scoring.score_test_set(member_outputs, labels)
     if any(step.kind == 'temperature' for step in self.posthoc):
       scores['temperature_scaled'] = calibration.scores(scaled['probs'], labels)
     return scores
+
+  def report(self, inputs: Any, labels: Any, *, calibration: Any = None, ood: dict[str, Any] | None = None,
+             angles: Sequence[int] | None = None, noise: bool | None = None,
+             alphas: Sequence[float] = scoring.DEFAULT_ALPHAS, output_dir: str | None = None) -> dict[str, Any]:
+    """The full report of `python -m ensemble.evaluate`, for this ensemble on labelled `inputs` (a test set), as one
+    nested dict (what its metrics.json holds); with `output_dir`, its report.md and plots written there too. The
+    same implementation (`scoring.score`): the same numbers for the same examples.
+
+    Always: the scores of every member, their mean, the best and the ensemble,
+    the gains, the ensemble-size curve and risk-coverage (a regression's RMSE,
+    NLL, CRPS, interval coverage and selective RMSE). With `calibration=(x, y)`,
+    examples the members did not train on: the temperature (a regression's
+    variance scale), split-conformal sets (intervals) at each of `alphas` with
+    their coverage, its 99% bounds and their sizes (widths), and the flag
+    thresholds. Images: the test set rotated by `angles` (default 0 to 180 by
+    15 degrees; () for none) and with Gaussian noise at five severities
+    (`noise`, default True); out-of-distribution detection (AUROC, AUPR, FPR95)
+    against `ood`, {name: inputs} (images by default: uniform noise and the
+    test images' pixels permuted; {} for none).
+    """
+    inputs = self._labelled(inputs, 'report')
+    test = {'image': inputs, 'label': self._labels(labels, len(inputs), 'report')}
+    heldout = None
+    if calibration is not None:
+      x, y = arrays.pair(calibration, 'report: calibration')
+      x = self._labelled(x, 'report: calibration')
+      heldout = {'image': x, 'label': self._labels(y, len(x), 'report: calibration')}
+    images = self.member.inputs == 'images' and self.task.name == 'classification'  # what the shifts score
+    if ood is None:
+      ood = ({name: make(inputs) for name, make in scoring.OOD_BUILTINS.items()}
+             if self.member.inputs == 'images' and self.task.name != 'regression' else {})
+    if ood and self.task.name == 'regression':
+      raise UsageError('report: ood= detects unfamiliar inputs by the class probabilities, and this is a regression '
+                       'ensemble: leave ood= out')
+    results = {'workdir': self.workdir or 'an ensemble in memory', 'epoch': self.epoch,
+               'checkpoint_unit': self.config.checkpoint_unit, 'ensemble_size': self.size, 'task': self.task.name,
+               'data': 'the examples given', 'calibration': 'given' if heldout is not None else None,
+               **scoring.score(_Forward(self), test, heldout, task=self.task, ensemble_size=self.size,
+                               angles=(scoring.DEFAULT_ANGLES if angles is None else angles) if images else (),
+                               noise=(True if noise is None else noise) and images,
+                               ood_sets={name: self.check(x, f'report: ood {name}') for name, x in ood.items()},
+                               alphas=alphas)}
+    if output_dir is not None:
+      from ensemble import evaluation  # pylint: disable=g-import-not-at-top  # matplotlib
+      evaluation.write_report(self.task.name, results, output_dir)
+    return results
 
   @console.root_logging_kept()
   def save(self, path: str) -> 'Ensemble':
@@ -466,20 +550,13 @@ class Ensemble:
       raise UsageError('flag_threshold reads the held-out slice of the data a workdir was trained on, and this '
                        'ensemble is in memory; fit flags on held-out rows with ens.flags(x, y), or ens = '
                        'ens.save(path) first')
-    import json  # pylint: disable=g-import-not-at-top
-    from ensemble import files, manifest  # pylint: disable=g-import-not-at-top
-    location = recipe_lib.data_location(self.config.data_dir if data_dir is None else data_dir)
-    key = json.dumps([_evaluation().checkpoint_id(self.workdir, self.epoch), target_risk, ood_rate, location,
-                      self.temperature])
-    path = os.path.join(self.workdir, FLAG_THRESHOLDS_FILE)
-    kept = manifest.read_json(path)
-    if key in kept:  # fitted for this checkpoint and these settings before: a prediction costs its start-up
-      return kept[key]
+    from ensemble import manifest  # pylint: disable=g-import-not-at-top
+    data_dir = self.config.data_dir if data_dir is None else data_dir
+    kept = manifest.kept_flag_thresholds(self.workdir, self.epoch, target_risk, ood_rate, data_dir, self.temperature)
+    if kept is not None:  # fitted for this checkpoint and these settings before: a prediction costs its start-up
+      return kept
     fitted = self._fit_flag_threshold(target_risk, data_dir, ood_rate)
-    try:
-      files.write_atomically(path, json.dumps({**kept, key: fitted}, indent=2))
-    except OSError as e:  # a workdir this process may not write: fitted again next time
-      logging.warning('The flag thresholds cannot be kept in %s (%s): each prediction fits them again.', path, e)
+    manifest.keep_flag_thresholds(self.workdir, self.epoch, fitted, self.temperature, data_dir)
     return fitted
 
   def _fit_flag_threshold(self, target_risk: float, data_dir: str | None, ood_rate: float) -> dict[str, Any]:
@@ -500,6 +577,23 @@ class Ensemble:
             'examples': len(labels), 'seen_in_training': seen_in_training}
 
 
+class _Forward:
+  """The ensemble's forward pass as `scoring.score` asks for it, as `predictor.Predictor` gives it: a split's every
+  member's outputs (its inputs checked already, images as uint8 or in [0, 1]), their probabilities, its labels."""
+
+  def __init__(self, ens: Ensemble):
+    self._ens = ens
+
+  def log_probs(self, split: data.Split) -> np.ndarray:
+    return self._ens._member_outputs(np.asarray(split['image']), role='report')  # pylint: disable=protected-access
+
+  def __call__(self, split: data.Split) -> np.ndarray:
+    return np.exp(self.log_probs(split))
+
+  def labels(self, split: data.Split) -> np.ndarray:
+    return split['label']
+
+
 def _check_rates(target_risk: Any, ood_rate: Any):
   if isinstance(target_risk, bool) or not isinstance(target_risk, numbers.Real) or not target_risk == target_risk:
     raise UsageError(f'target_risk={target_risk!r} must be a number: the error rate the unflagged inputs may have')
@@ -512,4 +606,4 @@ def given_temperature(task: str, value: float, epoch: int, chain: Sequence[posth
   `ensemble.evaluate` report), after `chain`."""
   if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float('inf'):
     raise UsageError(f'temperature={value!r} must be a positive number')
-  return posthoc.given('variance_scale' if task == 'regression' else 'temperature', chain, epoch, value=float(value))
+  return posthoc.given(posthoc.SCALE_KINDS[task], chain, epoch, value=float(value))

@@ -130,6 +130,24 @@ def _missing_summaries(ckpt: checkpoint.Checkpointer, workdir: str, start_key: i
   return [summary for summary in summaries if summary is not None and summary[0] not in written]
 
 
+def _earlier_losses(workdir: str, epochs: int, steps_per_epoch: int) -> list[float] | None:
+  """The training loss of each of the first `epochs` epochs, from metrics.jsonl's lines at their ends (lines written
+  between checkpoints inside an epoch are not its loss); None where they cannot all be read (a process other than 0,
+  which writes no lines; a file edited or lost)."""
+  if not epochs:
+    return []
+  if jax.process_index() != 0:
+    return None
+  try:
+    lines = writers.read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+  except (OSError, ValueError):
+    return None
+  ends = {line['epoch']: line['train_loss'] for line in lines
+          if 'train_loss' in line and line.get('step') == line.get('epoch', 0) * steps_per_epoch}
+  losses = [ends.get(epoch) for epoch in range(1, epochs + 1)]
+  return None if None in losses else losses
+
+
 def _best_so_far(ckpt: checkpoint.Checkpointer, key: int, restored: Any) -> loop.Best | None:
   """Early stopping's best epoch when a run resumes: its last checkpoint (only the epochs that lower the validation
   NLL are kept), `restored`, copied (training donates the state it starts from)."""
@@ -374,7 +392,8 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
   saves.resumed_stop = resumed_stop
   try:
     with loop.stop_on_sigterm():
-      state, summary = loop.train(run, state, start=start, hooks=[saves], progress=progress, best=best)
+      state, summary = loop.train(run, state, start=start, hooks=[saves], progress=progress, best=best,
+                                  earlier_losses=_earlier_losses(workdir, start_epoch, run.steps_per_epoch))
   except divergence.Diverged as e:
     resume = f'resume from epoch {e.epoch - 1}' if e.epoch > 1 else 'start again'
     raise UsageError(f'{e} and re-run to {resume} (the checkpoints saved so far are kept)') from None

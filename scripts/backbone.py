@@ -38,7 +38,7 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 import ensemble  # pylint: disable=g-import-not-at-top
-from ensemble import backends, cli, data, evaluation, host_memory, loop  # pylint: disable=g-import-not-at-top
+from ensemble import backends, cli, data, host_memory, loop, scoring  # pylint: disable=g-import-not-at-top
 from ensemble.data import arrays  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 from ensemble.uncertainty import ood  # pylint: disable=g-import-not-at-top
@@ -88,7 +88,7 @@ def _checkpoint_bytes(ens) -> int:
 
 def _quality(ens, test) -> dict:
   scores = ens.evaluate(*test)['ensemble']
-  shifted = evaluation.permute_pixels(test[0])
+  shifted = scoring.permute_pixels(test[0])
   inside, outside = ens.predict(test[0]), ens.predict(shifted)
   return {'accuracy': scores['accuracy'], 'nll': scores['nll'], 'ece': scores['ece'],
           'auroc_mi': ood.auroc(inside['mutual_information'], outside['mutual_information']),

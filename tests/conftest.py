@@ -263,3 +263,30 @@ def assert_same_training(a, b, *trees: str):
   for tree in ('params', *trees):
     jax.tree.map(close, getattr(a.state, tree), getattr(b.state, tree))
   np.testing.assert_allclose(a.summary['test_loss'], b.summary['test_loss'], rtol=1e-4)
+
+
+GUIDE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'docs', 'python-api.md')
+
+
+def run_guide_example(heading: str, capsys) -> tuple[str, str | None]:
+  """Runs the first Python block of docs/python-api.md's section `heading` as written: (what it printed, what the
+  page says it prints after 'It prints', or None where it says nothing)."""
+  import re  # pylint: disable=g-import-not-at-top
+  with open(GUIDE, encoding='utf-8') as f:
+    section = f.read().split(heading, 1)[1]
+  code = re.search(r'```python\n(.*?)```', section, re.S).group(1)
+  expected = re.search(r'It prints[^\n]*\n\n```\n(.*?)```', section, re.S)
+  exec(compile(code, GUIDE, 'exec'), {'__name__': 'guide'})  # pylint: disable=exec-used
+  return capsys.readouterr().out, expected and expected.group(1)
+
+
+def assert_printed_as_the_page_says(printed: str, expected: str, atol: float = 0.01) -> list[float]:
+  """The page's lines word for word, and its figures to `atol` (the page's are one device's, the tests' eight
+  simulated devices'); the printed figures."""
+  import re  # pylint: disable=g-import-not-at-top
+  number = re.compile(r'\d+\.\d+')
+  assert number.sub('#', printed) == number.sub('#', expected), printed
+  figures = [float(x) for x in number.findall(printed)]
+  np.testing.assert_allclose(figures, [float(x) for x in number.findall(expected)], atol=atol, err_msg=printed)
+  return figures
+

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import ensemble
+from conftest import run_guide_example
 from ensemble import calibration
 from ensemble.errors import UsageError
 from ensemble.tasks import regression
@@ -115,15 +116,8 @@ def test_a_calibrated_ensemble_saves_and_loads_calibrated(fitted, tmp_path):
 def test_the_guide_s_calibration_example_runs_as_written(capsys):
   """docs/python-api.md leads with fit -> calibrate -> conformal -> predict on the regression toy: it runs as
   written, and its conformal intervals cover about 90% of the new rows."""
-  import os  # pylint: disable=g-import-not-at-top
-  import re  # pylint: disable=g-import-not-at-top
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'docs', 'python-api.md')
-  with open(path, encoding='utf-8') as f:
-    text = f.read()
-  section = text.split('## Calibrated predictions', 1)[1]
-  code = re.search(r'```python\n(.*?)```', section, re.S).group(1)
-  exec(compile(code, path, 'exec'), {'__name__': 'guide'})  # pylint: disable=exec-used
-  coverage = float(capsys.readouterr().out.split()[-1])
+  printed, _ = run_guide_example('## Calibrated predictions', capsys)
+  coverage = float(printed.split()[-1])
   assert 0.86 <= coverage <= 0.95, coverage
 
 

@@ -10,7 +10,7 @@ import pytest
 import scipy.special
 import scipy.stats
 
-from ensemble import calibration, evaluation, steps
+from ensemble import calibration, scoring, steps
 
 
 def _random_probs(n=500, num_classes=10, seed=0):
@@ -143,7 +143,7 @@ def test_trainer_and_evaluator_agree_on_the_ensemble_nll_where_probabilities_und
   evaluator_side = calibration.ensemble_nll(log_probs, labels)
   np.testing.assert_allclose(evaluator_side, expected.mean(), rtol=1e-12)
   np.testing.assert_allclose(evaluator_side, np.mean(trainer_side[0]), rtol=1e-6)
-  scored = evaluation.score_test_set(log_probs, labels)
+  scored = scoring.score_test_set(log_probs, labels)
   assert scored['ensemble']['nll'] == evaluator_side
   assert scored['ensemble_size_curve'][-1]['nll'] == evaluator_side
   np.testing.assert_allclose([m['nll'] for m in scored['members']], -label_log_probs.mean(1), rtol=1e-12)

@@ -140,6 +140,16 @@ def test_track_yields_every_item(info_verbosity):
   assert '3/3 angles' in screen.getvalue()
 
 
+def test_a_progress_line_names_its_units_in_the_plural(info_verbosity, caplog):
+  """Issue 76: the noise sweep's progress read "2/5 severitys"."""
+  caplog.set_level(py_logging.INFO)
+  assert [console.plural_of(noun) for noun in ('step', 'severity', 'batch', 'day', 'class')] == [
+      'steps', 'severities', 'batches', 'days', 'classes']
+  list(console.track([1, 2], 'gaussian noise', unit='severity', every_secs=0, file=io.StringIO(), show=True))
+  line, = [message for message in _messages(caplog) if message.startswith('gaussian noise: 2/2')]
+  assert line.startswith('gaussian noise: 2/2 severities (100%), ') and ' severities/s' in line, line
+
+
 def _summary(member_accuracy, epoch=2, test_accuracy=0.991234567, test_loss=0.0310213):
   summary = {'epoch': float(epoch), 'train_loss': 0.123456789, 'train_accuracy': 0.97,
              'test_loss': test_loss, 'test_accuracy': test_accuracy}

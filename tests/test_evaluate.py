@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import linked_workdir, run_main, small_config, synthetic_mnist, write_idx, write_mnist
-from ensemble import calibration, data, evaluate, evaluation, predictor, recipe as recipe_lib, trainer, writers
-from ensemble import report as report_lib
+from ensemble import calibration, checkpoint, data, evaluate, evaluation, predictor, recipe as recipe_lib, trainer
+from ensemble import manifest, report as report_lib, scoring, writers
 
 evaluate.define_flags()  # for the command lines run in this process
 
@@ -53,7 +53,7 @@ def test_script_writes_a_report_that_agrees_with_training(workdir, tmp_path):
   assert results['epoch'] == 1 and results['ensemble_size'] == 8 and results['test_examples'] == 100
   assert list(results['ood']) == list(evaluation.DEFAULT_OOD) == ['uniform_noise', 'permuted_pixels']
   # What the temperature was fitted for: predict and export apply it to this checkpoint of a run on this data only.
-  assert results['checkpoint'] == evaluation.checkpoint_id(workdir, 1)
+  assert results['checkpoint'] == checkpoint.checkpoint_id(workdir, 1)
   assert results['data_dir'] == evaluation.load_run_config(workdir).data_dir
 
   # The same test set through the trainer's path (pmap eval step on 8 devices, clu metrics).
@@ -101,7 +101,7 @@ def test_script_writes_a_report_that_agrees_with_training(workdir, tmp_path):
   # A report that fails to render leaves the one before as it was: nothing is written until all of it is rendered.
   before = {name: (out / name).read_bytes() for name in os.listdir(out)}
   with pytest.raises(TypeError):
-    report_lib.write({**results, 'epoch': 2, 'rotation': None}, str(out))
+    report_lib.write({**results, 'epoch': 2, 'ensemble_size_curve': None}, str(out))
   assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
 
 
@@ -230,13 +230,13 @@ def test_ood_detection_selective_prediction_and_conformal_sets(workdir, tmp_path
   assert list(results['ood']) == ['uniform_noise', 'permuted_pixels']
   for result in results['ood'].values():
     assert result['examples'] == 100
-    assert list(result['ensemble']) == list(evaluation.OOD_SCORES)
+    assert list(result['ensemble']) == list(scoring.OOD_SCORES)
     assert list(result['mean_member']) == ['max_probability', 'entropy']  # one member has no mutual information
     for figures in [*result['ensemble'].values(), *result['mean_member'].values()]:
       assert set(figures) == {'auroc', 'aupr', 'fpr95'} and all(0 <= v <= 1 for v in figures.values())
     for histogram in result['histogram'].values():
       assert sum(histogram['test']) == 100 and sum(histogram['ood']) == 100
-      assert len(histogram['edges']) == evaluation.OOD_HISTOGRAM_BINS + 1
+      assert len(histogram['edges']) == scoring.OOD_HISTOGRAM_BINS + 1
 
   selective = results['selective']
   assert selective['table'][0]['coverage'] == 1.0
@@ -266,9 +266,73 @@ def test_ood_detection_selective_prediction_and_conformal_sets(workdir, tmp_path
 
 def test_permuted_pixels_keep_each_images_intensities():
   images = np.random.default_rng(0).integers(0, 256, (3, 5, 4, 2), dtype=np.uint8)
-  permuted = evaluation.permute_pixels(images)
+  permuted = scoring.permute_pixels(images)
   assert permuted.shape == images.shape and not (permuted == images).all()
   for original, shuffled in zip(images, permuted):
     pixels = lambda image: sorted(map(tuple, image.reshape(-1, 2)))  # a pixel's channels move together
     assert pixels(original) == pixels(shuffled)
-  assert (evaluation.permute_pixels(images) == permuted).all()  # the same set every evaluation
+  assert (scoring.permute_pixels(images) == permuted).all()  # the same set every evaluation
+
+
+def _assert_same_numbers(got, want, path='results'):
+  """Two reports' numbers alike, to float32's rounding of a forward pass in other batch shapes."""
+  if isinstance(want, dict):
+    assert sorted(got) == sorted(want), (path, sorted(got), sorted(want))
+    for key in want:
+      _assert_same_numbers(got[key], want[key], f'{path}.{key}')
+  elif isinstance(want, list):
+    assert len(got) == len(want), path
+    for i, (a, b) in enumerate(zip(got, want)):
+      _assert_same_numbers(a, b, f'{path}[{i}]')
+  elif isinstance(want, float):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7, err_msg=path)
+  else:
+    assert got == want, (path, got, want)
+
+
+def test_the_python_report_is_the_command_line_s_on_the_same_examples(workdir, tmp_path):
+  """Issue 76: `Ensemble.report` gives what `python -m ensemble.evaluate` gives (one implementation,
+  `scoring.score`): on the same test set and held-out slice, the same numbers, the same files."""
+  import ensemble  # pylint: disable=g-import-not-at-top
+  cli = evaluation.evaluate(workdir, angles=[0, 90], output_dir=str(tmp_path / 'cli'))
+  config = evaluation.load_run_config(workdir)
+  dataset = data.load(data_dir=config.data_dir)
+  heldout, _ = evaluation.heldout_split(dataset.train, config)
+  mine = ensemble.load(workdir).report(dataset.test['image'], dataset.test['label'],
+                                       calibration=(heldout['image'], heldout['label']), angles=[0, 90],
+                                       output_dir=str(tmp_path / 'python'))
+  about = ('workdir', 'data', 'data_dir', 'checkpoint', 'calibration')  # where the examples came from
+  _assert_same_numbers({k: v for k, v in mine.items() if k not in about},
+                       {k: v for k, v in cli.items() if k not in about})
+  assert sorted(os.listdir(tmp_path / 'python')) == sorted(os.listdir(tmp_path / 'cli'))
+  assert 'calibrated on the 26 calibration examples given' in (tmp_path / 'python' / 'report.md').read_text()
+
+
+def test_evaluate_predicts_each_set_once_and_scores_what_it_is_asked(workdir, tmp_path, monkeypatch):
+  """Issue 76: the 0 degree rotation predicted the test set a second time, the held-out slice was predicted twice
+  (temperature, conformal sets) and a third time after "Done" (the flag thresholds); the noise sweep had no switch
+  and a subset could not be scored. Now each set is predicted once, `--nonoise`, `--angles=` and `--max_examples`
+  say what is scored, and the flag thresholds come from the held-out outputs already predicted."""
+  calls = []
+  log_probs = predictor.Predictor.log_probs
+
+  def counted(self, split):
+    calls.append(len(split['label']))
+    return log_probs(self, split)
+  monkeypatch.setattr(predictor.Predictor, 'log_probs', counted)
+  copy = linked_workdir(workdir, str(tmp_path / 'run'))
+  results = evaluation.evaluate(copy, angles=[0], noise=False, ood_names=(), max_examples=40)  # into copy/eval
+  assert sorted(calls) == [26, 40]  # the held-out slice, the test set's first 40: once each
+  assert results['test_examples'] == 40 and [row['angle'] for row in results['rotation']] == [0]
+  assert 'gaussian_noise' not in results and 'ood' not in results
+  assert results['rotation'][0]['ensemble']['nll'] == pytest.approx(results['ensemble']['nll'])
+  kept = json.loads((tmp_path / 'run' / manifest.FLAG_THRESHOLDS_FILE).read_text())
+  assert list(kept.values()) == [results['flags']]
+  calls.clear()
+  # What predict then applies costs no pass over the held-out slice: it reads them, for this temperature.
+  assert ensemble_load(copy).flag_threshold() == results['flags'] and not calls
+
+
+def ensemble_load(path):
+  import ensemble  # pylint: disable=g-import-not-at-top
+  return ensemble.load(path)

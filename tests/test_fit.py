@@ -382,15 +382,17 @@ def test_fit_without_a_test_set_refuses_a_heldout_fraction_of_no_rows(data):
     ensemble.fit(_model(), (x, y), task='regression', heldout_fraction=0.001, **ONE_EPOCH)
 
 
-def test_fit_on_labels_1_2_3_trains_4_classes_and_names_the_absent_one(data, caplog):
-  """The class ids are the user's: C is the largest training label + 1, and the class never trained on is named."""
+def test_fit_on_labels_1_2_3_trains_4_classes_and_names_the_absent_one(data):
+  """The class ids are the user's: C is the largest training label + 1, and the class never trained on is named, in
+  a warning a script sees (issue 76), pointing at its `fit` call."""
   (x, y), _ = data
-  with caplog.at_level('WARNING'):
+  with pytest.warns(ensemble.errors.EnsembleWarning) as caught:
     ens = ensemble.fit(_model(num_classes=4), (x, np.digitize(y, [-0.5, 0.5]) + 1), **ONE_EPOCH)
   assert ens.num_classes == 4 and np.isfinite(ens.summary['train_loss'])
-  warnings = [record.getMessage() for record in caplog.records if record.levelname == 'WARNING']
-  assert 'class 0 never appears in the training labels: the members will never predict it; relabel to 0..C-1 if ' \
-         'that is not meant' in warnings, warnings
+  hints = [w for w in caught if issubclass(w.category, ensemble.errors.EnsembleWarning)]
+  assert [str(w.message) for w in hints] == ['class 0 never appears in the training labels: the members will never '
+                                             'predict it; relabel to 0..C-1 if that is not meant'], hints
+  assert hints[0].filename == __file__
 
 
 def test_float64_targets_far_from_zero_keep_their_precision(data):

@@ -16,7 +16,7 @@ from PIL import Image
 
 import ensemble
 from conftest import compiles, linked_workdir, run_main, small_config, write_idx, write_mnist
-from ensemble import api, calibration, data, evaluation, manifest, posthoc, predict, trainer, writers
+from ensemble import api, calibration, checkpoint, data, evaluation, manifest, posthoc, predict, trainer, writers
 from ensemble import trained as trained_lib
 from ensemble.data import inputs
 from ensemble.errors import UsageError
@@ -95,7 +95,7 @@ def test_the_temperature_fitted_by_evaluate_is_applied_to_its_checkpoint_and_dat
   workdir = linked_workdir(trained['workdir'], str(tmp_path / 'run'))
   os.makedirs(os.path.join(workdir, 'eval'))
   config = evaluation.load_run_config(workdir)
-  fitted = {'epoch': 1, 'checkpoint': evaluation.checkpoint_id(workdir, 1), 'data_dir': config.data_dir,
+  fitted = {'epoch': 1, 'checkpoint': checkpoint.checkpoint_id(workdir, 1), 'data_dir': config.data_dir,
             'temperature_scaling': {'temperature': 2.0}}
 
   def report(**changes):

@@ -1,5 +1,6 @@
 """The measuring scripts: they run where the GPU machines have neither clu, TFDS nor ml_collections."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -111,3 +112,150 @@ def test_backbone_prints_its_table(tmp_path):
     assert all(float(figure) == float(figure) for figure in measured), row  # numbers, no NaN
   refused = _run('scripts/backbone.py', '--rows=256', '--peak')
   assert refused.returncode == 2 and 'error: --peak' in refused.stderr, refused.stderr[-3000:]
+
+
+def test_multilabel_mnist_prints_its_table():
+  """scripts/multilabel_mnist.py on a few mosaics: the ensemble's row and the single model's, every figure a number
+  but the single model's disagreement (it has none: '–')."""
+  result = _run('scripts/multilabel_mnist.py', '--train=64', '--test=32', '--calibration=40', '--epochs=1',
+                '--ensemble_size=2')
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = [line for line in result.stdout.splitlines() if line.startswith('| ')]
+  header = [cell.strip() for cell in lines[0].strip('|').split('|')]
+  rows = {line.split(' | ')[0][2:]: [cell.strip() for cell in line.strip('|').split('|')[1:]] for line in lines[2:]}
+  assert list(rows) == ['ensemble (K=2)', 'single model'], lines
+  for name, figures in rows.items():
+    for key, figure in zip(header[1:], figures, strict=True):
+      if name == 'single model' and key.startswith('auroc_mi'):
+        assert figure == '–', (key, figure)
+      else:
+        assert float(figure) == float(figure), (name, key, figure)  # a number, not NaN
+  refused = _run('scripts/multilabel_mnist.py', '--ensemble_size=1')
+  assert refused.returncode == 2 and 'error: --ensemble_size=1' in refused.stderr, refused.stderr[-3000:]
+
+
+# What a GPU machine's image lacks once scripts/gpu_check.sh has installed its wheels: TensorFlow and TFDS. PyTorch is
+# hidden too, so that the dry run takes the same path (and time) wherever it runs. In every process the run starts.
+HIDDEN_ON_GPU = """import sys
+for name in ('tensorflow', 'tensorflow_datasets', 'torch'):
+  sys.modules[name] = None  # `import` fails and importlib.util.find_spec finds nothing, as where it is not installed
+"""
+
+
+def test_gpu_check_dry_run_writes_every_section_as_it_goes(tmp_path):
+  """scripts/gpu_check.py --dry: issue 77's GPU run on the CPU with tiny sizes, so that it is known to work before
+  GPU time is spent on it: the profile joined to the HLO, the layouts, the peers (a row past its budget stopped and
+  said so), README's command end to end and small data, in at most the 8 files the device tool brings back."""
+  hidden = tmp_path / 'hidden'
+  hidden.mkdir()
+  (hidden / 'sitecustomize.py').write_text(HIDDEN_ON_GPU)
+  out = tmp_path / 'out'
+  result = subprocess.run([sys.executable, 'scripts/gpu_check.py', '--dry', f'--out={out}'], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, 'XLA_FLAGS': '', 'PYTHONPATH': str(hidden)})
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  assert sorted(os.listdir(out)) == ['end_to_end.json', 'peers.json', 'profile.json', 'profile.txt',
+                                     'small_data.json', 'summary.md']
+
+  profile = json.loads((out / 'profile.json').read_text())
+  ours = [row for row in profile['rows'] if row['stack'] == 'jax']
+  assert [(row['what'], row['member_map'], row['status']) for row in ours] == [
+      ('profile', 'auto', 'measured'), ('bench', 'vmap', 'measured')]
+  assert all(row['member_images_per_s'] > 0 for row in ours)
+  table = ours[0]['profile']
+  assert table['ms_per_step'] > 0 and table['hlo_modules'] > 0 and table['unattributed_share'] == 0
+  assert abs(sum(category['share'] for category in table['categories']) - 1) < 1e-6
+  convolutions = [op for op in table['ops'] if op['category'] == 'convolution']
+  assert convolutions and all(op['shape'] and op['operands'] and 'dim_labels' in op['detail'] for op in convolutions)
+  torch_rows = [row for row in profile['rows'] if row['stack'] == 'torch']
+  assert torch_rows and all(row['status'] == 'skipped' and 'PyTorch is not installed' in row['note']
+                            for row in torch_rows)
+  assert 'convolution' in (out / 'profile.txt').read_text()
+
+  peers = json.loads((out / 'peers.json').read_text())
+  [resnet] = [row for row in peers['rows'] if row['stack'] == 'jax']
+  assert resnet['model'] == 'resnet' and resnet['status'] == 'skipped' and 'past its budget of 1 s' in resnet['note']
+  [cnn] = peers['table']  # ours from section 1's profiled row, PyTorch's missing
+  assert cnn['model'] == 'cnn' and cnn['ours_jit_fast'] > 0 and cnn['torch_vmap_compiled'] is None
+
+  end_to_end = json.loads((out / 'end_to_end.json').read_text())
+  assert end_to_end['status'] == 'finished' and end_to_end['wall_s'] > 0 and 0 <= end_to_end['test_accuracy'] <= 1
+  assert [epoch['epoch'] for epoch in end_to_end['epochs']] == [1] and end_to_end['epochs'][0]['train_seconds'] > 0
+  small_data = json.loads((out / 'small_data.json').read_text())['sections']
+  assert list(small_data) == ['fixed'] and small_data['fixed']['fixed']['fit_1_epochs']['fit'] > 0
+
+  summary = (out / 'summary.md').read_text()
+  for heading in ('## 1. Profile', '### Layouts and precision', '## 2. Peers', "## 3. README's default command",
+                  '## 4. scripts/small_data.py', '## fixed cost of a call'):
+    assert heading in summary, heading
+
+
+def _gpu_check():
+  spec = importlib.util.spec_from_file_location('gpu_check', os.path.join(REPO, 'scripts', 'gpu_check.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+# An XLA:GPU module as --xla_dump_hlo_as_text writes it after optimizations: a grouped cuDNN convolution of 8
+# members and a fusion of BatchNorm's reduction (each line ending in a backslash goes on in the next, as one line).
+GPU_HLO = """HloModule jit_mapped, is_scheduled=true, \
+entry_computation_layout={(f32[1024,32,32,16]{3,2,1,0})->f32[8,16]{1,0}}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%fused_reduce (param_0: f32[8,128,32,32,16]) -> f32[8,16] {
+  %param_0 = f32[8,128,32,32,16]{4,3,2,1,0} parameter(0)
+  %constant = f32[] constant(0)
+  ROOT %reduce.1 = f32[8,16]{1,0} reduce(%param_0, %constant), dimensions={1,2,3}, to_apply=%add, \
+metadata={op_name="jit(mapped)/jvp(ResNet)/BatchNorm_0/reduce_sum"}
+}
+
+ENTRY %main.9 (p0: f32[1024,32,32,16], p1: f32[3,3,2,128]) -> f32[8,16] {
+  %p0 = f32[1024,32,32,16]{3,2,1,0} parameter(0)
+  %p1 = f32[3,3,2,128]{3,2,1,0} parameter(1)
+  %cudnn-conv.3 = (f32[1024,32,32,128]{3,2,1,0}, u8[0]{0}) custom-call(%p0, %p1), window={size=3x3 pad=1_1x1_1}, \
+dim_labels=b01f_01io->b01f, feature_group_count=8, custom_call_target="__cudnn$convForward", \
+metadata={op_name="jit(mapped)/jvp(ResNet)/Conv_0/conv_general_dilated"}
+  %bitcast.2 = f32[8,128,32,32,16]{4,3,2,1,0} bitcast(%p0)
+  %transpose.7 = f32[16,1024,32,32]{3,2,1,0} transpose(%p0), dimensions={3,0,1,2}
+  ROOT %input_reduce_fusion.2 = f32[8,16]{1,0} fusion(%bitcast.2), kind=kInput, calls=%fused_reduce
+}
+"""
+
+
+def test_gpu_check_reduces_a_gpu_trace_to_operations_with_their_shapes(tmp_path):
+  """The GPU side of gpu_check's profile, which no CPU run reaches: a device plane's stream kernels (not its derived
+  lines, nor the host's events) named by their hlo_op stat, by an annotation, or by the kernel's own name (a fusion's,
+  '.' written '_'), joined to the dumped HLO for their kind, shape, groups and layout."""
+  gpu_check = _gpu_check()
+  (tmp_path / 'module_0012.jit_mapped.sm_9.0_gpu_after_optimizations.txt').write_text(GPU_HLO)
+  modules = gpu_check.read_hlo_dump(str(tmp_path))
+  assert list(modules) == ['12'] and modules['12']['name'] == 'jit_mapped'
+  kernels = [('sm90_xmma_fprop_implicit_gemm_f32f32', 0, 6000, {'hlo_op': 'cudnn-conv.3', 'program_id': 12}),
+             ('input_reduce_fusion_2', 6000, 2000, {}),
+             ('transpose_kernel', 8000, 1000, {'annotation': 'x:#hlo_op=transpose.7,hlo_module=jit_mapped#'}),
+             ('MemcpyD2D', 9000, 1000, {})]
+  planes = [{'name': '/host:CPU', 'lines': [{'name': 'python', 'events': [('cudnn-conv.3', 0, 10 ** 6,
+                                                                            {'hlo_op': 'cudnn-conv.3'})]}]},
+            {'name': '/device:GPU:0', 'lines': [{'name': 'XLA Ops', 'events': kernels},
+                                                {'name': 'Stream #14(Compute)', 'events': kernels}]}]
+  table = gpu_check.op_table(planes, modules, steps=2)
+  assert table['clock'] == '/device:GPU:0' and table['events'] == 4
+  assert table['ms_per_step'] == pytest.approx(0.005) and table['unattributed_share'] == pytest.approx(0.3)
+  assert {c['category']: c['share'] for c in table['categories']} == pytest.approx({
+      'convolution, grouped (8)': 0.6, 'reduction (BatchNorm)': 0.2, 'transpose': 0.1, 'memcpy/memset': 0.1})
+  convolution, reduction, transpose, copy = table['ops']
+  assert convolution['op'] == 'cudnn-conv.3' and convolution['ms_per_step'] == pytest.approx(0.003)
+  assert convolution['shape'] == '(f32[1024,32,32,128]{3,2,1,0}, u8[0]{0})'
+  assert convolution['operands'] == ['f32[1024,32,32,16]{3,2,1,0}', 'f32[3,3,2,128]{3,2,1,0}']
+  assert convolution['detail'].startswith('convForward dim_labels=b01f_01io->b01f')
+  assert 'feature_group_count=8' in convolution['detail'] and convolution['op_name'].startswith('jvp(ResNet)/Conv_0')
+  assert (reduction['op'], reduction['shape']) == ('input_reduce_fusion_2', 'f32[8,16]{1,0}')
+  assert reduction['operands'] == ['f32[8,128,32,32,16]{4,3,2,1,0}']
+  assert (transpose['op'], transpose['shape'], copy['op']) == ('transpose.7', 'f32[16,1024,32,32]{3,2,1,0}',
+                                                                'MemcpyD2D')

@@ -11,7 +11,7 @@ import pytest
 
 import ensemble
 import user_models
-from conftest import compiles
+from conftest import assert_printed_as_the_page_says, compiles, run_guide_example
 from ensemble import backends, checkpoint, loop, recipe as recipe_lib
 from ensemble.errors import UsageError
 
@@ -184,16 +184,16 @@ def test_adapters_on_a_frozen_shared_backbone(pretrained, tmp_path):
 
 
 def test_the_guide_s_backbone_example_runs_as_written(capsys):
-  """docs/python-api.md's pretrained-backbone example runs as written: heads and adapters both learn the digits."""
-  import os  # pylint: disable=g-import-not-at-top
-  import re  # pylint: disable=g-import-not-at-top
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'docs', 'python-api.md')
-  with open(path, encoding='utf-8') as f:
-    section = f.read().split('## A pretrained backbone', 1)[1]
-  code = re.search(r'```python\n(.*?)```', section, re.S).group(1)
-  exec(compile(code, path, 'exec'), {'__name__': 'guide'})  # pylint: disable=exec-used
-  heads, adapters = map(float, capsys.readouterr().out.split()[-2:])
-  assert heads > 0.75 and adapters > 0.75, (heads, adapters)
+  """docs/python-api.md's pretrained-backbone example runs as written and prints what the page shows (to 0.01: the
+  page's figures are one device's, these eight simulated devices'): fresh heads and adapters end below the
+  pretrained model's NLL in the epochs it took, and each ensemble beats its best member in NLL and accuracy. Issue
+  76: at the pretraining's rate (Adam, 1e-3), fresh heads learned too slowly (member accuracies 0.87, 0.56, 0.58,
+  0.49) and the ensemble was worse than its best member."""
+  printed, expected = run_guide_example('## A pretrained backbone', capsys)
+  figures = assert_printed_as_the_page_says(printed, expected)
+  pretrained_nll, pretrained_accuracy, *ensembles = figures
+  for nll, best_nll, accuracy, best_accuracy in (ensembles[:4], ensembles[4:]):
+    assert nll < best_nll < pretrained_nll and accuracy > best_accuracy > pretrained_accuracy, printed
 
 
 def test_a_predicate_names_the_parameters_by_path():

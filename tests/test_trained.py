@@ -276,3 +276,39 @@ def test_a_saved_ensemble_s_flags_step_is_what_the_command_line_flags_by(fitted,
   summary = predict.predict_files(path, str(tmp_path / 'new.npy'), str(tmp_path / 'rows.csv'))
   assert summary['flagged'] == int(flagged.predict(new)['flag'].sum())
   assert summary['threshold'] == flagged.posthoc[-1]['threshold']
+
+
+@pytest.mark.parametrize('task', ['classification', 'regression'])
+def test_the_report_of_an_ensemble_in_memory(fitted, task, tmp_path):
+  """Issue 76: from Python, the full report of an ensemble trained on arrays (`Ensemble.report`), as one nested
+  dict and, with output_dir=, report.md and its plots: the members against the ensemble, the size curve, selective
+  prediction; with calibration rows the temperature (variance scale) and conformal sets (intervals) with their
+  coverage and its bounds; out-of-distribution detection against the inputs given."""
+  ens = fitted[task]
+  x, y = _rows(task, 400, 12)
+  xc, yc = _rows(task, 300, 13)
+  ood = {'far': x * 50} if task == 'classification' else None
+  report = ens.report(x, y, calibration=(xc, yc), ood=ood, output_dir=str(tmp_path / 'report'))
+  assert report['test_examples'] == 400 and report['ensemble_size'] == 2 and len(report['members']) == 2
+  assert 'rotation' not in report and 'gaussian_noise' not in report  # features: no image shifts
+  rows = report['conformal']['rows']
+  assert report['conformal']['calibration_examples'] == 300 and rows
+  for row in rows:  # a classification row's coverage is its ensemble's (beside the mean member's)
+    low, high = row['bounds']
+    coverage = row['ensemble']['coverage'] if task == 'classification' else row['coverage']
+    assert 0 < low < 1 - row['alpha'] < high <= 1 and row['within_bounds'] == (low <= coverage <= high)
+  written = sorted(os.listdir(tmp_path / 'report'))
+  if task == 'classification':
+    scores = report['ood']['far']['ensemble']
+    assert sorted(scores) == ['entropy', 'max_probability', 'mutual_information']
+    assert all(0 <= figures['auroc'] <= 1 for figures in scores.values())
+    assert report['flags']['examples'] == 300 and 0 < report['temperature_scaling']['temperature'] < 20
+    assert report['ensemble']['nll'] == pytest.approx(ens.evaluate(x, y)['ensemble']['nll'], rel=1e-9)
+    assert written == ['ensemble_size.png', 'metrics.json', 'ood_scores.png', 'reliability.png', 'report.md',
+                       'risk_coverage.png']
+  else:
+    assert 0 < report['variance_scaling']['scale'] and report['selective'][0]['coverage'] == 1.0
+    assert report['ensemble']['rmse'] == pytest.approx(ens.evaluate(x, y)['ensemble']['rmse'], rel=1e-9)
+    assert written == ['coverage.png', 'metrics.json', 'report.md']
+  bare = ens.report(x, y)  # without calibration rows: what needs them is left out, and the report says so
+  assert 'conformal' not in bare and 'temperature_scaling' not in bare and 'variance_scaling' not in bare

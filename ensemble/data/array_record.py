@@ -24,7 +24,7 @@ INFO = 'dataset.json'
 FORMAT = 'ensemble.array_record'
 VERSION = 1
 SPLITS = ('train', 'test')
-TASKS = ('classification', 'regression')
+TASKS = ('classification', 'regression', 'multilabel')
 INPUTS = ('images', 'features')
 # group_size:1 puts each record in its own chunk: a later streaming reader reads any one without its neighbours.
 WRITER_OPTIONS = 'group_size:1'

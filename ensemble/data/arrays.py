@@ -55,16 +55,17 @@ def inputs(values: Any, kind: str, role: str, shape: tuple[int, ...], trained_on
 
 
 def labels(values: Any, task: str, role: str, count: int, outputs: int) -> np.ndarray:
-  """Labels for `count` inputs of `role`: int32 class indices within the `outputs` classes the members predict, or
-  a regression's (N, D) float targets, D = `outputs`."""
+  """Labels for `count` inputs of `role`: int32 class indices within the `outputs` classes the members predict, a
+  regression's (N, D) float targets, D = `outputs`, or a multi-label ensemble's (N, L) int32 0s and 1s."""
   values = as_array(values, role, 'labels')
-  if task == 'regression':
+  if task in ('regression', 'multilabel'):
+    what = 'targets' if task == 'regression' else 'labels'
     if values.shape[:1] != (count,):
-      raise base.DataError(f'{role}: targets of shape {values.shape}; give {count} targets, one row per input')
-    targets = base.as_targets(values, role)
-    if targets.shape[1] != outputs:
-      raise base.DataError(f'{role}: {targets.shape[1]} targets per input, but the ensemble predicts {outputs}')
-    return targets
+      raise base.DataError(f'{role}: {what} of shape {values.shape}; give {count} rows of {what}, one per input')
+    checked = base.as_targets(values, role) if task == 'regression' else base.as_multilabels(values, role)
+    if checked.shape[1] != outputs:
+      raise base.DataError(f'{role}: {checked.shape[1]} {what} per input, but the ensemble predicts {outputs}')
+    return checked
   if values.shape[:1] != (count,) or not np.issubdtype(values.dtype, np.integer):
     raise base.DataError(f'{role}: labels of shape {values.shape} and dtype {values.dtype}; give {count} integer '
                          'class indices, one per input')
@@ -109,8 +110,11 @@ def split(split_: Any, kind: str, name: str, task: str = 'classification', sourc
   """One (inputs, labels) pair of `fit` as a Split, checked for its role `name` ('train', 'test', 'validation');
   with `outputs`, class labels must lie within those classes (a validation split's, the training data's)."""
   checked = _split(split_, kind, name, task, source)
-  if outputs is not None and task != 'regression':
+  if outputs is not None and task == 'classification':
     within_classes(checked['label'], outputs, name)
+  elif outputs is not None and task == 'multilabel' and checked['label'].shape[1] != outputs:
+    raise base.DataError(f"{name}: {checked['label'].shape[1]} labels per example, but the training data has "
+                         f'{outputs}; give every split the same labels')
   return checked
 
 
@@ -121,12 +125,14 @@ def _split(split: Any, kind: str, name: str, task: str = 'classification', sourc
   if len(inputs) != len(labels):
     raise base.DataError(f'{name}: {len(inputs)} inputs but {len(labels)} labels; give one label per example')
   base.check_examples(len(inputs), f'{name} inputs')
-  if task == 'regression':
-    targets = base.as_targets(labels, f'{name} targets')
+  if task in ('regression', 'multilabel'):
+    what = 'targets' if task == 'regression' else 'labels'
+    checked = (base.as_targets(labels, f'{name} targets') if task == 'regression'
+               else base.as_multilabels(labels, f'{name} labels'))
     if kind == 'images':
-      return {**base.make_split(inputs, np.zeros(len(inputs), np.int32), f'{name} images', f'{name} targets'),
-              'label': targets}
-    return {'image': as_inputs(inputs, kind, name), 'label': targets}
+      return {**base.make_split(inputs, np.zeros(len(inputs), np.int32), f'{name} images', f'{name} {what}'),
+              'label': checked}
+    return {'image': as_inputs(inputs, kind, name), 'label': checked}
   if not np.issubdtype(labels.dtype, np.integer):
     whole = np.issubdtype(labels.dtype, np.number) and np.all(np.mod(labels, 1) == 0)
     if not whole or labels.ndim > 1 and labels.shape[-1] > 1 and not np.all(np.isin(labels, (0, 1))):
@@ -146,27 +152,28 @@ def from_arrays(train: Any, test: Any | None, inputs: str = 'auto', task: str = 
                 source: str = 'arrays') -> base.Dataset:
   """(x, y) pairs -> a Dataset of `inputs` ('auto': `kind_of` the training inputs) from `source`.
 
-  For task 'regression', y holds float targets (N,) or (N, D).
+  For task 'regression', y holds float targets (N,) or (N, D); for 'multilabel', 0s and 1s (N, L).
   """
   kind = kind_of(pair(train, 'train')[0]) if inputs == 'auto' else inputs
   splits = {name: None if split is None else _split(split, kind, name, task, source)
             for name, split in (('train', train), ('test', test))}
   names = {name: (f'{name} inputs', f'{name} labels') for name in splits}
-  if task == 'regression':
-    return regression_dataset(splits['train'], splits['test'], source, names, kind)
+  if task in ('regression', 'multilabel'):
+    return labelled_rows(splits['train'], splits['test'], source, names, kind, task)
   return base.make_dataset(splits['train'], splits['test'], source, names, inputs=kind)
 
 
-def regression_dataset(train: base.Split, test: base.Split, source: str, names: dict[str, tuple[str, str]],
-                       inputs: str) -> base.Dataset:
-  """Checks that the splits agree in input shape and number of targets."""
-  for index, what in ((0, inputs), (1, 'targets')):
+def labelled_rows(train: base.Split, test: base.Split, source: str, names: dict[str, tuple[str, str]],
+                  inputs: str, task: str = 'regression') -> base.Dataset:
+  """A regression's or a multi-label task's Dataset, a row of labels per example: checks that the splits agree in
+  input shape and in number of targets (labels)."""
+  for index, what in ((0, inputs), (1, 'targets' if task == 'regression' else 'labels')):
     key = 'image' if index == 0 else 'label'
     if test is not None and train[key].shape[1:] != test[key].shape[1:]:
       raise base.DataError(f'{names["test"][index]}: {what} of shape {test[key].shape[1:]} per example, but the '
                            f'training {what} have {train[key].shape[1:]}; give both splits the same')
   return base.Dataset(train=train, test=test, source=source, num_classes=train['label'].shape[1], inputs=inputs,
-                      task='regression')
+                      task=task)
 
 
 def feature_stats(features: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -10,8 +10,8 @@ import zipfile
 from typing import BinaryIO
 
 import numpy as np
-from absl import logging
 
+from ensemble import errors
 from ensemble.errors import UsageError
 
 # {'image': the inputs, 'label': int32 (N,)}. The inputs are uint8 images (N, H, W, C) for every source on disk;
@@ -42,9 +42,9 @@ class Dataset:
   train: Split
   test: Split | None  # None: no test set (`ensemble.fit` without one)
   source: str  # what it came from, for logs and reports
-  num_classes: int  # for regression: the number of targets D
+  num_classes: int  # for regression: the number of targets D; for multi-label: the number of labels L
   inputs: str = 'images'  # what the inputs are: steps.INPUTS
-  task: str = 'classification'  # 'regression': labels are float targets (N, D)
+  task: str = 'classification'  # 'regression': labels are float targets (N, D); 'multilabel': 0/1 labels (N, L)
 
   def __post_init__(self):
     # A loader that breaks the layout would otherwise fail far away, inside a jitted step.
@@ -63,6 +63,11 @@ class Dataset:
         if labels.dtype not in HOST_FLOATS or labels.ndim != 2 or labels.shape[0] != len(images):
           raise ValueError(f'Dataset.{name}: targets must be float32/64 ({len(images)}, D), got {labels.dtype} '
                            f'{labels.shape}')
+      elif self.task == 'multilabel':
+        if labels.dtype not in (np.dtype(np.int32), np.dtype(np.float32)) or labels.shape != (len(images),
+                                                                                            self.num_classes):
+          raise ValueError(f'Dataset.{name}: labels must be int32 0/1 or float32 probabilities ({len(images)}, '
+                           f'{self.num_classes}), got {labels.dtype} {labels.shape}')
       elif not ((labels.dtype == np.int32 and labels.shape == images.shape[:1])
                 or (labels.dtype == np.float32 and labels.ndim == 2 and labels.shape[0] == len(images))):
         # float32 (N, C): a teacher's probabilities, what ensemble.distill trains a student on
@@ -80,8 +85,9 @@ class Dataset:
   def describe(self) -> str:
     """'10 classes, images 28x28x1' or '1 target, features 3': the start of a run names what the members predict,
     and a regression run has targets, not classes."""
-    if self.task == 'regression':
-      predicted = f'{self.num_classes} target{"" if self.num_classes == 1 else "s"}'
+    if self.task in ('regression', 'multilabel'):
+      what = 'target' if self.task == 'regression' else 'label'
+      predicted = f'{self.num_classes} {what}{"" if self.num_classes == 1 else "s"}'
     else:
       predicted = f'{self.num_classes} classes'
     return f'{predicted}, {self.inputs} {"x".join(map(str, self.image_shape))}'
@@ -176,6 +182,22 @@ def as_labels(labels: np.ndarray, name: str) -> np.ndarray:
   return labels.astype(np.int32, copy=False)
 
 
+def as_multilabels(labels: np.ndarray, name: str) -> np.ndarray:
+  """(N, L) int32 multi-label labels from (N,) (one label: binary classification) or (N, L) 0s and 1s, of any
+  number type or bool."""
+  if labels.dtype == bool:
+    labels = labels.astype(np.int32)
+  if not np.issubdtype(labels.dtype, np.number) or labels.ndim not in (1, 2):
+    raise DataError(f"{name}: labels of shape {labels.shape} and dtype {labels.dtype}; task='multilabel' takes (N, L) "
+                    'labels of 0 and 1, one column per label')
+  labels = labels.reshape(len(labels), -1)
+  if labels.size and not np.isin(labels, (0, 1)).all():
+    bad = labels[~np.isin(labels, (0, 1))].flat[0]
+    raise DataError(f"{name}: a label of {bad:g}; task='multilabel' takes 0 or 1 per label (class indices: "
+                    "task='classification'; a teacher's probabilities: ensemble.distill)")
+  return labels.astype(np.int32)
+
+
 def host_float(values: np.ndarray) -> np.ndarray:
   """`values` as float32, or float64 where float32 would round them (float64, 32- and 64-bit integers): the host
   keeps their precision until the loop has standardised them."""
@@ -251,13 +273,12 @@ def make_dataset(train: Split, test: Split, source: str, names: dict[str, tuple[
 
 
 def _warn_absent_classes(labels: np.ndarray, num_classes: int, fix: str):
-  """Training goes on without some classes (labels {1, 2, 3} train 4 outputs), but says so: the members learn to
-  give an absent class no probability, which is rarely what was meant."""
+  """Training goes on without some classes (labels {1, 2, 3} train 4 outputs), but says so (`errors.hint`): the
+  members learn to give an absent class no probability, which is rarely what was meant."""
   absent = np.flatnonzero(np.bincount(labels, minlength=num_classes) == 0)
   if not len(absent):
     return
   listed = ', '.join(map(str, absent[:_LISTED_CLASSES])) + (', ...' if len(absent) > _LISTED_CLASSES else '')
-  one = len(absent) == 1
-  logging.warning('%s %s never %s in the training labels: the members will never predict %s; %s if that is not '
-                  'meant', 'class' if one else f'{len(absent)} classes', listed, 'appears' if one else 'appear',
-                  'it' if one else 'them', fix)
+  what, appear, them = ('class', 'appears', 'it') if len(absent) == 1 else (f'{len(absent)} classes', 'appear', 'them')
+  errors.hint(f'{what} {listed} never {appear} in the training labels: the members will never predict {them}; {fix} '
+              'if that is not meant')

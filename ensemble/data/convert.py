@@ -1,6 +1,6 @@
 """Converts a dataset to a folder of ArrayRecord files that `--config.data_dir` reads with no further flags.
 
-  python -m ensemble.data.convert --input=SOURCE --output=FOLDER [--target=COL[,COL]] [--task=regression]
+  python -m ensemble.data.convert --input=SOURCE --output=FOLDER [--target=COL[,COL]] [--task=regression|multilabel]
       [--examples_per_file=N]
 
 SOURCE is a folder of IDX files, an .npz (x_train, y_train, x_test, y_test;
@@ -44,19 +44,19 @@ def load_source(path: str, task: str | None = None, target: str = '') -> tuple[b
     raise UsageError(f'--target={target}: names the target columns of a .csv input, not of {path}; drop it')
   if path.endswith('.csv'):
     if task == 'classification':
-      raise UsageError(f'{path}: a .csv input is regression data; drop --task=classification')
+      raise UsageError(f'{path}: a .csv input is regression or multi-label data; drop --task=classification')
     if not target:
       raise UsageError(f'{path}: name its target column(s) with --target=COL[,COL]; every other column is a feature')
     targets = [name.strip() for name in target.split(',') if name.strip()]
-    return csv.load(path, target), {'targets': targets}
+    return csv.load(path, target, task or 'regression'), {'targets': targets}
   if path.endswith('.npz'):
     return npz.load(path, task or ('regression' if _float_targets(path) else 'classification')), {}
   if array_record.is_folder(path):  # converted before: written again, e.g. with other file sizes
     info = array_record.read_info(path)
     extra = {key: info[key] for key in ('class_names', 'targets') if info.get(key)}
     return array_record.load(path, task or info['task'], streaming='always'), extra
-  if task == 'regression':
-    raise UsageError(f'{path}: --task=regression reads an .npz or a .csv input; a folder holds classes')
+  if task in ('regression', 'multilabel'):
+    raise UsageError(f'{path}: --task={task} reads an .npz or a .csv input; a folder holds classes')
   if os.path.isdir(os.path.join(path, 'train')):
     return image_folder(path)
   if os.path.isdir(path):
@@ -222,7 +222,7 @@ def convert(source: str, output: str, task: str | None = None, target: str = '',
   logging.info('Wrote %s: %s examples (%s), %.1f MB in %d files; train on it with --config.data_dir=%s%s.',
                output, counts, dataset.describe(), total / 1e6,
                sum(len(s['files']) for s in info['splits'].values()), output,
-               ' --config.task=regression' if dataset.task == 'regression' else '')
+               '' if dataset.task == 'classification' else f' --config.task={dataset.task}')
   return info
 
 

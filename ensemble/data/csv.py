@@ -36,7 +36,7 @@ def _read(path: str) -> tuple[list[str], list[list[str]]]:
   return header, rows[1:]
 
 
-def load(path: str, target: str) -> base.Dataset:
+def load(path: str, target: str, task: str = 'regression') -> base.Dataset:
   """The file's rows as a regression Dataset of float features and float targets (the columns `target` names,
   comma-separated)."""
   if not os.path.isfile(path):
@@ -69,7 +69,7 @@ def load(path: str, target: str) -> base.Dataset:
   order = np.random.default_rng(0).permutation(len(rows))
   cut = max(1, int(round(TEST_FRACTION * len(rows))))
   test, train = order[:cut], order[cut:]
-  return arrays.from_arrays((x[train], y[train]), (x[test], y[test]), 'features', 'regression', source=path)
+  return arrays.from_arrays((x[train], y[train]), (x[test], y[test]), 'features', task, source=path)
 
 
 def _is_number(text: str) -> bool:

@@ -14,7 +14,8 @@ _FIX = 'save one with np.savez(path, x_train=..., y_train=..., x_test=..., y_tes
 def load(path: str, task: str = 'classification') -> base.Dataset:
   """Reads the four arrays; images HxW or HxWxC, uint8 or float in [0, 1]; labels integer class indices.
 
-  For regression, x may also be float features and y holds float targets (N,) or (N, D).
+  For regression, x may also be float features and y holds float targets (N,) or (N, D); for multi-label, y holds
+  0s and 1s (N, L).
   """
   if not os.path.isfile(path):
     raise base.DataError(f'{path}: no such file; data_dir must name a .npz file with {", ".join(KEYS)}')
@@ -31,9 +32,9 @@ def load(path: str, task: str = 'classification') -> base.Dataset:
     raise
   except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
     raise base.DataError(f'{path}: cannot be read as .npz ({base.first_line(e)}); {_FIX}') from e
-  if task == 'regression':
+  if task in ('regression', 'multilabel'):
     return arrays.from_arrays((loaded['x_train'], loaded['y_train']), (loaded['x_test'], loaded['y_test']),
-                              task='regression', source=path)
+                              task=task, source=path)
   names = {split: (f'{path}: x_{split}', f'{path}: y_{split}') for split in ('train', 'test')}
   splits = {split: base.make_split(loaded[f'x_{split}'], loaded[f'y_{split}'], *names[split])
             for split in ('train', 'test')}

@@ -181,9 +181,10 @@ def sample(split: Any) -> Any:
 
 def in_memory(split: Any, rows: np.ndarray | None = None) -> Any:
   """A streamed split read into memory, whole (for what is read whole anyway: a test split that is rotated and
-  noised to score) or its `rows`; a split in memory as it is. A slice that is only predicted is read in `chunks`."""
+  noised to score) or its `rows`; a split in memory as it is, or its `rows`. A slice that is only predicted is read
+  in `chunks`."""
   if not is_streamed(split):
-    return split
+    return split if rows is None else {key: value[rows] for key, value in split.items()}
   rows = np.arange(len(split)) if rows is None else np.asarray(rows)
   parts = None
   for start in range(0, len(rows), READ_ROWS):
@@ -293,9 +294,11 @@ class RandomAccessSource(Source):
     else:
       dtype = np.int32 if self.inputs == 'tokens' else base.host_float(np.empty(0, image.dtype)).dtype
       self.image = Spec(image.shape, np.dtype(dtype))
-    # What every other source gives: int32 classes; float targets (D,) per example.
+    # What every other source gives: int32 classes; float targets (D,) per example; int32 0/1 labels (L,).
     if task == 'regression':
       self.label = Spec(label.shape or (1,), base.host_float(label).dtype)
+    elif task == 'multilabel':
+      self.label = Spec(base.as_multilabels(label.reshape(1, -1), f'{name}: example 0').shape[1:], np.dtype(np.int32))
     else:
       if not np.issubdtype(label.dtype, np.integer) or label.shape:
         raise base.DataError(f'{name}: example 0 has a label of dtype {label.dtype} and shape {label.shape}; give '
@@ -334,4 +337,6 @@ class RandomAccessSource(Source):
       images = arrays.as_inputs(images, self.inputs, self.name)
     if self._task == 'regression':
       return images, base.as_targets(labels, self.name).astype(self.label.dtype, copy=False)
+    if self._task == 'multilabel':
+      return images, base.as_multilabels(labels, self.name)
     return images, base.as_labels(labels, self.name)

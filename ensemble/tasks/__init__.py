@@ -4,15 +4,17 @@ combine into the ensemble's prediction, and what the trainer reports per epoch.
   classification  logits -> cross-entropy; the ensemble is the mean of the members' probabilities
   regression      a mean and a variance per target -> Gaussian NLL (or beta-NLL, MSE); the ensemble is the
                   uniform mixture of the members' Gaussians (Lakshminarayanan et al. 2017)
+  multilabel      a logit per label -> binary cross-entropy per label; the ensemble is the mean of the members'
+                  probabilities, label by label
 
 Steps, the trainer, evaluation and prediction ask the task; they do not look at the outputs themselves.
 """
 
 from typing import Any
 
-from ensemble.tasks import classification, regression
+from ensemble.tasks import classification, multilabel, regression
 
-NAMES = ('classification', 'regression')
+NAMES = ('classification', 'regression', 'multilabel')
 
 
 def create(config, data_info: dict[str, Any] | None = None):
@@ -21,6 +23,8 @@ def create(config, data_info: dict[str, Any] | None = None):
   they do not change when the data does), in standardised units, D = num_classes / 2 of them."""
   if config.task == 'classification':
     return classification.Classification(temperature=config.distill_temperature)
+  if config.task == 'multilabel':
+    return multilabel.Multilabel(pos_weight=tuple(float(w) for w in config.pos_weight))
   info = data_info or {}
   targets = len(info['target_std']) if 'target_std' in info else max(info.get('num_classes', 2) // 2, 1)
   return regression.Regression(loss_name=config.loss, beta=config.beta,

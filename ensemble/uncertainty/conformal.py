@@ -92,3 +92,18 @@ def rows_needed(alpha: float) -> int:
   """The fewest calibration examples for which sets at `alpha` are not every class (intervals not infinite):
   ceil((n + 1)(1 - alpha)) <= n."""
   return math.ceil((1 - alpha) / alpha - 1e-9)
+
+
+def coverage_bounds(n: int, m: int, alpha: float, probability: float = 0.99) -> tuple[float, float]:
+  """The range in which the coverage measured on m test examples falls with `probability`, for sets (intervals)
+  calibrated on n examples at `alpha`, where all are exchangeable and the scores continuous: given the calibration
+  examples, the coverage is Beta(k, n + 1 - k), k = ceil((n + 1)(1 - alpha)), so the share of m covered is
+  beta-binomial (Vovk 2012; Angelopoulos and Bates 2021, section 3.2). A measurement outside it says that the test
+  examples are not drawn as the calibration examples were (a shift), or that the scores tie."""
+  import scipy.stats  # pylint: disable=g-import-not-at-top  # only where a report is made
+  k = math.ceil((n + 1) * (1 - alpha) - 1e-9)
+  if k > n or not m:  # every set is every class: coverage 1
+    return 1.0, 1.0
+  share = scipy.stats.betabinom(m, k, n + 1 - k)
+  tail = (1 - probability) / 2
+  return float(share.ppf(tail) / m), float(share.ppf(1 - tail) / m)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import ensemble
+from ensemble.uncertainty import conformal
 from conftest import compiles, sigterm_at_step
 from lab import (CALIBRATION_ROWS, CHAINS, CONFORMAL_ALPHA, STEPS_PER_EPOCH, TARGET_SCALES, WORKDIR_FIELDS, Cell, Lab,
                  as_source, assert_same_members, assert_same_summary, cut, folder_digest, leaves, problem, timeless,
@@ -66,6 +67,9 @@ def apply_is_a_function_of_params(cell: Cell, lab: Lab):
     means, variances = ens.components(x)
     np.testing.assert_allclose(np.asarray(outputs[0]), means, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(np.asarray(outputs[1]), variances, rtol=1e-4, atol=1e-3)
+  elif cell.task == 'multilabel':  # logits, whose sigmoids are the members' probabilities
+    np.testing.assert_allclose(jax.nn.sigmoid(np.asarray(outputs)), ens.predict(x, members=True)['member_probs'],
+                               rtol=1e-4, atol=1e-6)
   else:
     np.testing.assert_allclose(np.exp(np.asarray(outputs)), ens.member_probs(x), rtol=1e-4, atol=1e-6)
   assert any(np.abs(leaf).max() > 0 for leaf in leaves(grads)), 'the gradient with respect to params is zero'
@@ -205,6 +209,10 @@ def calibration_is_kept(cell: Cell, lab: Lab):
   if cell.task == 'regression':
     assert np.isfinite(got['conformal_lower']).all() and np.isfinite(got['conformal_upper']).all()
     assert (got['conformal_lower'] <= got['mean']).all() and (got['mean'] <= got['conformal_upper']).all()
+  elif cell.task == 'multilabel':  # per label, a set that holds a value holds the more probable one
+    assert got['set'].shape == (*got['probs'].shape, 2)
+    held = got['set'].any(-1)
+    assert np.take_along_axis(got['set'], got['labels'][..., None], -1)[..., 0][held].all(), got['set']
   else:  # a set may be empty (no class scores within the threshold); one that is not holds the most probable
     assert got['set'].shape == got['probs'].shape
     held = got['set'].any(-1)
@@ -353,29 +361,23 @@ def the_value_is_the_same_wherever_it_goes(cell: Cell, lab: Lab, chain: str):
                        {key: value for key, value in want.items() if key in served})
 
 
-def _coverage_bounds(n: int, m: int, alpha: float, p: float = 1e-6) -> tuple[float, float]:
-  """The share of m fresh examples that sets (intervals) calibrated on n examples at `alpha` cover, outside which it
-  falls with probability below p: split conformal's coverage given the calibration rows is Beta(k, n + 1 - k),
-  k = ceil((n + 1)(1 - alpha)), for continuous scores, so the share is beta-binomial (Vovk 2012)."""
-  import scipy.stats  # pylint: disable=g-import-not-at-top
-  k = math.ceil((n + 1) * (1 - alpha))
-  share = scipy.stats.betabinom(m, k, n + 1 - k)
-  return share.ppf(p / 2) / m, share.ppf(1 - p / 2) / m
-
-
 def conformal_covers_fresh_data(cell: Cell, lab: Lab, chain: str):
   """Every chain with a conformal step, on the cell's ensemble and at an earlier checkpoint: on fresh rows its sets
-  hold the class (its intervals the target, each target) of a share within the beta-binomial bounds of 1 - alpha,
-  whatever step comes after it (a temperature fitted later leaves the outputs its quantile was fitted on)."""
+  hold the class (its intervals the target, each target) of a share within the beta-binomial bounds of 1 - alpha
+  (`conformal.coverage_bounds`, at a probability of 1 - 1e-6), whatever step comes after it (a temperature fitted
+  later leaves the outputs its quantile was fitted on)."""
   steps = CHAINS[chain]
   if _refused_for_the_task(cell, lab, steps):
     return
   x, y = lab.calibration_rows(cell.task, 'fresh')
-  low, high = _coverage_bounds(CALIBRATION_ROWS['conformal'][0], len(y), CONFORMAL_ALPHA)
+  low, high = conformal.coverage_bounds(CALIBRATION_ROWS['conformal'][0], len(y), CONFORMAL_ALPHA,
+                                        probability=1 - 1e-6)
   for ens in (lab.chained(lab.ensemble(cell), steps), lab.chained(lab.earlier(cell), steps)):
     got = ens.predict(x)
     if cell.task == 'regression':
       coverage = ((got['conformal_lower'] <= y) & (y <= got['conformal_upper'])).mean(0)
+    elif cell.task == 'multilabel':  # each label's
+      coverage = np.take_along_axis(got['set'], y[..., None], -1)[..., 0].mean(0)
     else:
       coverage = np.atleast_1d(got['set'][np.arange(len(y)), y].mean())
     assert ((low <= coverage) & (coverage <= high)).all(), (repr(ens), coverage, (low, high))

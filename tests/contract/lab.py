@@ -1,10 +1,10 @@
 """The contract's tiny problem and its fits: each made once per test session and shared by every check that asks.
 
 One problem serves every cell: 64 rows of 3 features on very different scales (standardising them matters), 3
-classes, or 2 regression targets on very different scales and far from 0 (standardising them matters too), and 16
-rows to test on. Every method trains 2 members of the built-in MLP for 2 epochs of 4 steps, so that a cell costs a
-fraction of a second once its programs are compiled; the programs are shared by every cell that computes the same
-(a streamed source's and a converted folder's, a fit's and its refits').
+classes, 3 labels of 0 and 1 (multi-label), or 2 regression targets on very different scales and far from 0
+(standardising them matters too), and 16 rows to test on. Every method trains 2 members of the built-in MLP for 2
+epochs of 4 steps, so that a cell costs a fraction of a second once its programs are compiled; the programs are
+shared by every cell that computes the same (a streamed source's and a converted folder's, a fit's and its refits').
 """
 
 import functools
@@ -84,6 +84,8 @@ def rows(task: str, count: int, seed: int = 0, scale: float = 1.0, features: int
   if task == 'regression':
     y = (signal + 0.1 * rng.normal(size=signal.shape)) * TARGET_SCALES + TARGET_OFFSETS
     y = (y * scale).astype(np.float32)
+  elif task == 'multilabel':
+    y = np.stack([signal[:, 0] > 0, signal[:, 1] > 0, signal[:, 0] > signal[:, 1]], 1).astype(np.int32)
   else:
     y = np.digitize(signal[:, 0], [-0.5, 0.5]).astype(np.int32)
   return x.astype(np.float32), y

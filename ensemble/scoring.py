@@ -1,0 +1,451 @@
+"""The numbers of an ensemble's report, from its members' outputs: the test set's scores against the members', the
+ensemble-size curve, shifts (rotations, Gaussian noise), temperature scaling, selective prediction, conformal sets
+and out-of-distribution detection. What `python -m ensemble.evaluate` (`evaluation.evaluate`, a workdir) and
+`Ensemble.report` (any ensemble, in memory or loaded) both compute: one implementation.
+
+  results = scoring.score(predict, test, heldout, task=ens.task, angles=(0, 90), noise=True)
+
+`predict` is the ensemble's forward pass over a split ({'image', 'label'}): `predict.log_probs(split)` the (K, N, C)
+member outputs, `predict(split)` their probabilities, `predict.labels(split)` its labels (a
+`predictor.Predictor`, or an `Ensemble`'s own). Every split is predicted once; the shifts at a level that leaves
+the images as they are (a rotation by 0 degrees) reuse the test set's outputs. Plain numpy on the host; no
+checkpoint, file or plot here (ensemble/report.py draws them).
+"""
+
+import functools
+import math
+from typing import Any, Sequence
+
+import numpy as np
+import scipy.ndimage
+from absl import logging
+
+from ensemble import calibration, console, data, posthoc
+from ensemble.tasks import regression
+from ensemble.uncertainty import conformal, decomposition, multilabel, ood, selective
+
+DEFAULT_ANGLES = tuple(range(0, 181, 15))
+# The standard deviations (pixels in [0, 1]) of CIFAR-10-C's gaussian_noise at severities 1 to 5.
+NOISE_STDS = (0.04, 0.06, 0.08, 0.09, 0.10)
+OOD_SCORES = ('max_probability', 'entropy', 'mutual_information')  # each oriented so that higher means "more OOD"
+OOD_HISTOGRAM_BINS = 40
+DEFAULT_ALPHAS = (0.1, 0.05, 0.01)
+# Coverages at which the report tabulates the risk (the plot and metrics.json keep a 100-point curve).
+SELECTIVE_COVERAGES = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.5)
+# A regression report's: the expected coverages of the calibration plot, and the shares of inputs kept by std.
+PLOT_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
+REGRESSION_SELECTIVE_COVERAGES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
+
+
+def score(predict: Any, test: data.Split, heldout: data.Split | None = None, seen_in_training: bool = False, *,
+          task: Any, ensemble_size: int, angles: Sequence[int] = (), noise: bool = False,
+          ood_sets: dict[str, np.ndarray] | None = None, alphas: Sequence[float] = DEFAULT_ALPHAS) -> dict[str, Any]:
+  """The report's numbers for `test` (in memory); with `heldout` (examples the members did not train on, unless
+  `seen_in_training`), the temperature (a regression's variance scale), the conformal sets and the flag thresholds
+  fitted on it. `angles` and `noise`: the image shifts to score (none for other inputs); `ood_sets`: name -> inputs
+  to detect against the test set (classification)."""
+  test_outputs = predict.log_probs(test)
+  heldout_outputs = heldout_labels = None
+  if heldout is not None:
+    heldout_outputs, heldout_labels = predict.log_probs(heldout), predict.labels(heldout)
+  if task.name == 'regression':
+    components = lambda outputs, labels: (*task.components(outputs), np.asarray(labels, np.float64).reshape(
+        len(labels), -1))
+    return {'test_examples': len(test['label']),
+            **score_regression(components(test_outputs, test['label']),
+                               None if heldout is None else components(heldout_outputs, heldout_labels),
+                               ensemble_size, alphas, seen_in_training)}
+  if task.name == 'multilabel':
+    ood_logits = {name: predict.log_probs({'image': x, 'label': np.zeros(len(x), np.int32)})
+                  for name, x in (ood_sets or {}).items()}
+    return {'test_examples': len(test['label']),
+            **score_multilabel(test_outputs, test['label'], heldout_outputs, heldout_labels, seen_in_training, alphas,
+                               ood_logits)}
+  labels, member_probs = test['label'], np.exp(test_outputs)
+  results = {'test_examples': len(labels), **score_test_set(test_outputs, labels)}
+  logging.info('test: ensemble accuracy %.4f NLL %.4f ECE %.4f; mean member accuracy %.4f NLL %.4f ECE %.4f',
+               *(results[who][name] for who in ('ensemble', 'mean_member') for name in ('accuracy', 'nll', 'ece')))
+  if angles:
+    logging.info('Rotating the test set by %s degrees.', list(angles))
+    results['rotation'] = score_rotations(predict, test, angles, test_outputs)
+  if noise:
+    logging.info('Adding Gaussian noise to the test set at %d severities.', len(NOISE_STDS))
+    results['gaussian_noise'] = score_noise(predict, test)
+  if heldout is not None:
+    heldout_probs = np.exp(heldout_outputs)
+    results['temperature_scaling'] = score_temperature(heldout_probs.mean(0), heldout_labels, seen_in_training,
+                                                       member_probs.mean(0), labels)
+    logging.info('temperature %.3f: test NLL %.4f -> %.4f', results['temperature_scaling']['temperature'],
+                 results['temperature_scaling']['before']['nll'], results['temperature_scaling']['after']['nll'])
+    results['conformal'] = score_conformal(heldout_probs, heldout_labels, seen_in_training, member_probs, labels,
+                                           alphas)
+    results['flags'] = score_flags(heldout_probs, heldout_labels, seen_in_training)
+  results['selective'] = score_selective(member_probs, labels)
+  if ood_sets:
+    logging.info('Detecting %d out-of-distribution sets: %s.', len(ood_sets), ', '.join(ood_sets))
+    results['ood'] = score_ood(predict, member_probs, ood_sets)
+  return results
+
+
+def score_flags(heldout_member_probs: np.ndarray, heldout_labels: np.ndarray, seen_in_training: bool,
+                target_risk: float = posthoc.DEFAULT_FLAG_RISK,
+                ood_rate: float = posthoc.DEFAULT_FLAG_OOD_RATE) -> dict[str, Any]:
+  """The flag thresholds `python -m ensemble.predict` applies (`posthoc.flag_thresholds`), fitted on the held-out
+  examples' outputs already predicted: the class is the mean probabilities' (a temperature does not change it),
+  the entropy and mutual information the members' own."""
+  mean = heldout_member_probs.mean(0)
+  split = decomposition.decompose(heldout_member_probs)
+  fitted = posthoc.flag_thresholds(split['entropy'], split['mutual_information'],
+                                   np.argmax(mean, -1) == heldout_labels, target_risk, ood_rate)
+  return {**fitted, 'examples': len(heldout_labels), 'seen_in_training': seen_in_training}
+
+
+def rotate(images: np.ndarray, angle: float) -> np.ndarray:
+  """(N, H, W, C) images turned counter-clockwise by `angle` degrees about their centre, black outside."""
+  return scipy.ndimage.rotate(images, angle, axes=(1, 2), reshape=False, order=1, mode='constant', cval=0.0)
+
+
+def add_gaussian_noise(images: np.ndarray, std: float, seed: int = 0) -> np.ndarray:
+  """Pixels in [0, 1] plus N(0, std^2) noise, clipped to [0, 1] (CIFAR-10-C's gaussian_noise); float32.
+
+  The noise is a function of `seed` and `std` only, so every evaluation sees the same corrupted set.
+  """
+  rng = np.random.default_rng([seed, round(std * 1e6)])
+  noisy = images.astype(np.float32) / 255.0 + rng.normal(0.0, std, images.shape).astype(np.float32)
+  return np.clip(noisy, 0.0, 1.0)
+
+
+def _mean_member(member_scores: list[dict[str, float]]) -> dict[str, float]:
+  return {name: float(np.mean([s[name] for s in member_scores])) for name in member_scores[0]}
+
+
+# The scores that are better higher; every other is better lower.
+HIGHER_IS_BETTER = ('accuracy', 'map', 'subset_accuracy')
+
+
+def _gain(ensemble: dict[str, float], reference: dict[str, float]) -> dict[str, float]:
+  """How much better the ensemble is: positive when it is better, whichever way the score points."""
+  return {name: ensemble[name] - value if name in HIGHER_IS_BETTER else value - ensemble[name]
+          for name, value in reference.items()}
+
+
+def _best(members: list[dict[str, float]], names) -> dict[str, float]:
+  """The best member taken score by score: the member with the highest accuracy need not have the lowest NLL."""
+  return {name: (max if name in HIGHER_IS_BETTER else min)(s[name] for s in members) for name in names}
+
+
+def _reliability(probs: np.ndarray, labels: np.ndarray) -> dict[str, list]:
+  counts, confidence, accuracy = calibration.reliability(probs, labels)
+  as_list = lambda x: [None if math.isnan(v) else float(v) for v in x]
+  return {'count': counts.tolist(), 'confidence': as_list(confidence), 'accuracy': as_list(accuracy)}
+
+
+def _scores(member_log_probs: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+  """`calibration.scores` of the members' mean prediction, (K, N, C) log-probabilities in, NLL in log space."""
+  return {**calibration.scores(np.exp(member_log_probs).mean(0), labels),
+          'nll': calibration.ensemble_nll(member_log_probs, labels)}
+
+
+def score_test_set(member_log_probs: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
+  """Members, their average, the gains and the ensemble-size curve on one labelled split."""
+  member_probs = np.exp(member_log_probs)
+  ensemble_probs = member_probs.mean(0)
+  members = [_scores(log_probs[None], labels) for log_probs in member_log_probs]
+  ensemble = {**_scores(member_log_probs, labels),
+              'entropy': calibration.entropy(ensemble_probs),
+              'disagreement': calibration.disagreement(member_probs)}
+  mean_member = _mean_member(members)
+  best_member = _best(members, mean_member)
+  pooled_labels = np.tile(labels, len(member_probs))
+  return {
+      'ensemble': ensemble,
+      'members': members,
+      'mean_member': mean_member,
+      'best_member': best_member,
+      'gain_over_mean_member': _gain(ensemble, mean_member),
+      'gain_over_best_member': _gain(ensemble, best_member),
+      'ensemble_size_curve': [
+          {'members': k, 'accuracy': calibration.accuracy(member_probs[:k].mean(0), labels),
+           'nll': calibration.ensemble_nll(member_log_probs[:k], labels)}
+          for k in range(1, len(member_probs) + 1)],
+      # The members' curve pools their predictions: per bin, the mean member weighted by its examples.
+      'reliability': {
+          'ensemble': _reliability(ensemble_probs, labels),
+          'mean_member': _reliability(member_probs.reshape(-1, member_probs.shape[-1]), pooled_labels)},
+  }
+
+
+def score_labels(member_logits: np.ndarray, labels: np.ndarray, scaled_probs: np.ndarray | None = None) -> dict:
+  """A multi-label ensemble's scores on one labelled split, from its members' logits (K, N, L): the ensemble's
+  and each member's (`uncertainty.multilabel.scores`, the NLL from the logits in log space), their mean and best,
+  the gains and the ensemble-size curve; 'temperature_scaled' of `scaled_probs` (the chain's) where given."""
+  member_probs = multilabel.sigmoid(member_logits)
+
+  def scores_of(k: slice) -> dict[str, Any]:
+    nll = multilabel.ensemble_nll(member_logits[k], labels)
+    return {**multilabel.scores(member_probs[k].mean(0), labels), 'nll': float(nll.mean()),
+            'nll_per_label': nll.tolist()}
+  ensemble = scores_of(slice(None))
+  members = [scores_of(slice(k, k + 1)) for k in range(len(member_logits))]
+  flat = [name for name, value in ensemble.items() if not isinstance(value, list)]
+  mean_member = _mean_member([{name: m[name] for name in flat} for m in members])
+  best_member = _best(members, flat)
+  result = {
+      'ensemble': ensemble, 'members': members, 'mean_member': mean_member, 'best_member': best_member,
+      'gain_over_mean_member': _gain(ensemble, mean_member), 'gain_over_best_member': _gain(ensemble, best_member),
+      'ensemble_size_curve': [{'members': k, **{name: scores_of(slice(0, k))[name] for name in ('map', 'nll')}}
+                              for k in range(1, len(member_logits) + 1)]}
+  if scaled_probs is not None:
+    result['temperature_scaled'] = multilabel.scores(scaled_probs, labels)
+  return result
+
+
+def score_multilabel(test_logits: np.ndarray, labels: np.ndarray, heldout_logits: np.ndarray | None,
+                     heldout_labels: np.ndarray | None, seen_in_training: bool, alphas: Sequence[float],
+                     ood_logits: dict[str, np.ndarray]) -> dict[str, Any]:
+  """A multi-label ensemble's report from its members' logits: the test split's scores (`score_labels`); with
+  held-out examples, a temperature per label fitted on them and the test scores before and after it, and conformal
+  sets per label at each alpha (each label's coverage, their mean set size, and the 99% bounds every label's
+  coverage falls in where calibration and test examples are exchangeable); per set of `ood_logits`, the AUROC,
+  AUPR and FPR95 of the members' disagreement (mutual information) and of the predictive entropy, each summed over
+  the labels."""
+  results = score_labels(test_logits, labels)
+  logging.info('test: ensemble mAP %.4f NLL %.4f Hamming loss %.4f; mean member mAP %.4f NLL %.4f',
+               *(results['ensemble'][name] for name in ('map', 'nll', 'hamming_loss')),
+               *(results['mean_member'][name] for name in ('map', 'nll')))
+  member_probs = multilabel.sigmoid(test_logits)
+  probs = member_probs.mean(0)
+  if heldout_logits is not None:
+    heldout_probs = multilabel.sigmoid(heldout_logits).mean(0)
+    temperature = multilabel.fit_temperature(heldout_probs, heldout_labels, per_label=True)
+    results['temperature_scaling'] = {
+        'temperature': [float(t) for t in temperature], 'heldout_examples': len(heldout_labels),
+        'seen_in_training': seen_in_training, 'before': multilabel.scores(probs, labels),
+        'after': multilabel.scores(multilabel.temperature_scale(probs, temperature), labels)}
+    rows = []
+    for alpha in alphas:
+      sets = multilabel.prediction_sets(probs, multilabel.calibrated_quantiles(heldout_probs, heldout_labels, alpha))
+      coverage = np.take_along_axis(sets, np.asarray(labels)[..., None], -1)[..., 0].mean(0)
+      bounds = list(conformal.coverage_bounds(len(heldout_labels), len(labels), alpha))
+      rows.append({'alpha': alpha, 'coverage_per_label': coverage.tolist(), 'coverage': float(coverage.mean()),
+                   'mean_set_size': float(sets.sum(-1).mean()), 'bounds': bounds,
+                   'within_bounds': bool(((bounds[0] <= coverage) & (coverage <= bounds[1])).all())})
+    results['conformal'] = {'calibration_examples': len(heldout_labels), 'seen_in_training': seen_in_training,
+                            'rows': rows}
+  doubts = lambda member_probs: {name: values.sum(-1) for name, values in multilabel.decompose(member_probs).items()
+                                 if name in ('mutual_information', 'entropy')}
+  inside = doubts(member_probs)
+  results['ood'] = {}
+  for name, logits in ood_logits.items():
+    outside = doubts(multilabel.sigmoid(logits))
+    results['ood'][name] = {'examples': len(logits[0]),
+                            'ensemble': {score: ood.detection(inside[score], outside[score]) for score in inside}}
+  return results
+
+
+def score_shift(predict: Any, test: data.Split, levels: dict[str, Any], shifted, *,
+                desc: str, unit: str, unshifted: Any = None) -> list[dict[str, Any]]:
+  """Accuracy, NLL and ECE of the ensemble and of the mean member on `shifted(images, **level)` per level.
+
+  `levels` maps each row's label (logged, e.g. 'rotation  90 deg') to its level, a dict that the row keeps;
+  `desc` and `unit` name the pass and its steps on the progress bar. `unshifted(level)`: the test set's own
+  outputs where the level leaves the images as they are (a rotation by 0 degrees), not predicted again.
+  """
+  pick = lambda scores: {name: scores[name] for name in ('accuracy', 'nll', 'ece')}
+  rows = []
+  for label, level in console.track(list(levels.items()), desc, unit=unit):
+    member_log_probs = unshifted(level) if unshifted is not None else None
+    if member_log_probs is None:
+      member_log_probs = predict.log_probs({'image': shifted(test['image'], **level), 'label': test['label']})
+    ensemble = _scores(member_log_probs, test['label'])
+    members = [_scores(log_probs[None], test['label']) for log_probs in member_log_probs]
+    rows.append({**level, 'ensemble': pick(ensemble), 'mean_member': pick(_mean_member(members))})
+    logging.info('%s: ensemble accuracy %.4f NLL %.4f ECE %.4f', label,
+                 ensemble['accuracy'], ensemble['nll'], ensemble['ece'])
+  return rows
+
+
+def score_rotations(predict: Any, test: data.Split, angles: Sequence[int],
+                    test_log_probs: np.ndarray | None = None) -> list[dict[str, Any]]:
+  """The test set rotated by each angle (Ovadia et al. 2019); at a whole turn, its own outputs `test_log_probs`."""
+  unshifted = lambda level: test_log_probs if level['angle'] % 360 == 0 else None
+  return score_shift(predict, test, {f'rotation {a:3d} deg': {'angle': a} for a in angles}, rotate,
+                     desc='rotations', unit='angle', unshifted=unshifted)
+
+
+def score_noise(predict: Any, test: data.Split) -> list[dict[str, Any]]:
+  """The test set with CIFAR-10-C's Gaussian noise at severities 1 to 5."""
+  levels = {f'gaussian noise severity {s} (std {std})': {'severity': s, 'std': std}
+            for s, std in enumerate(NOISE_STDS, start=1)}
+  return score_shift(predict, test, levels, lambda images, severity, std: add_gaussian_noise(images, std),
+                     desc='gaussian noise', unit='severity')
+
+
+def uniform_noise(images: np.ndarray, seed: int = 0) -> np.ndarray:
+  """Images of independent uniform pixels, shaped like `images`: nothing a member has seen."""
+  return np.random.default_rng([seed, 1]).integers(0, 256, images.shape, dtype=np.uint8)
+
+
+def permute_pixels(images: np.ndarray, seed: int = 0) -> np.ndarray:
+  """Each image's pixels (all channels of a pixel together) in its own random order: the same intensities, no
+  shape. A model that judges by brightness alone cannot tell these from the test set."""
+  rng = np.random.default_rng([seed, 2])
+  flat = images.reshape(len(images), -1, images.shape[-1])
+  order = np.argsort(rng.random(flat.shape[:2]), axis=1)
+  return np.take_along_axis(flat, order[..., None], axis=1).reshape(images.shape)
+
+
+# Out-of-distribution sets that need no download, made from the test images: their size and image shape. Two
+# passes over the test set, so every report has them unless asked otherwise.
+OOD_BUILTINS = {'uniform_noise': uniform_noise, 'permuted_pixels': permute_pixels}
+DEFAULT_OOD = tuple(OOD_BUILTINS)
+
+
+def _ood_scores(probs: np.ndarray, member_probs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+  """Per example, each of `OOD_SCORES` (mutual information only with the members' probabilities)."""
+  scores = {'max_probability': 1.0 - probs.max(-1), 'entropy': decomposition.entropy(probs)}
+  if member_probs is not None:
+    scores['mutual_information'] = decomposition.decompose(member_probs)['mutual_information']
+  return scores
+
+
+def score_ood(predict: Any, test_member_probs: np.ndarray,
+              ood_sets: dict[str, np.ndarray]) -> dict[str, Any]:
+  """Per set: AUROC, AUPR and FPR95 of each score against the test set, for the ensemble and the mean member,
+  and histograms of the ensemble's scores on both (for the plot)."""
+  inside = _ood_scores(test_member_probs.mean(0), test_member_probs)
+  inside_members = [_ood_scores(p) for p in test_member_probs]
+  results = {}
+  for name, images in console.track(list(ood_sets.items()), 'out-of-distribution sets', unit='set'):
+    member_probs = predict({'image': images, 'label': np.zeros(len(images), np.int32)})
+    outside = _ood_scores(member_probs.mean(0), member_probs)
+    members = [{score: ood.detection(mine[score], theirs[score]) for score in theirs}
+               for mine, theirs in zip(inside_members, (_ood_scores(p) for p in member_probs))]
+    histograms = {}
+    for score in OOD_SCORES:
+      edges = np.histogram_bin_edges(np.concatenate([inside[score], outside[score]]), OOD_HISTOGRAM_BINS)
+      histograms[score] = {'edges': edges.tolist(), 'test': np.histogram(inside[score], edges)[0].tolist(),
+                           'ood': np.histogram(outside[score], edges)[0].tolist()}
+    results[name] = {
+        'examples': len(images),
+        'ensemble': {score: ood.detection(inside[score], outside[score]) for score in OOD_SCORES},
+        'mean_member': {score: _mean_member([m[score] for m in members]) for score in members[0]},
+        'histogram': histograms}
+    logging.info('%s: ensemble AUROC %s', name, ', '.join(
+        f'{score} {results[name]["ensemble"][score]["auroc"]:.4f}' for score in OOD_SCORES))
+  return results
+
+
+def _selective(member_probs: np.ndarray, labels: np.ndarray, coverages: np.ndarray) -> dict[str, Any]:
+  """Risk-coverage of one model (K = 1) or of their average, ranked by predictive entropy."""
+  probs = member_probs.mean(0)
+  curve = selective.risk_coverage(decomposition.entropy(probs), np.argmax(probs, -1) == labels)
+  return {'aurc': selective.area(curve), 'risk': selective.risk_at(curve, coverages)}
+
+
+def score_selective(member_probs: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
+  """The test set's error rate when the most uncertain inputs (by predictive entropy) are rejected, ensemble vs
+  mean member: the area under the risk-coverage curve, and the curve at 100 coverages."""
+  coverages = np.arange(1, 101) / 100
+  ensemble = _selective(member_probs, labels, coverages)
+  members = [_selective(p[None], labels, coverages) for p in member_probs]
+  curve = lambda result: {'coverage': coverages.tolist(), 'risk': result['risk'].tolist()}
+  mean_member = {'aurc': float(np.mean([m['aurc'] for m in members])),
+                 'risk': np.mean([m['risk'] for m in members], axis=0)}
+  at = lambda result, coverage: float(result['risk'][round(coverage * 100) - 1])
+  return {
+      'score': 'entropy',
+      'ensemble': {'aurc': ensemble['aurc'], 'curve': curve(ensemble)},
+      'mean_member': {'aurc': mean_member['aurc'], 'curve': curve(mean_member)},
+      'table': [{'coverage': c, 'ensemble': at(ensemble, c), 'mean_member': at(mean_member, c)}
+                for c in SELECTIVE_COVERAGES]}
+
+
+def score_temperature(heldout_probs: np.ndarray, heldout_labels: np.ndarray, seen_in_training: bool,
+                      test_probs: np.ndarray, test_labels: np.ndarray) -> dict[str, Any]:
+  """Temperature scaling after averaging: fitted on held-out (calibration) examples' mean probabilities, judged on
+  the test set."""
+  temperature = calibration.fit_temperature(heldout_probs, heldout_labels)
+  scaled = calibration.temperature_scale(test_probs, temperature)
+  judge = lambda probs: {'nll': calibration.nll(probs, test_labels), 'ece': calibration.ece(probs, test_labels)}
+  return {'temperature': temperature, 'fit_examples': len(heldout_labels), 'seen_in_training': seen_in_training,
+          'before': judge(test_probs), 'after': judge(scaled)}
+
+
+def score_conformal(heldout_member_probs: np.ndarray, heldout_labels: np.ndarray, seen_in_training: bool,
+                    test_member_probs: np.ndarray, test_labels: np.ndarray, alphas: Sequence[float]) -> dict[str, Any]:
+  """Split-conformal sets calibrated on the held-out (calibration) examples, judged on the test set: coverage and
+  mean set size of each score at each alpha, for the ensemble and (each member calibrated on its own) the mean
+  member. Each row has the coverage expected over draws of the calibration examples ('guaranteed') and the range
+  that the test set's measured coverage falls in with 99% probability where calibration and test examples are
+  exchangeable ('bounds', `conformal.coverage_bounds`): a measured coverage outside it says they are not."""
+  n, m = len(heldout_labels), len(test_labels)
+  finite = lambda q: q if math.isfinite(q) else None  # JSON has no infinity: no threshold, every class in the set
+  rows = []
+  for alpha in alphas:
+    bounds = list(conformal.coverage_bounds(n, m, alpha))
+    for score in conformal.SCORES:
+      fit = functools.partial(conformal.split_conformal, calibration_labels=heldout_labels,
+                              test_labels=test_labels, alpha=alpha, score=score)
+      ensemble = fit(heldout_member_probs.mean(0), test_probs=test_member_probs.mean(0))
+      members = [fit(cal, test_probs=test) for cal, test in zip(heldout_member_probs, test_member_probs)]
+      rows.append({'alpha': alpha, 'score': score, 'guaranteed': [1 - alpha, min(1.0, 1 - alpha + 1 / (n + 1))],
+                   'bounds': bounds, 'within_bounds': bounds[0] <= ensemble['coverage'] <= bounds[1],
+                   'ensemble': {**ensemble, 'quantile': finite(ensemble['quantile'])},
+                   'mean_member': _mean_member([{k: v for k, v in m.items() if k != 'quantile'} for m in members])})
+      logging.info('conformal %s at alpha %g: ensemble coverage %.4f, mean set size %.3f', score, alpha,
+                   ensemble['coverage'], ensemble['mean_size'])
+  return {'calibration_examples': n, 'seen_in_training': seen_in_training, 'rows': rows}
+
+
+def member_components(means: np.ndarray, variances: np.ndarray, size: int) -> list[tuple[np.ndarray, np.ndarray]]:
+  """Each member's (means, variances) of a mixture's (K M, N, D) components: its M (a snapshot member's M
+  snapshots, else one)."""
+  per_member = len(means) // size
+  return [(means[k * per_member:(k + 1) * per_member], variances[k * per_member:(k + 1) * per_member])
+          for k in range(size)]
+
+
+def _coverages(means, variances, y, levels) -> list[float]:
+  covered = []
+  for level in levels:
+    low, high = regression.mixture_interval(means, variances, level)
+    covered.append(float(((low <= y) & (y <= high)).mean()))
+  return covered
+
+
+def score_regression(test: tuple[np.ndarray, np.ndarray, np.ndarray],
+                     heldout: tuple[np.ndarray, np.ndarray, np.ndarray] | None, size: int, alphas: Sequence[float],
+                     seen_in_training: bool) -> dict[str, Any]:
+  """A regression ensemble's report numbers from the components (means, variances (K M, N, D)) and targets (N, D)
+  of the test split and (for the variance scale and the conformal intervals) of the held-out examples."""
+  means, variances, y = test
+  members = member_components(means, variances, size)
+  member_scores = [regression.score(m, v, y) for m, v in members]
+  results = {'ensemble': regression.score(means, variances, y), 'members': member_scores,
+             'mean_member': {key: float(np.mean([s[key] for s in member_scores])) for key in member_scores[0]}}
+  results['calibration'] = {
+      'expected': list(PLOT_LEVELS), 'ensemble': _coverages(means, variances, y, PLOT_LEVELS),
+      'mean_member': list(np.mean([_coverages(m, v, y, PLOT_LEVELS) for m, v in members], axis=0))}
+  test_moments = regression.mixture_moments(means, variances)
+  results['selective'] = regression.selective_rmse(test_moments['mean'], test_moments['std'], y,
+                                                   REGRESSION_SELECTIVE_COVERAGES)
+  if heldout is None:
+    return results
+  held_means, held_variances, held_y = heldout
+  scale = regression.scale_variances(held_means, held_variances, held_y)
+  results['variance_scaling'] = {'scale': scale, 'heldout_examples': len(held_y), 'seen_in_training': seen_in_training,
+                                 'before': results['ensemble'],
+                                 'after': regression.score(means, variances * scale, y)}
+  held_moments = regression.mixture_moments(held_means, held_variances)
+  rows = []
+  for alpha in alphas:
+    q = regression.conformal_quantile(held_moments['mean'], held_moments['std'], held_y, alpha)
+    half = q * test_moments['std']
+    covered = np.abs(y - test_moments['mean']) <= half
+    bounds = list(conformal.coverage_bounds(len(held_y), covered.size, alpha))
+    rows.append({'alpha': alpha, 'quantile': [float(v) for v in q], 'coverage': float(covered.mean()),
+                 'bounds': bounds, 'within_bounds': bounds[0] <= float(covered.mean()) <= bounds[1],
+                 'mean_width': float((2 * half).mean())})
+  results['conformal'] = {'calibration_examples': len(held_y), 'seen_in_training': seen_in_training, 'rows': rows}
+  return results
