@@ -110,7 +110,7 @@ FIT_DEFAULTS = {'heldout_fraction': 0.0, 'eval_every': 0, 'compilation_cache': '
 def fit_defaults(task: str | None) -> dict[str, Any]:
   """Where `fit` (and `distill`) start from other values than ensemble/defaults.py's, for `task` (None: the
   default's): `FIT_DEFAULTS`, and for regression `defaults.REGRESSION`."""
-  return {**FIT_DEFAULTS, **(defaults.REGRESSION if task == 'regression' else {})}
+  return {**FIT_DEFAULTS, **{'regression': defaults.REGRESSION, 'dense': defaults.DENSE}.get(task, {})}
 
 
 def fit_recipe(config: Any, fields: dict[str, Any]) -> recipe_lib.Recipe:
@@ -253,7 +253,7 @@ def _validation_split(validation: Any, dataset: data.Dataset, settings: recipe_l
   if _is_source(validation) or data.stream.is_streamed(validation):
     raise UsageError('validation= is a source of examples; give it as (inputs, labels) arrays')
   split = arrays.split(_as_pair(validation, 'validation'), dataset.inputs, 'validation', settings.task,
-                       outputs=dataset.num_classes)
+                       outputs=dataset.num_classes, ignore=settings.ignore_label)
   if split['image'].shape[1:] != dataset.image_shape or split['label'].shape[1:] != dataset.train['label'].shape[1:]:
     raise UsageError(f'validation= holds inputs {split["image"].shape[1:]} and labels {split["label"].shape[1:]}, '
                      f'the training data {dataset.image_shape} and {dataset.train["label"].shape[1:]}; give rows of '
@@ -381,7 +381,7 @@ def _dataset(train: Any, test: Any, settings: recipe_lib.Recipe) -> data.Dataset
     inputs, labels = arrays.pair(train, 'train')
     _, heldout = data.hold_out({'image': inputs, 'label': labels}, settings.heldout_fraction)
     test = (heldout['image'], heldout['label'])
-  return arrays.from_arrays(train, test, settings.inputs, settings.task)
+  return arrays.from_arrays(train, test, settings.inputs, settings.task, ignore=settings.ignore_label)
 
 
 def _streamed(train: Any, test: Any, settings: recipe_lib.Recipe) -> data.Dataset:
@@ -395,7 +395,7 @@ def _streamed(train: Any, test: Any, settings: recipe_lib.Recipe) -> data.Datase
     if split is None or data.stream.is_streamed(split):
       return split
     return data.stream.Records(data.stream.RandomAccessSource(split, f'{name}= source', settings.task,
-                                                              settings.inputs))
+                                                              settings.inputs, settings.ignore_label))
   splits = {'train': records(train, 'train'), 'test': records(test, 'test')}
   if splits['test'] is None and settings.heldout_fraction:
     _, splits['test'] = data.hold_out(splits['train'], settings.heldout_fraction)

@@ -94,9 +94,13 @@ class Recipe:
   # What the members predict (ensemble/tasks/): 'classification' (logits, one per class; integer labels),
   # 'regression' (float targets (N,) or (N, D); the model's last layer gives 2 D numbers, a mean and a raw scale
   # per target, and the ensemble predicts the uniform mixture of the members' Gaussians) or 'multilabel' (labels
-  # (N, L) of 0 and 1; a logit per label, a sigmoid each, the ensemble the mean of the members' probabilities).
-  # docs/python-api.md.
+  # (N, L) of 0 and 1; a logit per label, a sigmoid each, the ensemble the mean of the members' probabilities) or
+  # 'dense' (a class per position: labels (N, *positions), logits (N, *positions, C), e.g. a segmentation's
+  # (N, H, W) labels of (N, H, W, C) images). docs/python-api.md.
   task: str = 'classification'
+  # Dense: the label of a position that carries none (not a class: negative, or above every class); such positions
+  # are left out of the loss and of every score.
+  ignore_label: int = -1
   # Multi-label: per label, the weight of its positive examples in the binary cross-entropy (a rare label's
   # positives count more, e.g. negatives / positives); () weighs every example 1.
   pos_weight: tuple[float, ...] = ()
@@ -266,5 +270,8 @@ def get_config():
 # deep-ensemble paper's Adam, on standardised features (method hyper's rates drawn around its rate). The image
 # recipe's SGD at 0.1 sends Gaussian-NLL members astray (the cubic toy, noise 3: RMSE 194 against 3.0 with this;
 # docs/python-api.md, "Regression").
+# Where a dense task's `fit` departs from them: its labels are per position, and a shifted image's labels would
+# need shifting too, which augmentation does not do.
+DENSE = {'augment': 'none'}
 REGRESSION = {'optimizer': 'adamw', 'learning_rate': 0.01, 'weight_decay': 0.0, 'standardize_features': True,
               'hyper_learning_rate': (0.004, 0.012)}

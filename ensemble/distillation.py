@@ -107,7 +107,7 @@ def _check(ens: Any, temperature: Any, fit_kwargs: dict[str, Any]):
   if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
     raise UsageError(f'temperature={temperature!r} must be a positive number (1: the ensemble\'s probabilities as '
                      'they are)')
-  if ens.task.name != 'classification' and temperature != 1:
+  if ens.task.name not in ('classification', 'dense') and temperature != 1:
     raise UsageError(f'temperature={temperature} sharpens or softens class probabilities, and {ens._name} is a '
                      f'{ens.task.name} ensemble: leave temperature= out')
   for key, why in _FIXED.items():
@@ -157,8 +157,8 @@ def distill(ens: api.Ensemble, student_model: Any, data: Any, *, temperature: fl
     train = {'image': inputs, 'label': ens.predict(inputs, members=True)['member_probs'].mean(0).astype(np.float32)}
     dataset = base.Dataset(train, None, source, ens.num_classes, inputs=ens.member.inputs, task=task)
   else:
-    train = {'image': inputs, 'label': classification_targets(ens, inputs)}
-    dataset = base.Dataset(train, None, source, ens.num_classes, inputs=ens.member.inputs)
+    train = {'image': inputs, 'label': classification_targets(ens, inputs)}  # a dense one's per position
+    dataset = base.Dataset(train, None, source, ens.num_classes, inputs=ens.member.inputs, task=task)
   student = api.fit_dataset(student_model, dataset, settings, workdir=workdir, init=init, keep_optimizer=keep_optimizer,
                             keep_freed_memory=keep_freed_memory, progress=progress)
   if test is not None:

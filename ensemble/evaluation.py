@@ -228,7 +228,7 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
                      'all of them')
   data_dir = config.data_dir if data_dir is None else data_dir
   dataset = data.load(config.dataset, data_dir, config.train_split, config.test_split, task=task,
-                      target=config.target, streaming=config.streaming)
+                      target=config.target, streaming=config.streaming, ignore=config.ignore_label)
   test = data.stream.in_memory(dataset.test, None if max_examples is None else
                                np.arange(min(max_examples, len(dataset.test['label']))))
   shape = member.image_shape

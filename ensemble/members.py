@@ -42,11 +42,12 @@ def member(config: Any, data_info: dict[str, Any], steps_per_epoch: int = 1,
                       method=methods.create(config, steps_per_epoch), inputs=inputs,
                       dtype=config.dtype, task=tasks.create(config, data_info),
                       adversarial_epsilon=config.adversarial_epsilon, frozen=tuple(config.frozen),
-                      adapter_rank=config.adapter_rank)
+                      adapter_rank=config.adapter_rank, positions=tuple(data_info.get('positions', ())))
 
 
 def data_info(image_shape: Sequence[int], num_classes: int, mean: Sequence[float], std: Sequence[float],
-              inputs: str = 'images', target_stats: tuple[Sequence[float], Sequence[float]] | None = None) -> dict:
+              inputs: str = 'images', target_stats: tuple[Sequence[float], Sequence[float]] | None = None,
+              positions: Sequence[int] = ()) -> dict:
   """What a member needs to know of its data; checkpoints keep it, so a workdir can predict on its own.
 
   `image_shape` is one input's shape, whatever `inputs` (steps.INPUTS) it is.
@@ -57,6 +58,8 @@ def data_info(image_shape: Sequence[int], num_classes: int, mean: Sequence[float
           'mean': [float(m) for m in mean], 'std': [float(s) for s in std], 'inputs': inputs}
   if target_stats is not None:
     info['target_mean'], info['target_std'] = ([float(v) for v in values] for values in target_stats)
+  if positions:  # a dense task's: the shape of the labels of one input, a class at each position
+    info['positions'] = [int(p) for p in positions]
   return info
 
 
@@ -101,6 +104,15 @@ def check_model(member: steps.Member, num_classes: int, method: str) -> int:
       got = _batch_named(getattr(logits, 'shape', type(logits).__name__))
       raise UsageError(f'the model maps inputs {shape} to {got}, not to (batch, {num_classes}): for {targets} '
                        f'target(s) give its last layer {num_classes} outputs, a mean and a raw scale per target')
+  elif member.task.name == 'dense':
+    positions = tuple(member.positions)
+    if (not hasattr(logits, 'shape') or tuple(logits.shape[:-1]) != (1, *positions)
+        or logits.shape[-1] < num_classes):
+      got = _batch_named(getattr(logits, 'shape', type(logits).__name__))
+      want = ', '.join(map(str, ('batch', *positions, num_classes)))
+      raise UsageError(f'the model maps inputs {shape} to {got}, not to ({want}) logits, a class per position of '
+                       f'the labels: give it a last layer of {num_classes} outputs at each position (a 1x1 '
+                       'convolution, or a Dense layer on unflattened inputs)')
   elif member.task.name == 'multilabel':
     if not hasattr(logits, 'shape') or len(logits.shape) != 2 or logits.shape[1] != num_classes:
       got = _batch_named(getattr(logits, 'shape', type(logits).__name__))
@@ -133,7 +145,7 @@ def check_model(member: steps.Member, num_classes: int, method: str) -> int:
              'layer (nn.Dropout or nnx.Dropout) with a rate above 0: add one, e.g. nn.Dropout(0.1, '
              'deterministic=not train) before its last layer, or use a built-in model (cnn, resnet, mlp), which take '
              '--config.dropout_rate')
-  return int(logits.shape[1])
+  return int(logits.shape[-1])
 
 
 @functools.lru_cache(maxsize=64)

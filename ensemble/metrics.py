@@ -37,6 +37,34 @@ class PerMember(clu_metrics.Metric):
 
 
 @flax.struct.dataclass
+class PerPosition(clu_metrics.Metric):
+  """A dense task's mean over labelled positions, from each input's mean over its own ('ensemble_labelled' of
+  them, tasks/dense.py): weighted by those counts, every labelled position counts once, as in
+  `Ensemble.evaluate`. Values (N,) give one mean, (N, K) one per member."""
+  total: jnp.ndarray
+  count: jnp.ndarray
+
+  @classmethod
+  def of(cls, name: str) -> type['PerPosition']:
+    """The metric of the output `name`."""
+    class Of(cls):
+      @classmethod
+      def from_model_output(cls, mask: jnp.ndarray | None = None, **outputs) -> 'PerPosition':
+        values, weight = jnp.asarray(outputs[name]), jnp.asarray(outputs['ensemble_labelled'], jnp.float32)
+        if mask is not None:
+          weight = weight * jnp.asarray(mask, jnp.float32)
+        return cls(total=(values * weight.reshape(weight.shape + (1,) * (values.ndim - 1))).sum(0),
+                   count=weight.sum())
+    return Of
+
+  def merge(self, other: 'PerPosition') -> 'PerPosition':
+    return type(self)(total=self.total + other.total, count=self.count + other.count)
+
+  def compute(self) -> jnp.ndarray:
+    return self.total / jnp.maximum(self.count, 1.0)
+
+
+@flax.struct.dataclass
 class TrainMetrics(clu_metrics.Collection):
   """Training loss and accuracy, averaged over the members and the steps."""
   loss: clu_metrics.Average.from_output('loss')
@@ -68,6 +96,15 @@ class RegressionEvalMetrics(clu_metrics.Collection):
   member_squared_error: PerMember.from_output('member_squared_error')
 
 
+@flax.struct.dataclass
+class DenseEvalMetrics(clu_metrics.Collection):
+  """`EvalMetrics` of a dense task: over the labelled positions of the split, each counted once."""
+  loss: PerPosition.of('ensemble_loss')
+  accuracy: PerPosition.of('ensemble_correct')
+  member_loss: PerPosition.of('member_loss')
+  member_accuracy: PerPosition.of('member_correct')
+
+
 class TaskMetrics(NamedTuple):
   """A task's collections: of its train steps' outputs, and of its eval steps' outputs over a split."""
   train: type[clu_metrics.Collection]
@@ -79,4 +116,5 @@ BY_TASK = {
     'regression': TaskMetrics(RegressionTrainMetrics, RegressionEvalMetrics),
     # The same fields: a label's loss and accuracy averaged over the labels (tasks/multilabel.py).
     'multilabel': TaskMetrics(TrainMetrics, EvalMetrics),
+    'dense': TaskMetrics(TrainMetrics, DenseEvalMetrics),
 }

@@ -30,6 +30,7 @@ import numpy as np
 from ensemble import calibration
 from ensemble.errors import UsageError
 from ensemble.tasks import regression
+from ensemble.tasks.dense import IGNORED
 from ensemble.uncertainty import conformal, decomposition, multilabel, selective
 
 # The flag (`flags`) is two tests. The total predictive entropy counts both kinds of doubt, a blurred digit
@@ -97,8 +98,18 @@ def digest(inputs: np.ndarray, labels: np.ndarray) -> str:
 
 # --- the kinds: each a fit (outputs at its place, labels -> its settings), an apply and a name ------------------------
 
+def _labelled_positions(probs: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """A dense task's (N, *positions, C) probabilities and (N, *positions) labels -> those of its labelled positions,
+  (M, C) and (M,), each position an example of its own: a temperature is shared over the positions, and conformal
+  coverage is marginal over them. Another task's as they are."""
+  if labels.ndim == 1:
+    return probs, labels
+  labelled = labels != IGNORED
+  return probs[labelled], labels[labelled]
+
+
 def _fit_temperature(outputs, labels):
-  return {'value': calibration.fit_temperature(outputs['probs'], labels)}
+  return {'value': calibration.fit_temperature(*_labelled_positions(outputs['probs'], labels))}
 
 
 def _apply_temperature(step, outputs, xp):
@@ -139,7 +150,7 @@ def _fit_conformal(outputs, labels, alpha, score):
     q = multilabel.calibrated_quantiles(outputs['label_probs'], labels, alpha)
     return {'alpha': float(alpha), 'score': score, 'quantile': [float(v) for v in q]}
   return {'alpha': float(alpha), 'score': score,
-          'quantile': conformal.calibrated_quantile(outputs['probs'], labels, alpha, score)}
+          'quantile': conformal.calibrated_quantile(*_labelled_positions(outputs['probs'], labels), alpha, score)}
 
 
 def _apply_conformal(step, outputs, xp):
@@ -211,7 +222,8 @@ KINDS = {
 
 # What `Ensemble.calibrate` fits, and a temperature given by hand is, for each task: the one step that rescales its
 # outputs' confidence.
-SCALE_KINDS = {'classification': 'temperature', 'multilabel': 'label_temperature', 'regression': 'variance_scale'}
+SCALE_KINDS = {'classification': 'temperature', 'multilabel': 'label_temperature', 'regression': 'variance_scale',
+               'dense': 'temperature'}
 
 
 # --- a chain -------------------------------------------------------------------------------------------------------

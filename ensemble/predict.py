@@ -5,7 +5,10 @@
 PATH is an .npy or .npz array, an IDX images file, a PNG or JPEG image, or a
 folder of them (`ensemble.data.inputs`). For a regression workdir, one row
 per input: the mixture's mean and std, its aleatoric and epistemic std and
-the 90% interval's bounds (`regression_rows`). One row per image: its name, the
+the 90% interval's bounds (`regression_rows`); for a multi-label one, the
+labels predicted and each label's probability and mutual information
+(`label_rows`); a dense one writes its maps to --output=FILE.npz
+(`write_maps`). For a classifier, one row per image: its name, the
 predicted class and its probability, the predictive entropy, the mutual
 information between the prediction and the members (the part of the
 uncertainty the members disagree on), and `flag`: whether the image is more
@@ -40,7 +43,7 @@ from ensemble.posthoc import DEFAULT_FLAG_OOD_RATE, DEFAULT_FLAG_RISK  # pylint:
 from ensemble.data import inputs  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
-OUTPUT_FORMATS = ('.csv', '.jsonl')
+OUTPUT_FORMATS = ('.csv', '.jsonl', '.npz')
 COLUMNS = ('name', 'class', 'probability', 'entropy', 'mutual_information', 'flag')
 # A cell that starts with one of these is a formula to a spreadsheet: `=1+2.png` would run (OWASP, "CSV injection").
 FORMULA_STARTS = ('=', '+', '-', '@', '\t', '\r')
@@ -83,11 +86,48 @@ def regression_rows(names: Sequence[str], result: dict[str, np.ndarray]) -> tupl
   return ['name', *columns], rows_()
 
 
-def _output_format(output: str | None) -> str:
-  suffix = '.csv' if output is None else os.path.splitext(output)[1].lower()
+def label_rows(names: Sequence[str], result: dict[str, np.ndarray]) -> tuple[list[str], Iterator[dict]]:
+  """(columns, rows) of a multi-label ensemble's prediction: the labels predicted (their indices, by spaces), and
+  per label l its probability and the members' mutual information ('probability_l', 'mutual_information_l')."""
+  figure = lambda x: float(f'{x:.6g}')
+  count = result['probs'].shape[1]
+  parts = ('probability', 'mutual_information')
+  columns = ['name', 'labels', *(f'{part}_{label}' for part in parts for label in range(count))]
+
+  def rows_():
+    for i, name in enumerate(names):
+      row = {'name': name, 'labels': ' '.join(map(str, np.flatnonzero(result['labels'][i])))}
+      for part, values in zip(parts, (result['probs'], result['mutual_information'])):
+        row.update({f'{part}_{label}': figure(values[i, label]) for label in range(count)})
+      yield row
+  return columns, rows_()
+
+
+def write_maps(names: Sequence[str], result: dict[str, np.ndarray], output: str):
+  """A dense ensemble's prediction, a map per input, as one .npz file, whole or not at all: 'name' (N,), and per
+  position 'class' and its 'probability', 'entropy' and 'mutual_information' (N, *positions)."""
+  probability = np.take_along_axis(result['probs'], result['class'][..., None], -1)[..., 0]
+  maps = {'name': np.asarray(names), 'class': result['class'].astype(np.int32),
+          'probability': probability.astype(np.float32), 'entropy': result['entropy'].astype(np.float32),
+          'mutual_information': result['mutual_information'].astype(np.float32)}
+  buffer = io.BytesIO()
+  np.savez_compressed(buffer, **maps)
+  files.write_atomically(output, buffer.getvalue())
+
+
+def _output_format(output: str | None, dense: bool | None = None) -> str:
+  """`output`'s format, checked; with `dense` (once the ensemble is read), that it holds what the ensemble gives:
+  a dense one's maps an .npz, the others' rows a .csv or .jsonl."""
+  suffix = ('.npz' if dense else '.csv') if output is None else os.path.splitext(output)[1].lower()
   if suffix not in OUTPUT_FORMATS:
     raise UsageError(f'--output={output}: unknown format {suffix or "(no suffix)"}; end it in .csv, or .jsonl for '
-                     'JSON lines')
+                     "JSON lines (.npz: a dense ensemble's maps)")
+  if dense and (suffix != '.npz' or output is None):
+    raise UsageError(f'--output={output}: a dense ensemble predicts a map per input, which rows cannot hold; give '
+                     '--output=FILE.npz')
+  if dense is False and suffix == '.npz':
+    raise UsageError(f"--output={output}: an .npz holds a dense ensemble's maps, and this ensemble predicts a row "
+                     'per input; end it in .csv, or .jsonl for JSON lines')
   if output:
     files.check_output('--output', output)
   return suffix
@@ -122,7 +162,8 @@ def predict_files(workdir: str, input_path: str, output: str | None = None, *, s
                   flag_ood_rate: float = DEFAULT_FLAG_OOD_RATE, data_dir: str | None = None,
                   batch_size: int | None = None,
                   skip_unreadable: bool = False) -> dict[str, Any]:
-  """The CLI's work: every check first, then the prediction, then the file. Returns a summary.
+  """The CLI's work: every check first, then the prediction, then the file (a dense ensemble's maps: an .npz).
+  Returns a summary.
 
   `batch_size` None is the run's eval_batch_size.
   """
@@ -137,17 +178,21 @@ def predict_files(workdir: str, input_path: str, output: str | None = None, *, s
   if not input_path:
     raise UsageError('--input is required: an image, a folder of images, an .npy/.npz array or an IDX file')
   model = api.read(workdir, step, batch_size=batch_size)
-  if model.task.name == 'multilabel':
-    raise UsageError(f'{workdir} holds a multilabel ensemble, which this program does not write rows for yet: '
-                     'predict from Python, ensemble.load(workdir).predict(x)')
+  _output_format(output, dense=model.task.name == 'dense')
   names, images, skipped = inputs.read(input_path, model.image_shape, array, skip_unreadable)
   model.check(images, role=input_path)  # its errors name the file
-  if model.task.name == 'regression':
+  if model.task.name == 'dense':
     logging.info('Predicting %d inputs.', len(images))
-    columns, rows_ = regression_rows(names, model.predict(images, progress=True))
+    write_maps(names, model.predict(images, progress=True), output)
+    logging.info('Wrote the maps of %d inputs to %s.', len(names), output)
+    return {'images': len(names), 'flagged': None, 'threshold': None, 'skipped': skipped}
+  if model.task.name in ('regression', 'multilabel'):
+    logging.info('Predicting %d inputs.', len(images))
+    table = regression_rows if model.task.name == 'regression' else label_rows
+    columns, rows_ = table(names, model.predict(images, progress=True))
     write(rows_, output, columns)
     logging.info('Wrote %d rows to %s.', len(names), output or 'stdout')
-    return {'images': len(names), 'flagged': None, 'threshold': None}
+    return {'images': len(names), 'flagged': None, 'threshold': None, 'skipped': skipped}
   fitted = None
   if flag and posthoc.last(model.posthoc, 'flags') is not None:  # a saved ensemble's own flags step
     fitted = posthoc.last(model.posthoc, 'flags')
@@ -205,8 +250,8 @@ def define_flags():
   flags.DEFINE_string('input', None, 'An .npy/.npz array, an IDX images file, a PNG/JPEG image or a folder of them.',
                       allow_override=True)
   flags.DEFINE_string('array', None, 'The array of an --input .npz that holds the images; default: its only array.')
-  flags.DEFINE_string('output', None, 'A .csv or .jsonl file (JSON lines); default: CSV on stdout.',
-                      allow_override=True)
+  flags.DEFINE_string('output', None, 'A .csv or .jsonl file (JSON lines); default: CSV on stdout. A dense '
+                      "ensemble's maps: an .npz file.", allow_override=True)
   flags.DEFINE_bool('flag', True, 'Add the flag column (needs the training data, for its held-out slice).')
   flags.DEFINE_float('flag_risk', DEFAULT_FLAG_RISK, 'The error rate that unflagged held-out images may have: '
                      'images more uncertain than the threshold that achieves it are flagged.')

@@ -36,7 +36,7 @@ from ensemble.tasks import regression
 __all__ = ['Recipe', 'of', 'resolve', 'from_record']
 
 MEMBER_DATA = ('shared', 'shuffled', 'bootstrap')
-TASKS = ('classification', 'regression', 'multilabel')
+TASKS = ('classification', 'regression', 'multilabel', 'dense')
 DTYPES = ('float32', 'bfloat16')
 MAX_SEED = 2**32 - 1  # jax.random.key folds larger seeds onto the same keys
 # The members of `ensemble_size=0` on a single device (a laptop's CPU, one GPU): several on the device, as 0 means one
@@ -444,6 +444,14 @@ def _fit_to_data(r: Recipe, dataset: data.Dataset, model: Any) -> dict[str, Any]
            f'pos_weight holds {len(r.pos_weight)} weights, but {dataset.source} has '
            + (f'{dataset.num_classes} labels: give one weight per label' if r.task == 'multilabel'
               else f'{r.task} data: pos_weight weighs the labels of task=multilabel; leave it out'))
+  if r.task == 'dense':
+    _require(dataset.inputs != 'images' or r.augment == 'none',
+             f'augment={r.augment!r} moves the pixels of an image but not its labels, which task=dense places on '
+             'them: set --config.augment=none')
+    _require(r.ignore_label < 0 or r.ignore_label >= dataset.num_classes,
+             f'ignore_label={r.ignore_label} is also a class of {dataset.source} (labels 0..'
+             f'{dataset.num_classes - 1}): give the label that marks positions without one a value no class has (-1, '
+             'or one above every class)')
   if r.adversarial_epsilon:
     _require(dataset.inputs != 'tokens', 'adversarial_epsilon perturbs inputs along their gradient, and token ids '
              'have none: set --config.adversarial_epsilon=0')
@@ -454,6 +462,8 @@ def _fit_to_data(r: Recipe, dataset: data.Dataset, model: Any) -> dict[str, Any]
     changes['augment'] = 'none'
     if model is None and dataset.inputs == 'features' and r.model == _DEFAULTS.model:
       changes['model'] = models.FEATURES_MODEL
+  elif model is None and r.task == 'dense' and r.model == _DEFAULTS.model:  # a class per pixel
+    changes['model'] = models.DENSE_IMAGES_MODEL
   if model is None:
     models.check_inputs(changes.get('model', r.model), dataset.image_shape)
   rows = len(dataset.train['label'])
@@ -571,7 +581,8 @@ _READ_BY = {
     **dict.fromkeys(('swag_samples', 'swag_rank', 'swag_start', 'swag_learning_rate'),
                     lambda r: r.method == 'multiswag'),
     **dict.fromkeys(('loss', 'beta'), lambda r: r.task == 'regression'),
-    'distill_temperature': lambda r: r.task == 'classification',
+    'distill_temperature': lambda r: r.task in ('classification', 'dense'),
+    'ignore_label': lambda r: False,  # mapped to tasks.dense.IGNORED as the labels are read
     'pos_weight': lambda r: r.task == 'multilabel',
     # The built-in models' dropout is method mc_dropout's (and the mesh classifier's); a user's model keeps its own.
     'dropout_rate': lambda r: r.method == 'mc_dropout' or r.model == 'classifier',

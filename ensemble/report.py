@@ -30,7 +30,9 @@ def table(header: list[str], rows: list[list[Any]]) -> str:
 def markdown(results: dict[str, Any]) -> str:
   """report.md: every section the results hold (an ensemble of features has no rotations, one scored without
   calibration examples no temperature or conformal sets)."""
-  scores_row = lambda name, scores: [name, *(scores[s] for s in SCORES)]
+  dense = 'labelled_positions' in results  # a class per position: each labelled position scored as an example
+  scores = SCORES + ('miou',) if dense else SCORES
+  scores_row = lambda name, figures: [name, *(figures[s] for s in scores)]
   test_rows = [scores_row('**ensemble**', results['ensemble']),
                scores_row('mean member', results['mean_member']),
                scores_row('best member', results['best_member']),
@@ -41,15 +43,17 @@ def markdown(results: dict[str, Any]) -> str:
   columns = [(who, s) for who in ('ensemble', 'mean_member') for s in ('accuracy', 'nll', 'ece')]
   shift_columns = ['ensemble accuracy', 'ensemble NLL', 'ensemble ECE', 'member accuracy', 'member NLL', 'member ECE']
   lines = [
-      f'# Evaluation of `{results["workdir"]}`',
+      f'# Evaluation of `{results["workdir"]}`' + (' (dense)' if dense else ''),
       '',
       f'Checkpoint of {results.get("checkpoint_unit", "epoch")} {results["epoch"]}, '
       f'{results["ensemble_size"]} members; '
-      f'{results["test_examples"]} test examples from {results["data"]}.',
+      f'{results["test_examples"]} test examples from {results["data"]}'
+      + (f', {results["labelled_positions"]} labelled positions of them, each scored as an example (mIoU: the '
+         'mean over the classes of their intersection over union).' if dense else '.'),
       '',
       '## Test set',
       '',
-      table(['', *(TITLES[s] for s in SCORES)], test_rows),
+      table(['', *(TITLES.get(s, 'mIoU') for s in scores)], test_rows),
       '',
       f'Ensemble predictive entropy {ensemble["entropy"]:.4f} nats; mean pairwise disagreement '
       f'between members {ensemble["disagreement"]:.4f}. ECE uses 15 equal-width confidence bins. '

@@ -22,6 +22,7 @@ from absl import logging
 
 from ensemble import calibration, console, data, posthoc
 from ensemble.tasks import regression
+from ensemble.tasks.dense import IGNORED
 from ensemble.uncertainty import conformal, decomposition, multilabel, ood, selective
 
 DEFAULT_ANGLES = tuple(range(0, 181, 15))
@@ -61,8 +62,17 @@ def score(predict: Any, test: data.Split, heldout: data.Split | None = None, see
     return {'test_examples': len(test['label']),
             **score_multilabel(test_outputs, test['label'], heldout_outputs, heldout_labels, seen_in_training, alphas,
                                ood_logits)}
-  labels, member_probs = test['label'], np.exp(test_outputs)
-  results = {'test_examples': len(labels), **score_test_set(test_outputs, labels)}
+  labels, dense = test['label'], task.name == 'dense'
+  if dense:  # each labelled position a classification of its own, scored as a classifier's examples are
+    labels, test_outputs = labels[labels != IGNORED], test_outputs[:, labels != IGNORED]
+    if heldout is not None:
+      heldout_outputs = heldout_outputs[:, heldout_labels != IGNORED]
+      heldout_labels = heldout_labels[heldout_labels != IGNORED]
+    angles, noise, ood_sets = (), False, None  # shifts and other data move the labels too, or have none
+  member_probs = np.exp(test_outputs)
+  results = {'test_examples': len(test['label']), **score_test_set(test_outputs, labels, iou=dense)}
+  if dense:
+    results.update(labelled_positions=len(labels), iou=_iou_list(member_probs.mean(0), labels))
   logging.info('test: ensemble accuracy %.4f NLL %.4f ECE %.4f; mean member accuracy %.4f NLL %.4f ECE %.4f',
                *(results[who][name] for who in ('ensemble', 'mean_member') for name in ('accuracy', 'nll', 'ece')))
   if angles:
@@ -79,7 +89,8 @@ def score(predict: Any, test: data.Split, heldout: data.Split | None = None, see
                  results['temperature_scaling']['before']['nll'], results['temperature_scaling']['after']['nll'])
     results['conformal'] = score_conformal(heldout_probs, heldout_labels, seen_in_training, member_probs, labels,
                                            alphas)
-    results['flags'] = score_flags(heldout_probs, heldout_labels, seen_in_training)
+    if not dense:  # a flag is an input's, and a dense one's uncertainty is a map
+      results['flags'] = score_flags(heldout_probs, heldout_labels, seen_in_training)
   results['selective'] = score_selective(member_probs, labels)
   if ood_sets:
     logging.info('Detecting %d out-of-distribution sets: %s.', len(ood_sets), ', '.join(ood_sets))
@@ -120,7 +131,7 @@ def _mean_member(member_scores: list[dict[str, float]]) -> dict[str, float]:
 
 
 # The scores that are better higher; every other is better lower.
-HIGHER_IS_BETTER = ('accuracy', 'map', 'subset_accuracy')
+HIGHER_IS_BETTER = ('accuracy', 'map', 'subset_accuracy', 'miou')
 
 
 def _gain(ensemble: dict[str, float], reference: dict[str, float]) -> dict[str, float]:
@@ -140,18 +151,52 @@ def _reliability(probs: np.ndarray, labels: np.ndarray) -> dict[str, list]:
   return {'count': counts.tolist(), 'confidence': as_list(confidence), 'accuracy': as_list(accuracy)}
 
 
-def _scores(member_log_probs: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-  """`calibration.scores` of the members' mean prediction, (K, N, C) log-probabilities in, NLL in log space."""
-  return {**calibration.scores(np.exp(member_log_probs).mean(0), labels),
-          'nll': calibration.ensemble_nll(member_log_probs, labels)}
+def intersection_over_union(probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
+  """(C,) per class, |predicted and labelled| / |predicted or labelled| over the examples; NaN for a class neither
+  predicted nor labelled, which the mean IoU leaves out."""
+  predicted, classes = np.argmax(probs, -1), np.arange(probs.shape[-1])[:, None]
+  both = np.sum((predicted == classes) & (labels == classes), 1)
+  either = np.sum((predicted == classes) | (labels == classes), 1)
+  with np.errstate(invalid='ignore', divide='ignore'):
+    return np.where(either > 0, both / np.maximum(either, 1), np.nan)
 
 
-def score_test_set(member_log_probs: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
-  """Members, their average, the gains and the ensemble-size curve on one labelled split."""
+def _iou_list(probs: np.ndarray, labels: np.ndarray) -> list[float | None]:
+  """Each class's IoU as JSON keeps it: None for a class neither predicted nor labelled."""
+  return [None if math.isnan(v) else float(v) for v in intersection_over_union(probs, labels)]
+
+
+def _scores(member_log_probs: np.ndarray, labels: np.ndarray, iou: bool = False) -> dict[str, float]:
+  """`calibration.scores` of the members' mean prediction, (K, N, C) log-probabilities in, NLL in log space; with
+  `iou`, the mean intersection over union of the classes ('miou')."""
+  probs = np.exp(member_log_probs).mean(0)
+  scores = {**calibration.scores(probs, labels), 'nll': calibration.ensemble_nll(member_log_probs, labels)}
+  if iou:
+    scores['miou'] = float(np.nanmean(intersection_over_union(probs, labels)))
+  return scores
+
+
+def score_positions(member_log_probs: np.ndarray, labels: np.ndarray,
+                    scaled_probs: np.ndarray | None = None) -> dict[str, Any]:
+  """A dense task's scores: `score_test_set`'s over the labelled positions, each a classification of its own
+  (accuracy, NLL, Brier, ECE), with the mean IoU of the classes ('miou') and the ensemble's IoU per class; with
+  `scaled_probs` (the chain's temperature applied), 'temperature_scaled' scores of them."""
+  labelled = labels != IGNORED
+  positions = member_log_probs[:, labelled]
+  scores = {'labelled_positions': int(labelled.sum()), **score_test_set(positions, labels[labelled], iou=True)}
+  scores['ensemble']['iou'] = _iou_list(np.exp(positions).mean(0), labels[labelled])
+  if scaled_probs is not None:
+    scores['temperature_scaled'] = calibration.scores(scaled_probs[labelled], labels[labelled])
+  return scores
+
+
+def score_test_set(member_log_probs: np.ndarray, labels: np.ndarray, iou: bool = False) -> dict[str, Any]:
+  """Members, their average, the gains and the ensemble-size curve on one labelled split; with `iou`, each one's
+  mean intersection over union too."""
   member_probs = np.exp(member_log_probs)
   ensemble_probs = member_probs.mean(0)
-  members = [_scores(log_probs[None], labels) for log_probs in member_log_probs]
-  ensemble = {**_scores(member_log_probs, labels),
+  members = [_scores(log_probs[None], labels, iou) for log_probs in member_log_probs]
+  ensemble = {**_scores(member_log_probs, labels, iou),
               'entropy': calibration.entropy(ensemble_probs),
               'disagreement': calibration.disagreement(member_probs)}
   mean_member = _mean_member(members)

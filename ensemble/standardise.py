@@ -44,8 +44,12 @@ def splits(dataset: data.Dataset, train: data.Split, recipe: Recipe):
                                                                    'the test targets, standardised'))
   mean, std = data.input_stats(sample['image'], dataset.inputs, recipe.standardize_features)
   outputs = 2 * dataset.num_classes if target_stats else dataset.num_classes
+  positions = ()
+  if dataset.task == 'dense':  # the labels' shape per input (a teacher's probabilities have their classes after it)
+    labels = sample['label']
+    positions = labels.shape[1:-1] if np.issubdtype(labels.dtype, np.floating) else labels.shape[1:]
   data_info = members.data_info(dataset.image_shape, outputs, mean, std, inputs=dataset.inputs,
-                                target_stats=target_stats)
+                                target_stats=target_stats, positions=positions)
   program_info = {k: v for k, v in data_info.items() if not k.startswith('target_')}
   if dataset.inputs == 'features':  # standardised here, if at all: the programs take the features as they come
     program_info.update(mean=[0.0], std=[1.0])

@@ -85,6 +85,7 @@ class Member:
   adversarial_epsilon: float = 0.0  # > 0: each step also trains on FGSM's perturbed inputs (methods/adversarial.py)
   frozen: tuple[str, ...] = ()  # module paths of parameters not trained (ensemble/sharing.py)
   adapter_rank: int = 0  # > 0: each member a rank-r adapter of the shared kernels (ensemble/sharing.py)
+  positions: tuple[int, ...] = ()  # a dense task's: the labels' shape per input, a class at each position
 
   def prepare(self, images: jnp.ndarray, key: jax.Array | None = None) -> jnp.ndarray:
     """Inputs as they arrive -> the model's input; images with a `key` are augmented first (training only)."""

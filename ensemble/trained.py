@@ -53,10 +53,14 @@ def check_flag(name: str, value: Any, none: bool = False):
 
 
 @functools.lru_cache(maxsize=64)
-def _output_width(member: steps.Member) -> int:
-  """A member's number of outputs, traced once per member: the ensembles of a loop of fits share theirs."""
+def _output_shape(member: steps.Member) -> tuple[int, ...]:
+  """A member's outputs' shape for one input, traced once per member: the ensembles of a loop of fits share it."""
   state = jax.eval_shape(member.init, jax.random.key(0))
-  return int(jax.eval_shape(member.predict, state, member.example_input()).shape[-1])
+  return tuple(int(d) for d in jax.eval_shape(member.predict, state, member.example_input()).shape[1:])
+
+
+def _output_width(member: steps.Member) -> int:
+  return _output_shape(member)[-1]
 
 
 class Ensemble:
@@ -240,7 +244,8 @@ class Ensemble:
     1s, or a regression's (N, D) float64 targets."""
     if self.task.name == 'regression':
       return arrays.labels(labels, 'regression', role, count, outputs=self.task.targets).astype(np.float64)
-    return arrays.labels(labels, self.task.name, role, count, outputs=self.num_classes)
+    return arrays.labels(labels, self.task.name, role, count, outputs=self.num_classes,
+                         ignore=self.config.ignore_label, positions=self.positions)
 
   def _require_task(self, task: str, what: str):
     if self.task.name != task:
@@ -298,6 +303,12 @@ class Ensemble:
     return self.member.image_shape
 
   @property
+  def positions(self) -> tuple[int, ...]:
+    """The positions of a dense ensemble's class per position, (H, W) of a segmentation's images; () for the other
+    tasks."""
+    return _output_shape(self.member)[:-1] if self.task.name == 'dense' else ()
+
+  @property
   def num_classes(self) -> int:
     """The members' number of logits, read off their forward pass (without computing it)."""
     return _output_width(self.member)
@@ -318,7 +329,7 @@ class Ensemble:
     starts = range(0, len(images), self.batch_size)
     if progress and len(starts) > 1:
       starts = console.track(starts, 'predicting', unit='batch', items_per_step=self.batch_size, items='images')
-    batches = [np.zeros((self.size, 0, self.num_classes))]
+    batches = [np.zeros((self.size, 0, *self.positions, self.num_classes))]
     for start in starts:
       chunk = images[start:start + self.batch_size]
       if self.member.inputs == 'images' and chunk.dtype == np.uint8:  # in [0, 1] as the device would make it
@@ -326,7 +337,7 @@ class Ensemble:
       split = {'image': chunk, 'label': np.zeros(len(chunk), np.int32)}
       batches.append(self._predictor(bucket(len(chunk), self.batch_size)).log_probs(split))
     outputs = np.concatenate(batches, axis=1)
-    finite = np.isfinite(outputs).all(axis=(0, 2))
+    finite = np.isfinite(outputs).all(axis=(0, *range(2, outputs.ndim)))
     if not finite.all():
       cause = _NONFINITE_CAUSES[self.member.inputs]
       raise UsageError(f'{role}: {int((~finite).sum())} of {len(finite)} inputs give the members non-finite outputs '
@@ -338,7 +349,8 @@ class Ensemble:
     multi-label ensemble's per label, (K, N, L)."""
     if self.task.name == 'multilabel':
       return multilabel.sigmoid(self.member_outputs(images, progress=progress))
-    self._require_task('classification', 'member_probs')
+    if self.task.name != 'dense':  # a dense ensemble's per position, (K, N, *positions, C)
+      self._require_task('classification', 'member_probs')
     return np.exp(self.member_outputs(images, progress=progress))
 
   def components(self, inputs: Any, *, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -471,6 +483,9 @@ class Ensemble:
     if self.task.name == 'multilabel':
       return scoring.score_labels(member_outputs, labels, scaled['label_probs']
                                   if any(step.kind == 'label_temperature' for step in self.posthoc) else None)
+    if self.task.name == 'dense':
+      return scoring.score_positions(member_outputs, labels, scaled['probs']
+                                     if any(step.kind == 'temperature' for step in self.posthoc) else None)
     from ensemble import calibration  # pylint: disable=g-import-not-at-top
     scores = scoring.score_test_set(member_outputs, labels)
     if any(step.kind == 'temperature' for step in self.posthoc):

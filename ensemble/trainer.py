@@ -309,7 +309,7 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
   saved_config = _check_resume(recipe, workdir, ckpt)
   if dataset is None:
     dataset = data.load(recipe.dataset, recipe.data_dir, recipe.train_split, recipe.test_split, task=recipe.task,
-                        target=recipe.target, streaming=recipe.streaming)
+                        target=recipe.target, streaming=recipe.streaming, ignore=recipe.ignore_label)
   if not resolved:
     recipe, devices = recipe_lib.resolve(recipe, devices, model=model, dataset=dataset)
   run = loop.prepare(recipe, devices, dataset, model, validation=validation)

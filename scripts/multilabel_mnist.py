@@ -17,25 +17,20 @@ import os
 import sys
 import time
 
-# Run from a checkout: import the `ensemble` package that sits next to this script.
+# Run from a checkout: import the `ensemble` package that sits next to this script (and task_tables beside it).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from absl import flags  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 import ensemble  # pylint: disable=g-import-not-at-top
 from ensemble import cli, data  # pylint: disable=g-import-not-at-top
-from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 from ensemble.uncertainty import ood  # pylint: disable=g-import-not-at-top
+import task_tables  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer('train', 12000, 'Training mosaics.')
-flags.DEFINE_integer('test', 4000, 'Test mosaics (and as many of each unseen transform).')
-flags.DEFINE_integer('calibration', 2000, 'Held-out mosaics the temperature and the conformal sets are fitted on.')
-flags.DEFINE_integer('epochs', 6, 'Epochs of every fit.')
-flags.DEFINE_integer('ensemble_size', 4, 'Members K of the ensemble row.')
-flags.DEFINE_list('seeds', ['0'], 'Seeds; each row is the mean over them.')
-flags.DEFINE_float('alpha', 0.1, 'Miscoverage of the conformal sets.')
+task_tables.define_flags('mosaics (test: and as many of each unseen transform)', epochs=6)
 
 DIGITS = 10
 # What the mosaics of each unseen transform are made of: MNIST test digits, changed.
@@ -81,10 +76,8 @@ def row(size: int, seed: int, splits: dict) -> dict[str, float]:
 
 def main(argv):
   del argv
-  if FLAGS.ensemble_size < 2:
-    raise UsageError(f'--ensemble_size={FLAGS.ensemble_size}: the ensemble row needs at least 2 members')
+  rows = task_tables.rows()
   mnist = data.load('mnist')
-  rows = {f'ensemble (K={FLAGS.ensemble_size})': FLAGS.ensemble_size, 'single model': 1}
   results = {name: [] for name in rows}
   for seed in (int(s) for s in FLAGS.seeds):
     rng = np.random.default_rng(seed)
@@ -94,12 +87,7 @@ def main(argv):
                          for name, transform in TRANSFORMS.items()}}
     for name, size in rows.items():
       results[name].append(row(size, seed, splits))
-  keys = list(results[next(iter(rows))][0])
-  print(f'| row | {" | ".join(keys)} |')
-  print(f'| --- |{" ---: |" * len(keys)}')
-  for name, runs in results.items():
-    means = [np.mean([run[key] for run in runs]) for key in keys]
-    print(f'| {name} | {" | ".join("–" if np.isnan(v) else f"{v:.4g}" for v in means)} |', flush=True)
+  task_tables.print_table(results)
 
 
 if __name__ == '__main__':

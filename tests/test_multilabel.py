@@ -161,7 +161,7 @@ def test_every_mismatch_after_fit_is_one_line(fitted):
       call()
 
 
-def test_the_command_line_trains_evaluates_and_says_what_it_cannot_do_yet(tmp_path):
+def test_the_command_line_trains_evaluates_and_predicts_rows_of_labels(tmp_path):
   (x, y), (x_test, y_test) = _rows(256, 0), _rows(64, 1)
   path = tmp_path / 'labels.npz'
   np.savez(path, x_train=x, y_train=y, x_test=x_test, y_test=y_test)
@@ -182,9 +182,20 @@ def test_the_command_line_trains_evaluates_and_says_what_it_cannot_do_yet(tmp_pa
   np.testing.assert_allclose(results['ensemble']['nll'], loaded.evaluate(x_test, y_test)['ensemble']['nll'],
                              rtol=1e-6)
   assert '(multi-label)' in (workdir / 'eval' / 'report.md').read_text()
-  refused = run('ensemble.predict', f'--workdir={workdir}', f'--input={path}')
-  assert refused.returncode == 2 and 'error:' in refused.stderr, refused.stderr[-2000:]
-  assert 'multilabel' in refused.stderr.split('error:')[1].splitlines()[0]
+  inputs, rows = tmp_path / 'inputs.npy', tmp_path / 'rows.csv'
+  np.save(inputs, x_test[:5])
+  predicted = run('ensemble.predict', f'--workdir={workdir}', f'--input={inputs}', f'--output={rows}')
+  assert predicted.returncode == 0, predicted.stderr[-3000:]
+  lines = rows.read_text().splitlines()
+  assert lines[0] == ','.join(['name', 'labels', *(f'probability_{i}' for i in range(LABELS)),
+                               *(f'mutual_information_{i}' for i in range(LABELS))])
+  got = ensemble.load(str(workdir)).predict(x_test[:5])  # with the temperatures the evaluation fitted
+  for line, labels, probs in zip(lines[1:], got['labels'], got['probs'], strict=True):
+    cells = line.split(',')
+    assert cells[1] == ' '.join(map(str, np.flatnonzero(labels)))
+    np.testing.assert_allclose([float(c) for c in cells[2:2 + LABELS]], probs, rtol=1e-5)
+  refused = run('ensemble.predict', f'--workdir={workdir}', f'--input={inputs}', f'--output={tmp_path / "r.npz"}')
+  assert refused.returncode == 2 and "an .npz holds a dense ensemble's maps" in refused.stderr, refused.stderr
 
 
 def test_the_guide_s_example_runs_as_written(capsys):

@@ -229,7 +229,7 @@ def test_a_model_without_packed_layers_is_refused_in_one_line(model):
     ('packed_alpha', 0.0, 'packed_alpha=0.0 must be a positive number'),
     ('packed_alpha', float('inf'), 'packed_alpha=inf must be a positive number'),
     ('packed_gamma', 0, 'packed_gamma=0 must be a positive whole number'),
-    ('model', 'classifier', "method packed has packed members of models ['cnn', 'resnet', 'mlp']"),
+    ('model', 'classifier', "method packed has packed members of models ['cnn', 'resnet', 'mlp', 'segmenter']"),
 ])
 def test_bad_options_are_refused_in_one_line(make_config, field, value, message):
   with pytest.raises(UsageError, match=re.escape(message)) as raised:

@@ -114,11 +114,13 @@ def test_backbone_prints_its_table(tmp_path):
   assert refused.returncode == 2 and 'error: --peak' in refused.stderr, refused.stderr[-3000:]
 
 
-def test_multilabel_mnist_prints_its_table():
-  """scripts/multilabel_mnist.py on a few mosaics: the ensemble's row and the single model's, every figure a number
-  but the single model's disagreement (it has none: '–')."""
-  result = _run('scripts/multilabel_mnist.py', '--train=64', '--test=32', '--calibration=40', '--epochs=1',
-                '--ensemble_size=2')
+@pytest.mark.parametrize('script, disagreement', [('scripts/multilabel_mnist.py', 'auroc_mi'),
+                                                   ('scripts/segmentation_mnist.py', 'errors_auroc_mi')])
+def test_a_task_benchmark_prints_its_table(script, disagreement):
+  """The multi-label and the segmentation benchmark on a few examples: the ensemble's row and the single model's,
+  every figure a number but the single model's disagreement (it has none: '–'); a single-member ensemble row
+  refused in one line."""
+  result = _run(script, '--train=64', '--test=32', '--calibration=40', '--epochs=1', '--ensemble_size=2')
   assert result.returncode == 0, result.stderr[-3000:]
   lines = [line for line in result.stdout.splitlines() if line.startswith('| ')]
   header = [cell.strip() for cell in lines[0].strip('|').split('|')]
@@ -126,11 +128,11 @@ def test_multilabel_mnist_prints_its_table():
   assert list(rows) == ['ensemble (K=2)', 'single model'], lines
   for name, figures in rows.items():
     for key, figure in zip(header[1:], figures, strict=True):
-      if name == 'single model' and key.startswith('auroc_mi'):
+      if name == 'single model' and key.startswith(disagreement):
         assert figure == '–', (key, figure)
       else:
         assert float(figure) == float(figure), (name, key, figure)  # a number, not NaN
-  refused = _run('scripts/multilabel_mnist.py', '--ensemble_size=1')
+  refused = _run(script, '--ensemble_size=1')
   assert refused.returncode == 2 and 'error: --ensemble_size=1' in refused.stderr, refused.stderr[-3000:]
 
 

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 
 from ensemble.data import array_record, arrays, bundled, csv, idx, npz, stream, tfds
-from ensemble.data.base import DataError, Dataset, Split
+from ensemble.data.base import IGNORED, DataError, Dataset, Split
 from ensemble.data.batches import (bucket_rows, epoch_indices, eval_batches, heldout_count, hold_out, steps_per_epoch,
                                    train_batch_indices, train_batches)
 
@@ -51,18 +51,19 @@ SOURCES = {
 
 def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
          test_split: str = 'test', *, task: str = 'classification', target: str = '',
-         streaming: str = 'never') -> Dataset:
+         streaming: str = 'never', ignore: int = IGNORED) -> Dataset:
   """Loads a dataset: the bundled or tensorflow-datasets' `dataset` when `data_dir` is empty, else what it names.
 
   Regression (`task`) reads an .npz file with float targets, a .csv file whose `target` columns are the
   targets, or a converted folder of regression data; multi-label the same with 0/1 labels (N, L) (a .csv's
-  `target` columns the labels). `streaming` (config.streaming, `stream.wanted`) leaves a
+  `target` columns the labels); dense classification an .npz file of classes per position (`ignore` where a
+  position has none) or a converted folder of them. `streaming` (config.streaming, `stream.wanted`) leaves a
   converted folder or a tfds dataset prepared as ArrayRecord on disk, its splits read as training asks.
   """
   data_dir = os.path.expanduser(data_dir or '')
   stream.check_mode(streaming)
-  if task in ('regression', 'multilabel'):
-    return _load_rows(task, dataset, data_dir, target, streaming)
+  if task in ('regression', 'multilabel', 'dense'):
+    return _load_rows(task, dataset, data_dir, target, streaming, ignore)
   if dataset == ARRAYS and not data_dir:
     raise DataError('the run was trained on arrays in memory (ensemble.fit), which no file holds: give --data_dir '
                     'a folder of IDX files or an .npz file of the same data, or score it from Python with '
@@ -81,8 +82,9 @@ def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
                   '(x_train, y_train, x_test, y_test), or be empty for tensorflow-datasets')
 
 
-def _load_rows(task: str, dataset: str, data_dir: str, target: str, streaming: str) -> Dataset:
-  """A regression's or a multi-label task's data: a row of targets (labels) per example, from a file."""
+def _load_rows(task: str, dataset: str, data_dir: str, target: str, streaming: str,
+               ignore: int = IGNORED) -> Dataset:
+  """A regression's, a multi-label or a dense task's data: targets (labels) per example, from a file."""
   if dataset == ARRAYS and not data_dir:
     raise DataError('the run was trained on arrays in memory (ensemble.fit), which no file holds: give --data_dir '
                     'an .npz or .csv file of the same data, or score it from Python with '
@@ -91,10 +93,14 @@ def _load_rows(task: str, dataset: str, data_dir: str, target: str, streaming: s
     return array_record.load(data_dir, task, streaming)
   if streaming == 'always':
     raise stream.cannot_stream(data_dir or 'an empty data_dir')
+  if data_dir.endswith('.npz'):
+    return npz.load(data_dir, task, ignore)
+  if task == 'dense':
+    raise DataError(f'{data_dir or "an empty data_dir"}: dense classification reads an .npz file (x_train, y_train '
+                    'of classes per position (N, *positions), x_test, y_test) or a folder from ensemble.data.convert; '
+                    'set --config.data_dir to one')
   if data_dir.endswith('.csv'):
     return csv.load(data_dir, target, task)
-  if data_dir.endswith('.npz'):
-    return npz.load(data_dir, task)
   labels = 'float y_train' if task == 'regression' else 'y_train of 0/1 labels (N, L)'
   raise DataError(f'{data_dir or "an empty data_dir"}: {task} reads an .npz file (x_train, {labels}, '
                   'x_test, y_test), a .csv file with --config.target or a folder from ensemble.data.convert; set '

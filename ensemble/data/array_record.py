@@ -24,7 +24,8 @@ INFO = 'dataset.json'
 FORMAT = 'ensemble.array_record'
 VERSION = 1
 SPLITS = ('train', 'test')
-TASKS = ('classification', 'regression', 'multilabel')
+TASKS = ('classification', 'regression', 'multilabel', 'dense')
+CLASSES = ('classification', 'dense')  # the tasks whose labels are classes (dense: per position, -1 for none)
 INPUTS = ('images', 'features')
 # group_size:1 puts each record in its own chunk: a later streaming reader reads any one without its neighbours.
 WRITER_OPTIONS = 'group_size:1'
@@ -77,7 +78,7 @@ def _check_info(info: Any):
     if info[part]['dtype'] not in dtypes or not all(isinstance(d, int) and d > 0 for d in shape):
       raise ValueError(f'{part}: shape {shape} of dtype {info[part]["dtype"]!r}, expected positive sizes of one '
                        f'of {dtypes}')
-  if info['task'] == 'classification' and not (isinstance(info['num_classes'], int) and info['num_classes'] > 0):
+  if info['task'] in CLASSES and not (isinstance(info['num_classes'], int) and info['num_classes'] > 0):
     raise ValueError(f'num_classes {info["num_classes"]!r}, expected a positive count')
   for split in SPLITS:
     files = info['splits'][split]['files']
@@ -127,7 +128,9 @@ def decode(records: list[bytes], info: dict[str, Any], name: str) -> tuple[np.nd
     dtype, shape = np.dtype(info[part]['dtype']), info[part]['shape']
     parts.append(np.ascontiguousarray(rows[:, start:stop]).view(dtype).reshape(len(rows), *shape))
   labels = parts[1]
-  if info['task'] == 'classification' and len(labels) and not 0 <= labels.min() <= labels.max() < info['num_classes']:
+  labelled = labels[labels != base.IGNORED] if info['task'] == 'dense' else labels  # a dense label's positions
+  if info['task'] in CLASSES and len(labelled) and not 0 <= labelled.min() <= labelled.max() < info['num_classes']:
+    labels = labelled
     raise base.DataError(f'{name}: labels reach [{labels.min()}, {labels.max()}] but dataset.json gives '
                          f'{info["num_classes"]} classes; {FIX}')
   return parts[0], labels
@@ -212,7 +215,7 @@ def load(folder: str, task: str = 'classification', streaming: str = 'never') ->
   train_bytes = info['splits']['train']['examples'] * (record_bytes(info, 'image') + record_bytes(info, 'label'))
   if stream.wanted(streaming, train_bytes):
     splits = {split: stream.Records(FolderSource(folder, info, split)) for split in SPLITS}
-    outputs = info['num_classes'] if task == 'classification' else math.prod(info['label']['shape'])
+    outputs = info['num_classes'] if task in CLASSES else math.prod(info['label']['shape'])
     return base.Dataset(splits['train'], splits['test'], f'{source}, streamed', outputs, inputs=info['inputs'],
                         task=task)
   loaded = {split: read_split(folder, info, split) for split in SPLITS}

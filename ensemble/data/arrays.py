@@ -54,10 +54,19 @@ def inputs(values: Any, kind: str, role: str, shape: tuple[int, ...], trained_on
   return as_inputs(values, kind, role)
 
 
-def labels(values: Any, task: str, role: str, count: int, outputs: int) -> np.ndarray:
+def labels(values: Any, task: str, role: str, count: int, outputs: int, ignore: int = base.IGNORED,
+           positions: tuple[int, ...] = ()) -> np.ndarray:
   """Labels for `count` inputs of `role`: int32 class indices within the `outputs` classes the members predict, a
-  regression's (N, D) float targets, D = `outputs`, or a multi-label ensemble's (N, L) int32 0s and 1s."""
+  regression's (N, D) float targets, D = `outputs`, a multi-label ensemble's (N, L) int32 0s and 1s, or a dense
+  ensemble's (N, *positions) classes, `base.IGNORED` where they hold `ignore`."""
   values = as_array(values, role, 'labels')
+  if task == 'dense':
+    checked = base.as_dense_labels(values, role, ignore)
+    if checked.shape != (count, *positions):
+      raise base.DataError(f'{role}: labels of shape {checked.shape}, but the ensemble predicts a class at each of '
+                           f'the ({", ".join(map(str, positions))}) positions of {count} inputs; give labels of '
+                           f'shape {(count, *positions)}')
+    return within_classes(checked, outputs, role)
   if task in ('regression', 'multilabel'):
     what = 'targets' if task == 'regression' else 'labels'
     if values.shape[:1] != (count,):
@@ -75,7 +84,9 @@ def labels(values: Any, task: str, role: str, count: int, outputs: int) -> np.nd
 def within_classes(labels: np.ndarray, outputs: int, role: str) -> np.ndarray:
   """Class labels that the `outputs` classes hold; a label beyond them (which would score NaN, or nothing) is one
   line naming `role`."""
-  if len(labels) and not 0 <= labels.min() <= labels.max() < outputs:
+  labelled = labels[labels != base.IGNORED] if labels.ndim > 1 else labels  # a dense task's labelled positions
+  if labelled.size and not 0 <= labelled.min() <= labelled.max() < outputs:
+    labels = labelled
     raise base.DataError(f'{role}: labels span [{labels.min()}, {labels.max()}], outside the {outputs} classes '
                          f'0..{outputs - 1} the members predict; give labels of those classes')
   return labels
@@ -106,11 +117,11 @@ def as_inputs(inputs: np.ndarray, kind: str, name: str) -> np.ndarray:
 
 
 def split(split_: Any, kind: str, name: str, task: str = 'classification', source: str = 'arrays',
-          outputs: int | None = None) -> base.Split:
+          outputs: int | None = None, ignore: int = base.IGNORED) -> base.Split:
   """One (inputs, labels) pair of `fit` as a Split, checked for its role `name` ('train', 'test', 'validation');
   with `outputs`, class labels must lie within those classes (a validation split's, the training data's)."""
-  checked = _split(split_, kind, name, task, source)
-  if outputs is not None and task == 'classification':
+  checked = _split(split_, kind, name, task, source, ignore)
+  if outputs is not None and task in ('classification', 'dense'):
     within_classes(checked['label'], outputs, name)
   elif outputs is not None and task == 'multilabel' and checked['label'].shape[1] != outputs:
     raise base.DataError(f"{name}: {checked['label'].shape[1]} labels per example, but the training data has "
@@ -118,13 +129,16 @@ def split(split_: Any, kind: str, name: str, task: str = 'classification', sourc
   return checked
 
 
-def _split(split: Any, kind: str, name: str, task: str = 'classification', source: str = 'arrays') -> base.Split:
+def _split(split: Any, kind: str, name: str, task: str = 'classification', source: str = 'arrays',
+           ignore: int = base.IGNORED) -> base.Split:
   inputs, labels = pair(split, name)
   if source != 'arrays':
     name = f'{source}: {name}'
   if len(inputs) != len(labels):
     raise base.DataError(f'{name}: {len(inputs)} inputs but {len(labels)} labels; give one label per example')
   base.check_examples(len(inputs), f'{name} inputs')
+  if task == 'dense':
+    return _dense_split(inputs, labels, kind, name, ignore)
   if task in ('regression', 'multilabel'):
     what = 'targets' if task == 'regression' else 'labels'
     checked = (base.as_targets(labels, f'{name} targets') if task == 'regression'
@@ -148,14 +162,31 @@ def _split(split: Any, kind: str, name: str, task: str = 'classification', sourc
   return {'image': as_inputs(inputs, kind, name), 'label': base.as_labels(labels, f'{name} labels')}
 
 
+def _dense_split(inputs: np.ndarray, labels: np.ndarray, kind: str, name: str, ignore: int) -> base.Split:
+  """A dense task's split: a class per position of its inputs, (N, *positions) labels of (N, *positions, ...)
+  inputs (an image's (H, W) of its (H, W, C), a sequence's (T) of its (T, F))."""
+  labels = base.as_dense_labels(labels, f'{name} labels', ignore)
+  if kind == 'images':
+    checked = base.make_split(inputs, np.zeros(len(inputs), np.int32), f'{name} images', f'{name} labels')
+  else:
+    checked = {'image': as_inputs(inputs, kind, name)}
+  positions, shape = labels.shape[1:], checked['image'].shape[1:]
+  if shape[:len(positions)] != positions or len(shape) == len(positions) and kind != 'tokens':
+    raise base.DataError(f'{name}: labels of shape {labels.shape} for {kind} of shape {checked["image"].shape}; '
+                         "task='dense' takes a label per position of the inputs: labels (N, *positions) for inputs "
+                         '(N, *positions, channels)')
+  return {**checked, 'label': labels}
+
+
 def from_arrays(train: Any, test: Any | None, inputs: str = 'auto', task: str = 'classification',
-                source: str = 'arrays') -> base.Dataset:
+                source: str = 'arrays', ignore: int = base.IGNORED) -> base.Dataset:
   """(x, y) pairs -> a Dataset of `inputs` ('auto': `kind_of` the training inputs) from `source`.
 
-  For task 'regression', y holds float targets (N,) or (N, D); for 'multilabel', 0s and 1s (N, L).
+  For task 'regression', y holds float targets (N,) or (N, D); for 'multilabel', 0s and 1s (N, L); for 'dense',
+  classes per position (N, *positions), `ignore` where a position has none.
   """
   kind = kind_of(pair(train, 'train')[0]) if inputs == 'auto' else inputs
-  splits = {name: None if split is None else _split(split, kind, name, task, source)
+  splits = {name: None if split is None else _split(split, kind, name, task, source, ignore)
             for name, split in (('train', train), ('test', test))}
   names = {name: (f'{name} inputs', f'{name} labels') for name in splits}
   if task in ('regression', 'multilabel'):

@@ -13,6 +13,7 @@ import numpy as np
 
 from ensemble import errors
 from ensemble.errors import UsageError
+from ensemble.tasks.dense import IGNORED  # a dense label's position without a label, as the programs take it
 
 # {'image': the inputs, 'label': int32 (N,)}. The inputs are uint8 images (N, H, W, C) for every source on disk;
 # arrays given to `ensemble.fit` may also be float32 features or int32 token ids of any shape (N, ...).
@@ -44,7 +45,8 @@ class Dataset:
   source: str  # what it came from, for logs and reports
   num_classes: int  # for regression: the number of targets D; for multi-label: the number of labels L
   inputs: str = 'images'  # what the inputs are: steps.INPUTS
-  task: str = 'classification'  # 'regression': labels are float targets (N, D); 'multilabel': 0/1 labels (N, L)
+  # 'regression': labels are float targets (N, D); 'multilabel': 0/1 labels (N, L); 'dense': classes (N, *positions)
+  task: str = 'classification'
 
   def __post_init__(self):
     # A loader that breaks the layout would otherwise fail far away, inside a jitted step.
@@ -68,6 +70,13 @@ class Dataset:
                                                                                             self.num_classes):
           raise ValueError(f'Dataset.{name}: labels must be int32 0/1 or float32 probabilities ({len(images)}, '
                            f'{self.num_classes}), got {labels.dtype} {labels.shape}')
+      elif self.task == 'dense':
+        positions = labels.shape[1:] if labels.dtype == np.int32 else labels.shape[1:-1]
+        if (labels.dtype not in (np.dtype(np.int32), np.dtype(np.float32)) or labels.shape[:1] != images.shape[:1]
+            or not positions or images.shape[1:1 + len(positions)] != positions):
+          raise ValueError(f'Dataset.{name}: dense labels must be int32 (N, *positions) classes or float32 '
+                           f'(N, *positions, C) probabilities of inputs (N, *positions, ...), got {labels.dtype} '
+                           f'{labels.shape} for inputs {images.shape}')
       elif not ((labels.dtype == np.int32 and labels.shape == images.shape[:1])
                 or (labels.dtype == np.float32 and labels.ndim == 2 and labels.shape[0] == len(images))):
         # float32 (N, C): a teacher's probabilities, what ensemble.distill trains a student on
@@ -198,6 +207,23 @@ def as_multilabels(labels: np.ndarray, name: str) -> np.ndarray:
   return labels.astype(np.int32)
 
 
+
+
+def as_dense_labels(labels: np.ndarray, name: str, ignore: int = IGNORED) -> np.ndarray:
+  """int32 (N, *positions) class indices of a dense task, `IGNORED` where a position has the label `ignore`."""
+  if labels.ndim < 2 or not np.issubdtype(labels.dtype, np.integer):
+    raise DataError(f"{name}: labels of shape {labels.shape} and dtype {labels.dtype}; task='dense' takes integer "
+                    'class indices per position, (N, *positions): (N, H, W) for images (N, H, W, C), (N, T) for '
+                    'sequences (N, T, F)')
+  unlabelled = labels == ignore
+  if labels.size and (labels[~unlabelled] < 0).any():
+    raise DataError(f'{name}: a label of {labels[~unlabelled].min()}, neither a class 0..C-1 nor the ignored label '
+                    f'{ignore}; set ignore_label={labels[~unlabelled].min()} if it marks positions without a label')
+  if labels.size and labels.max() > np.iinfo(np.int32).max:
+    raise DataError(f'{name}: label {labels.max()} does not fit int32; labels must be class indices 0..C-1')
+  return np.where(unlabelled, IGNORED, labels).astype(np.int32)
+
+
 def host_float(values: np.ndarray) -> np.ndarray:
   """`values` as float32, or float64 where float32 would round them (float64, 32- and 64-bit integers): the host
   keeps their precision until the loop has standardised them."""
@@ -257,6 +283,9 @@ def make_dataset(train: Split, test: Split, source: str, names: dict[str, tuple[
     # The user's class ids are kept: C is the largest training label + 1, so a class may be absent from training
     # (warned below), but none may lie above the largest one trained on, which no output would stand for.
     num_classes = int(train['label'].max()) + 1
+    if num_classes <= 0:  # dense labels, every position ignored
+      raise DataError(f'{names["train"][1]}: no position carries a label (every one is the ignored label); give '
+                      'labelled positions to train on')
     where, rule, absent_fix = ('C = the largest training label + 1', ', and the largest class must appear in training',
                                'relabel to 0..C-1')
   else:
@@ -269,12 +298,15 @@ def make_dataset(train: Split, test: Split, source: str, names: dict[str, tuple[
       raise DataError(f'{names[split_name][1]}: label {largest} is outside 0..{num_classes - 1} ({where}); '
                       f'labels must be class indices 0..C-1{rule}')
   _warn_absent_classes(train['label'], num_classes, absent_fix)
-  return Dataset(train=train, test=test, source=source, num_classes=num_classes, inputs=inputs)
+  dense = train['label'].ndim > 1 and np.issubdtype(train['label'].dtype, np.integer)  # a class per position
+  return Dataset(train=train, test=test, source=source, num_classes=num_classes, inputs=inputs,
+                 task='dense' if dense else 'classification')
 
 
 def _warn_absent_classes(labels: np.ndarray, num_classes: int, fix: str):
   """Training goes on without some classes (labels {1, 2, 3} train 4 outputs), but says so (`errors.hint`): the
   members learn to give an absent class no probability, which is rarely what was meant."""
+  labels = labels[labels != IGNORED]  # dense labels' positions without one
   absent = np.flatnonzero(np.bincount(labels, minlength=num_classes) == 0)
   if not len(absent):
     return

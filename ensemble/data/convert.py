@@ -1,7 +1,7 @@
 """Converts a dataset to a folder of ArrayRecord files that `--config.data_dir` reads with no further flags.
 
-  python -m ensemble.data.convert --input=SOURCE --output=FOLDER [--target=COL[,COL]] [--task=regression|multilabel]
-      [--examples_per_file=N]
+  python -m ensemble.data.convert --input=SOURCE --output=FOLDER [--target=COL[,COL]]
+      [--task=regression|multilabel|dense] [--ignore_label=N] [--examples_per_file=N]
 
 SOURCE is a folder of IDX files, an .npz (x_train, y_train, x_test, y_test;
 float y_train means regression), a folder of images in class folders
@@ -36,27 +36,30 @@ _KINDS = ('a folder of IDX files, an .npz file, a folder of images in class fold
 FLAGS = flags.FLAGS
 
 
-def load_source(path: str, task: str | None = None, target: str = '') -> tuple[base.Dataset, dict[str, Any]]:
+def load_source(path: str, task: str | None = None, target: str = '',
+                ignore: int = base.IGNORED) -> tuple[base.Dataset, dict[str, Any]]:
   """The Dataset training on `path` would read, and what dataset.json should say of it beyond its arrays
-  (class names, target columns). `task` None: regression for a .csv or an .npz with float y_train."""
+  (class names, target columns). `task` None: regression for a .csv or an .npz with float y_train. `ignore`: a
+  dense task's label of the positions without one."""
   path = os.path.expanduser(path)
   if target and not path.endswith('.csv'):
     raise UsageError(f'--target={target}: names the target columns of a .csv input, not of {path}; drop it')
   if path.endswith('.csv'):
-    if task == 'classification':
-      raise UsageError(f'{path}: a .csv input is regression or multi-label data; drop --task=classification')
+    if task in ('classification', 'dense'):
+      raise UsageError(f'{path}: a .csv input is regression or multi-label data; drop --task={task}')
     if not target:
       raise UsageError(f'{path}: name its target column(s) with --target=COL[,COL]; every other column is a feature')
     targets = [name.strip() for name in target.split(',') if name.strip()]
     return csv.load(path, target, task or 'regression'), {'targets': targets}
   if path.endswith('.npz'):
-    return npz.load(path, task or ('regression' if _float_targets(path) else 'classification')), {}
+    return npz.load(path, task or ('regression' if _float_targets(path) else 'classification'), ignore), {}
   if array_record.is_folder(path):  # converted before: written again, e.g. with other file sizes
     info = array_record.read_info(path)
     extra = {key: info[key] for key in ('class_names', 'targets') if info.get(key)}
     return array_record.load(path, task or info['task'], streaming='always'), extra
-  if task in ('regression', 'multilabel'):
-    raise UsageError(f'{path}: --task={task} reads an .npz or a .csv input; a folder holds classes')
+  if task in ('regression', 'multilabel', 'dense'):
+    raise UsageError(f'{path}: --task={task} reads an .npz{"" if task == "dense" else " or a .csv"} input; a '
+                     'folder holds classes')
   if os.path.isdir(os.path.join(path, 'train')):
     return image_folder(path)
   if os.path.isdir(path):
@@ -189,7 +192,7 @@ def write(dataset: base.Dataset, output: str, examples_per_file: int = 0, **extr
   info = {'format': array_record.FORMAT, 'version': array_record.VERSION, 'task': dataset.task,
           'inputs': dataset.inputs, 'image': array_record.describe(dataset.train['image']),
           'label': array_record.describe(dataset.train['label'])}
-  if dataset.task == 'classification':
+  if dataset.task in array_record.CLASSES:
     info.update(num_classes=dataset.num_classes, class_names=extra.get('class_names'))
   else:
     info.update(num_targets=dataset.num_classes, targets=extra.get('targets'))
@@ -211,11 +214,11 @@ def write(dataset: base.Dataset, output: str, examples_per_file: int = 0, **extr
   return info
 
 
-def convert(source: str, output: str, task: str | None = None, target: str = '',
+def convert(source: str, output: str, task: str | None = None, target: str = '', ignore: int = base.IGNORED,
             examples_per_file: int = 0) -> dict[str, Any]:
   """Reads `source` as training would and writes it to `output`; logs one line of what was written."""
   check_output(output)
-  dataset, extra = load_source(source, task, target)
+  dataset, extra = load_source(source, task, target, ignore)
   info = write(dataset, output, examples_per_file, **extra)
   total = sum(os.path.getsize(os.path.join(output, f['name'])) for s in info['splits'].values() for f in s['files'])
   counts = ', '.join(f'{split} {info["splits"][split]["examples"]:,}' for split in array_record.SPLITS)
@@ -232,7 +235,7 @@ def main(argv):
       raise UsageError(f'--input is required: {_KINDS}')
     if not FLAGS.output:
       raise UsageError('--output is required: the folder to write, which must not exist yet')
-    convert(FLAGS.input, FLAGS.output, FLAGS.task, FLAGS.target, FLAGS.examples_per_file)
+    convert(FLAGS.input, FLAGS.output, FLAGS.task, FLAGS.target, FLAGS.ignore_label, FLAGS.examples_per_file)
   cli.run(argv, 'ensemble.data.convert', body)
 
 
@@ -247,6 +250,8 @@ def define_flags():
   flags.DEFINE_enum('task', None, list(array_record.TASKS),
                     'Default: regression for a .csv or an .npz with float y_train, else classification.',
                     allow_override=True)
+  flags.DEFINE_integer('ignore_label', base.IGNORED, 'Task dense: the label of the positions without one.',
+                       allow_override=True)
   flags.DEFINE_integer('examples_per_file', 0, f'Examples per file; 0: files of about {FILE_BYTES >> 20} MB.')
 
 

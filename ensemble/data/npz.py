@@ -11,11 +11,11 @@ KEYS = ('x_train', 'y_train', 'x_test', 'y_test')
 _FIX = 'save one with np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)'
 
 
-def load(path: str, task: str = 'classification') -> base.Dataset:
+def load(path: str, task: str = 'classification', ignore: int = base.IGNORED) -> base.Dataset:
   """Reads the four arrays; images HxW or HxWxC, uint8 or float in [0, 1]; labels integer class indices.
 
   For regression, x may also be float features and y holds float targets (N,) or (N, D); for multi-label, y holds
-  0s and 1s (N, L).
+  0s and 1s (N, L); for a dense task, classes per position (N, *positions), `ignore` where a position has none.
   """
   if not os.path.isfile(path):
     raise base.DataError(f'{path}: no such file; data_dir must name a .npz file with {", ".join(KEYS)}')
@@ -32,9 +32,9 @@ def load(path: str, task: str = 'classification') -> base.Dataset:
     raise
   except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
     raise base.DataError(f'{path}: cannot be read as .npz ({base.first_line(e)}); {_FIX}') from e
-  if task in ('regression', 'multilabel'):
+  if task in ('regression', 'multilabel', 'dense'):
     return arrays.from_arrays((loaded['x_train'], loaded['y_train']), (loaded['x_test'], loaded['y_test']),
-                              task=task, source=path)
+                              task=task, source=path, ignore=ignore)
   names = {split: (f'{path}: x_{split}', f'{path}: y_{split}') for split in ('train', 'test')}
   splits = {split: base.make_split(loaded[f'x_{split}'], loaded[f'y_{split}'], *names[split])
             for split in ('train', 'test')}

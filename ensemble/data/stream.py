@@ -162,8 +162,9 @@ def with_classes_checked(split: Any, num_classes: int) -> Any:
     return split
 
   def check(labels):
-    if len(labels) and not 0 <= labels.min() <= labels.max() < num_classes:
-      wrong = labels.max() if labels.max() >= num_classes else labels.min()
+    labelled = labels[labels != base.IGNORED] if labels.ndim > 1 else labels  # a dense task's labelled positions
+    if labelled.size and not 0 <= labelled.min() <= labelled.max() < num_classes:
+      wrong = labelled.max() if labelled.max() >= num_classes else labelled.min()
       raise base.DataError(f'{split.source.name}: a label of {wrong} but the model has {num_classes} class outputs; '
                            f'give labels 0..{num_classes - 1}, or a model with more outputs')
     return labels
@@ -278,9 +279,10 @@ class RandomAccessSource(Source):
   train. `inputs` is what the examples are ('auto': told from the first, as for arrays).
   """
 
-  def __init__(self, source: Any, name: str, task: str = 'classification', inputs: str = 'auto'):
+  def __init__(self, source: Any, name: str, task: str = 'classification', inputs: str = 'auto',
+               ignore: int = base.IGNORED):
     from ensemble.data import arrays  # pylint: disable=g-import-not-at-top  # arrays imports what imports this
-    self._source, self.name, self._task = source, name, task
+    self._source, self.name, self._task, self._ignore = source, name, task, ignore
     if not len(source):
       raise base.DataError(f'{name}: no examples; give a source that holds some')
     image, label = self._pair(source[0])
@@ -299,6 +301,8 @@ class RandomAccessSource(Source):
       self.label = Spec(label.shape or (1,), base.host_float(label).dtype)
     elif task == 'multilabel':
       self.label = Spec(base.as_multilabels(label.reshape(1, -1), f'{name}: example 0').shape[1:], np.dtype(np.int32))
+    elif task == 'dense':  # a class per position
+      self.label = Spec(base.as_dense_labels(label[None], f'{name}: example 0', ignore).shape[1:], np.dtype(np.int32))
     else:
       if not np.issubdtype(label.dtype, np.integer) or label.shape:
         raise base.DataError(f'{name}: example 0 has a label of dtype {label.dtype} and shape {label.shape}; give '
@@ -339,4 +343,6 @@ class RandomAccessSource(Source):
       return images, base.as_targets(labels, self.name).astype(self.label.dtype, copy=False)
     if self._task == 'multilabel':
       return images, base.as_multilabels(labels, self.name)
+    if self._task == 'dense':
+      return images, base.as_dense_labels(labels, self.name, self._ignore)
     return images, base.as_labels(labels, self.name)

@@ -48,7 +48,7 @@ NAMES = tuple(METHODS)
 MEMBER_DATA = {'bagging': 'bootstrap'}
 # The models whose layers have rank-1 versions (models/rank1.py); 'mlp' is the plain one (the mesh MLP trains on the
 # mesh backends, which take no method).
-RANK1_MODELS = ('cnn', 'resnet', 'mlp')
+RANK1_MODELS = ('cnn', 'resnet', 'mlp', 'segmenter')
 
 
 def create(config, steps_per_epoch: int = 1):

@@ -17,7 +17,7 @@ import dataclasses
 from ensemble.methods.independent import Independent
 
 # The built-in models that have a packed member (models/__init__.py); the mesh MLP and the classifier do not.
-MODELS = ('cnn', 'resnet', 'mlp')
+MODELS = ('cnn', 'resnet', 'mlp', 'segmenter')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Callable
 import flax.linen as nn
 
 from ensemble.errors import UsageError
-from ensemble.models import classifier, cnn, mimo, mlp, packed, resnet, user
+from ensemble.models import classifier, cnn, mimo, mlp, packed, resnet, segmenter, user
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ def _mlp(config, num_classes: int) -> nn.Module:
   'model'; else the plain one, which is what a config without them (the default, on feature vectors) means."""
   if not config.num_layers:
     return mlp.Plain(num_classes=num_classes, rank1=_rank1(config), dropout_rate=_dropout_rate(config),
-                     **_packed(config, mlp.Plain.widths))
+                     per_position=config.task == 'dense', **_packed(config, mlp.Plain.widths))
   return mlp.MLP(config.num_layers, config.depth, use_scan=config.use_scan, logical=config.logical,
                  num_classes=num_classes)
 
@@ -62,6 +62,10 @@ MODELS = {
         **_packed(config, tuple(filters * config.resnet_width for filters in resnet.STAGE_FILTERS))),
                     min_image_size=1),
     'mlp': Entry(_mlp),
+    # A class per pixel (task='dense').
+    'segmenter': Entry(lambda config, num_classes: segmenter.Segmenter(
+        num_classes=num_classes, rank1=_rank1(config), dropout_rate=_dropout_rate(config),
+        **_packed(config, segmenter.WIDTHS)), min_image_size=4, why='it halves the image twice'),
     'classifier': Entry(lambda config, num_classes: classifier.Classifier(
         config.num_layers, config.depth, dropout_rate=config.dropout_rate, num_classes=num_classes)),
 }
@@ -69,6 +73,8 @@ MODELS = {
 
 # What the default config's CNN gives way to on feature vectors (`recipe.resolve`, once the data is known).
 FEATURES_MODEL = 'mlp'
+# ... and on images with a class per pixel (task='dense').
+DENSE_IMAGES_MODEL = 'segmenter'
 
 
 def _imported(config):

@@ -32,11 +32,13 @@ def concatenate_slots(x: jnp.ndarray) -> jnp.ndarray:
 
 
 def split_heads(outputs: jnp.ndarray, heads: int) -> jnp.ndarray:
-  """(batch, M x outputs) -> (batch, M, outputs); refuses outputs that are not M blocks."""
-  if outputs.ndim != 2 or outputs.shape[1] % heads:
+  """(batch, ..., M x outputs) -> (batch, M, ..., outputs) (the positions of a dense task's outputs between);
+  refuses outputs that are not M blocks."""
+  if outputs.ndim < 2 or outputs.shape[-1] % heads:
     raise UsageError(f'the model inside the MIMO wrapper gives outputs of shape {tuple(outputs.shape)}, not (batch, '
                      f'{heads} x outputs per head): give its last layer {heads} times the outputs of one member')
-  return outputs.reshape(outputs.shape[0], heads, outputs.shape[1] // heads)
+  split = outputs.reshape(*outputs.shape[:-1], heads, outputs.shape[-1] // heads)
+  return jnp.moveaxis(split, -2, 1)
 
 
 def _call(inner, x: jnp.ndarray, train: bool) -> jnp.ndarray:

@@ -106,18 +106,21 @@ class Plain(nn.Module):
   batch statistics, and no dropout unless `dropout_rate` (method mc_dropout:
   after each hidden layer, in training), so a run on tabular data needs no
   other setting. With `rank1`, BatchEnsemble's layers (models/rank1.py).
-  With `groups` (method packed), the hidden layers after the first are grouped.
+  With `groups` (method packed), the hidden layers after the first are grouped. With `per_position` (a dense
+  task), the inputs keep their positions, (N, *positions, features): the layers act on each position's features.
   """
   num_classes: int = 10
   widths: Sequence[int] = (128, 128)
   rank1: bool = False
   dropout_rate: float = 0.0
   groups: int = 1
+  per_position: bool = False
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
     dense = rank1_layers.Dense if self.rank1 else nn.Dense
-    x = x.reshape((x.shape[0], -1))
+    if not self.per_position:
+      x = x.reshape((x.shape[0], -1))
     for i, width in enumerate(self.widths):
       layer = packed.Dense(width, self.groups) if i and self.groups > 1 else dense(width)
       x = nn.Dropout(self.dropout_rate, deterministic=not train)(nn.relu(layer(x)))

@@ -6,15 +6,17 @@ combine into the ensemble's prediction, and what the trainer reports per epoch.
                   uniform mixture of the members' Gaussians (Lakshminarayanan et al. 2017)
   multilabel      a logit per label -> binary cross-entropy per label; the ensemble is the mean of the members'
                   probabilities, label by label
+  dense           logits per position (a pixel, a token) -> cross-entropy over the labelled positions; the
+                  ensemble is the mean of the members' probabilities, position by position
 
 Steps, the trainer, evaluation and prediction ask the task; they do not look at the outputs themselves.
 """
 
 from typing import Any
 
-from ensemble.tasks import classification, multilabel, regression
+from ensemble.tasks import classification, dense, multilabel, regression
 
-NAMES = ('classification', 'regression', 'multilabel')
+NAMES = ('classification', 'regression', 'multilabel', 'dense')
 
 
 def create(config, data_info: dict[str, Any] | None = None):
@@ -23,6 +25,8 @@ def create(config, data_info: dict[str, Any] | None = None):
   they do not change when the data does), in standardised units, D = num_classes / 2 of them."""
   if config.task == 'classification':
     return classification.Classification(temperature=config.distill_temperature)
+  if config.task == 'dense':
+    return dense.Dense(temperature=config.distill_temperature)
   if config.task == 'multilabel':
     return multilabel.Multilabel(pos_weight=tuple(float(w) for w in config.pos_weight))
   info = data_info or {}

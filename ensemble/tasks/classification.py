@@ -45,7 +45,7 @@ def eval_outputs(logits: jnp.ndarray, labels: jnp.ndarray, *, axis_name: AxisNam
   """A member's eval step from its logits: backends that compute the logits their own way use it."""
   log_probs = jax.nn.log_softmax(logits)
   ensemble = ensemble_probs(jnp.exp(log_probs), axis_name)
-  label_log_prob = jnp.take_along_axis(log_probs, labels[:, None], axis=-1)[:, 0]
+  label_log_prob = jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
   return {
       'member_loss': cross_entropy(logits, labels),
       'member_correct': (jnp.argmax(logits, -1) == labels).astype(jnp.float32),
@@ -81,11 +81,11 @@ class Classification:
     return eval_outputs(logits, labels, axis_name=axis_name)
 
   def combine_snapshots(self, outputs: jnp.ndarray, count: jnp.ndarray, current: jnp.ndarray) -> jnp.ndarray:
-    """log of the mean probability of the `count` kept snapshots (`outputs` (C, N, classes)); `current` before
-    the first."""
+    """log of the mean probability of the `count` kept snapshots (`outputs` (C, N, ..., classes)); `current`
+    before the first."""
     cycles = outputs.shape[0]
     log_probs = jax.nn.log_softmax(outputs)
-    kept_mask = (jnp.arange(cycles) < count)[:, None, None]
+    kept_mask = (jnp.arange(cycles) < count).reshape((cycles,) + (1,) * (outputs.ndim - 1))
     mean = jax.nn.logsumexp(jnp.where(kept_mask, log_probs, -jnp.inf), axis=0) - jnp.log(jnp.maximum(count, 1))
     return jnp.where(count > 0, mean, current)
 

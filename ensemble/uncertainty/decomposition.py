@@ -8,6 +8,8 @@ choice of member (the epistemic part: what the members disagree on, large far
 from the training data). Depeweg et al. (2018); all in nats, float64.
 """
 
+import math
+
 import numpy as np
 
 
@@ -20,18 +22,20 @@ def entropy(probs: np.ndarray, xp=np) -> np.ndarray:
 
 
 def disagreement(member_probs: np.ndarray) -> np.ndarray:
-  """(N,): the share of the K(K-1)/2 pairs of members whose top classes differ; 0 for a single member.
+  """(N,): the share of the K(K-1)/2 pairs of members whose top classes differ; 0 for a single member. Members'
+  probabilities (K, N, ..., C) per position give it per position, (N, ...).
 
   Counted from the votes: the pairs that agree are those within each class's
   n_c votes, sum_c n_c (n_c - 1) / 2.
   """
-  k, n, num_classes = member_probs.shape
+  k, shape, num_classes = member_probs.shape[0], member_probs.shape[1:-1], member_probs.shape[-1]
   if k < 2:
-    return np.zeros(n)
+    return np.zeros(shape)
+  n = math.prod(shape)
   votes = np.zeros((n, num_classes))
-  np.add.at(votes, (np.arange(n)[None, :], np.argmax(member_probs, -1)), 1.0)
+  np.add.at(votes, (np.arange(n)[None, :], np.argmax(member_probs.reshape(k, n, num_classes), -1)), 1.0)
   agreeing_pairs = np.sum(votes * (votes - 1) / 2, axis=-1)
-  return 1.0 - agreeing_pairs / (k * (k - 1) / 2)
+  return (1.0 - agreeing_pairs / (k * (k - 1) / 2)).reshape(shape)
 
 
 def decompose(member_probs: np.ndarray) -> dict[str, np.ndarray]:

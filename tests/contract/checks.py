@@ -213,10 +213,11 @@ def calibration_is_kept(cell: Cell, lab: Lab):
     assert got['set'].shape == (*got['probs'].shape, 2)
     held = got['set'].any(-1)
     assert np.take_along_axis(got['set'], got['labels'][..., None], -1)[..., 0][held].all(), got['set']
-  else:  # a set may be empty (no class scores within the threshold); one that is not holds the most probable
+  else:  # a set may be empty (no class scores within the threshold); one that is not holds the most probable (at
+    # each position of a dense task's)
     assert got['set'].shape == got['probs'].shape
     held = got['set'].any(-1)
-    assert got['set'][np.arange(len(held)), got['probs'].argmax(-1)][held].all(), got['set']
+    assert np.take_along_axis(got['set'], got['probs'].argmax(-1)[..., None], -1)[..., 0][held].all(), got['set']
   path = os.path.join(lab.workdir(cell, 'calibrated'))
   os.makedirs(os.path.dirname(path), exist_ok=True)
   if not os.path.exists(path):
@@ -378,6 +379,10 @@ def conformal_covers_fresh_data(cell: Cell, lab: Lab, chain: str):
       coverage = ((got['conformal_lower'] <= y) & (y <= got['conformal_upper'])).mean(0)
     elif cell.task == 'multilabel':  # each label's
       coverage = np.take_along_axis(got['set'], y[..., None], -1)[..., 0].mean(0)
+    elif cell.task == 'dense':  # marginal over the labelled positions
+      labelled = y != -1
+      coverage = np.atleast_1d(np.take_along_axis(got['set'], np.where(labelled, y, 0)[..., None], -1)[..., 0][
+          labelled].mean())
     else:
       coverage = np.atleast_1d(got['set'][np.arange(len(y)), y].mean())
     assert ((low <= coverage) & (coverage <= high)).all(), (repr(ens), coverage, (low, high))

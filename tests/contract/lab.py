@@ -1,8 +1,9 @@
 """The contract's tiny problem and its fits: each made once per test session and shared by every check that asks.
 
 One problem serves every cell: 64 rows of 3 features on very different scales (standardising them matters), 3
-classes, 3 labels of 0 and 1 (multi-label), or 2 regression targets on very different scales and far from 0
-(standardising them matters too), and 16 rows to test on. Every method trains 2 members of the built-in MLP for 2
+classes, 3 labels of 0 and 1 (multi-label), a class at each of 4 positions (dense: a row of 4 such rows), or 2
+regression targets on very different scales and far from 0 (standardising them matters too), and 16 rows to test
+on. Every method trains 2 members of the built-in MLP for 2
 epochs of 4 steps, so that a cell costs a fraction of a second once its programs are compiled; the programs are
 shared by every cell that computes the same (a streamed source's and a converted folder's, a fit's and its refits').
 """
@@ -27,6 +28,8 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(TESTS)
 
 TRAIN_ROWS, TEST_ROWS = 64, 16
+# A dense task's rows: sequences of 4 positions, a fifth of them without a label.
+POSITIONS, UNLABELLED, IGNORED = 4, 0.2, -1
 TARGET_SCALES, TARGET_OFFSETS = np.array([1.0, 1000.0]), np.array([0.5, 5000.0])
 # What every cell trains with; a cell's method adds its own fields (`METHODS`).
 COMMON = {'ensemble_size': 2, 'epochs': 2, 'batch_size': 16, 'optimizer': 'adamw', 'learning_rate': 0.01,
@@ -77,10 +80,15 @@ class Cell(NamedTuple):
 
 def rows(task: str, count: int, seed: int = 0, scale: float = 1.0, features: int = 3):
   """(x, y): `count` rows of the tiny problem, drawn from `seed`; `scale` multiplies the regression targets (their
-  unit)."""
+  unit). A dense task's row is a sequence of `POSITIONS` such rows, a class each, or none (`IGNORED`: a share of
+  them)."""
   rng = np.random.default_rng(seed)
-  x = rng.normal(size=(count, features)) * np.array([1.0, 100.0, 0.01][:features])
-  signal = np.stack([np.sin(x[:, 0]) + x[:, -1] * 30, x[:, min(1, features - 1)] / 100 - x[:, 0]], 1)
+  positions = (POSITIONS,) if task == 'dense' else ()
+  x = rng.normal(size=(count, *positions, features)) * np.array([1.0, 100.0, 0.01][:features])
+  signal = np.stack([np.sin(x[..., 0]) + x[..., -1] * 30, x[..., min(1, features - 1)] / 100 - x[..., 0]], -1)
+  if task == 'dense':
+    y = np.digitize(signal[..., 0], [-0.5, 0.5]).astype(np.int32)
+    return x.astype(np.float32), np.where(rng.random(y.shape) < UNLABELLED, IGNORED, y)
   if task == 'regression':
     y = (signal + 0.1 * rng.normal(size=signal.shape)) * TARGET_SCALES + TARGET_OFFSETS
     y = (y * scale).astype(np.float32)
@@ -234,16 +242,17 @@ class Lab:
     """Every cell's saved ensemble loaded and asked in one new process, which compiled and imported nothing
     before: {cell id: its member outputs}."""
     if self._fresh is None:
-      paths = {cell.id: self.saved(cell) for cell in cells}
-      _, test = problem('classification')
-      inputs = os.path.join(self.root, 'fresh-inputs.npy')
-      np.save(inputs, test[0])
+      asked = {}  # cell id -> (where its ensemble is, its task's test inputs)
+      for cell in cells:
+        inputs = os.path.join(self.root, f'fresh-inputs-{cell.task}.npy')
+        np.save(inputs, problem(cell.task)[1][0])
+        asked[cell.id] = (self.saved(cell), inputs)
       out = os.path.join(self.root, 'fresh.npz')
-      code = ('import ensemble, json, sys, numpy as np; ensemble.cpu_devices(8); '
-              'paths = json.loads(sys.argv[1]); x = np.load(sys.argv[2]); '
-              'np.savez(sys.argv[3], **{k: ensemble.load(p).member_outputs(x) for k, p in paths.items()})')
+      code = ('import ensemble, json, sys, numpy as np; ensemble.cpu_devices(8); asked = json.loads(sys.argv[1]); '
+              'np.savez(sys.argv[2], **{k: ensemble.load(p).member_outputs(np.load(x)) '
+              'for k, (p, x) in asked.items()})')
       env = {**os.environ, 'PYTHONPATH': os.pathsep.join([TESTS, REPO])}
-      result = subprocess.run([sys.executable, '-c', code, json.dumps(paths), inputs, out], cwd=REPO, env=env,
+      result = subprocess.run([sys.executable, '-c', code, json.dumps(asked), out], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=600)
       assert result.returncode == 0, result.stderr[-3000:]
       with np.load(out) as loaded:

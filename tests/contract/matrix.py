@@ -6,13 +6,18 @@ method or task joins `lab.METHODS` / `TASKS` and inherits them all; a new data p
 that reason rather than left out.
 """
 
+import os
+
 import pytest
 
 from lab import CHAINS, METHODS, Cell
 
-# 'multilabel' passes every check here (417 cases, `python -m pytest tests/contract` with it added), and joins
-# once the suite's time has room for its ~200 s on CI's 2 cores (issue 78; docs/testing.md).
-TASKS = ('classification', 'regression')
+TASKS = ('classification', 'regression', 'multilabel', 'dense')
+# The tasks every method runs on. Every method keeps every check on every path of 'multilabel' and 'dense' too
+# (1,874 cases pass, `ENSEMBLE_CONTRACT_TASKS=all python -m pytest tests/contract`, 14 minutes on 2 cores), but
+# the suite has no room for their 390 s within CI's 25 minutes yet; there, the deep ensemble stands for every method
+# on them. Making the contract cheaper is open work (docs/testing.md).
+EVERY_METHOD = TASKS if os.environ.get('ENSEMBLE_CONTRACT_TASKS') == 'all' else TASKS[:2]
 # The data paths: arrays in memory; a random-access source, streamed; a converted folder of ArrayRecord files
 # trained by the command line's trainer, streamed; `fit(workdir=...)`. And the jit backend, on arrays: where it
 # differs from pmap is placement, which every other check leaves to pmap (what an ensemble answers, `apply` and
@@ -47,9 +52,15 @@ def _unsupported(check: str, cell: Cell) -> str | None:
   return UNSUPPORTED.get((check, cell.method))
 
 
+def _tasks(method: str) -> tuple[str, ...]:
+  """The tasks whose cells `method` has (`EVERY_METHOD`)."""
+  return TASKS if method == 'independent' else EVERY_METHOD
+
+
 def cells() -> list[Cell]:
   """Every cell, a method's and task's paths one after another: they share their compiled programs."""
-  return [Cell(method, task, path, backend) for method in METHODS for task in TASKS for path, backend in PATHS]
+  return [Cell(method, task, path, backend) for method in METHODS for task in _tasks(method)
+          for path, backend in PATHS]
 
 
 def cases():
@@ -70,7 +81,7 @@ AFTER_FIT_CHECKS = ('the_value_is_the_same_wherever_it_goes', 'conformal_covers_
 def after_fit_cases():
   """pytest params (check name, cell, chain), with ids 'check[method-task-chain]'."""
   for method in METHODS:
-    for task in TASKS:
+    for task in _tasks(method):
       for chain, steps in CHAINS.items():
         for check in AFTER_FIT_CHECKS:
           if check == 'conformal_covers_fresh_data' and 'conformal' not in steps:
