@@ -14,6 +14,10 @@ process, which a library must leave alone (a caller who wants it calls
 
 import ctypes
 
+# The memory regions a process may map before its compiled programs are let go (`release_compiled_programs_if_many`):
+# Linux's default limit is 65,530 (vm.max_map_count), and each XLA:CPU program maps several.
+MAPS_KEPT = 30_000
+
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4  # glibc's mallopt parameters
 _NEVER = 2**31 - 1  # mallopt takes an int
 
@@ -41,3 +45,21 @@ def keep_freed_memory_on_cpu():
   from absl import logging  # pylint: disable=g-import-not-at-top
   if jax.default_backend() == 'cpu' and keep_freed_memory():
     logging.info('Keeping freed host memory for XLA:CPU to reuse (ensemble/host_memory.py).')
+
+
+def release_compiled_programs_if_many(limit: int = MAPS_KEPT) -> bool:
+  """Lets every compiled program go (`jax.clear_caches`) once the process maps more than `limit` regions (always,
+  where the count cannot be read); returns whether it did. A process that compiles for hours (a test session, an
+  active-learning loop of hundreds of fits) otherwise reaches the kernel's limit on mapped regions, and XLA's next
+  compile fails with "LLVM compilation error: Cannot allocate memory", then the process crashes: the loops' MNIST
+  benchmark did, at its 12th run of 29 fits. Programs needed again are compiled again."""
+  try:
+    with open('/proc/self/maps', 'rb') as f:
+      maps = sum(1 for _ in f)
+  except OSError:
+    maps = limit + 1
+  if maps <= limit:
+    return False
+  import jax  # pylint: disable=g-import-not-at-top  # here: importing this module must not start JAX
+  jax.clear_caches()
+  return True

@@ -166,7 +166,7 @@ def _iou_list(probs: np.ndarray, labels: np.ndarray) -> list[float | None]:
   return [None if math.isnan(v) else float(v) for v in intersection_over_union(probs, labels)]
 
 
-def _scores(member_log_probs: np.ndarray, labels: np.ndarray, iou: bool = False) -> dict[str, float]:
+def ensemble_scores(member_log_probs: np.ndarray, labels: np.ndarray, iou: bool = False) -> dict[str, float]:
   """`calibration.scores` of the members' mean prediction, (K, N, C) log-probabilities in, NLL in log space; with
   `iou`, the mean intersection over union of the classes ('miou')."""
   probs = np.exp(member_log_probs).mean(0)
@@ -195,8 +195,8 @@ def score_test_set(member_log_probs: np.ndarray, labels: np.ndarray, iou: bool =
   mean intersection over union too."""
   member_probs = np.exp(member_log_probs)
   ensemble_probs = member_probs.mean(0)
-  members = [_scores(log_probs[None], labels, iou) for log_probs in member_log_probs]
-  ensemble = {**_scores(member_log_probs, labels, iou),
+  members = [ensemble_scores(log_probs[None], labels, iou) for log_probs in member_log_probs]
+  ensemble = {**ensemble_scores(member_log_probs, labels, iou),
               'entropy': calibration.entropy(ensemble_probs),
               'disagreement': calibration.disagreement(member_probs)}
   mean_member = _mean_member(members)
@@ -302,8 +302,8 @@ def score_shift(predict: Any, test: data.Split, levels: dict[str, Any], shifted,
     member_log_probs = unshifted(level) if unshifted is not None else None
     if member_log_probs is None:
       member_log_probs = predict.log_probs({'image': shifted(test['image'], **level), 'label': test['label']})
-    ensemble = _scores(member_log_probs, test['label'])
-    members = [_scores(log_probs[None], test['label']) for log_probs in member_log_probs]
+    ensemble = ensemble_scores(member_log_probs, test['label'])
+    members = [ensemble_scores(log_probs[None], test['label']) for log_probs in member_log_probs]
     rows.append({**level, 'ensemble': pick(ensemble), 'mean_member': pick(_mean_member(members))})
     logging.info('%s: ensemble accuracy %.4f NLL %.4f ECE %.4f', label,
                  ensemble['accuracy'], ensemble['nll'], ensemble['ece'])

@@ -71,27 +71,13 @@ def write_mnist(directory: str, num_train: int = 256, num_test: int = 100, gz: b
 
 # XLA:CPU maps several memory regions for each executable, and a session that kept all of them (thousands) ran past
 # the kernel's limit of 65,530 maps and crashed in a later module. Past this many, the compiled programs are let go.
-MAPS_KEPT = 30_000
-
-
-def release_compiled_programs_if_many():
-  """Lets the compiled programs go once the process maps more than `MAPS_KEPT` regions (always, where the count
-  cannot be read): the programs that later modules share (the same small runs, conversions, predictions) stay
-  compiled until then, which clearing after every module recompiled."""
-  try:
-    with open('/proc/self/maps', 'rb') as f:
-      maps = sum(1 for _ in f)
-  except OSError:
-    maps = MAPS_KEPT + 1
-  if maps > MAPS_KEPT:
-    jax.clear_caches()
 
 
 @pytest.fixture(autouse=True, scope='module')
 def _compiled_programs_released():
   """After each test module, the compiled programs are let go if the process maps many regions."""
   yield
-  release_compiled_programs_if_many()
+  host_memory.release_compiled_programs_if_many()
 
 
 @pytest.fixture
@@ -268,15 +254,17 @@ def assert_same_training(a, b, *trees: str):
 GUIDE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'docs', 'python-api.md')
 
 
-def run_guide_example(heading: str, capsys) -> tuple[str, str | None]:
-  """Runs the first Python block of docs/python-api.md's section `heading` as written: (what it printed, what the
-  page says it prints after 'It prints', or None where it says nothing)."""
+def run_guide_example(heading: str, capsys, guide: str = GUIDE) -> tuple[str, str | None]:
+  """Runs the first Python block of the section `heading` of `guide` (docs/python-api.md, or another page of docs/
+  by its name) as written: (what it printed, what the page says it prints after 'It prints', or None where it says
+  nothing)."""
   import re  # pylint: disable=g-import-not-at-top
-  with open(GUIDE, encoding='utf-8') as f:
+  guide = os.path.join(os.path.dirname(GUIDE), guide) if not os.path.isabs(guide) else guide
+  with open(guide, encoding='utf-8') as f:
     section = f.read().split(heading, 1)[1]
   code = re.search(r'```python\n(.*?)```', section, re.S).group(1)
   expected = re.search(r'It prints[^\n]*\n\n```\n(.*?)```', section, re.S)
-  exec(compile(code, GUIDE, 'exec'), {'__name__': 'guide'})  # pylint: disable=exec-used
+  exec(compile(code, guide, 'exec'), {'__name__': 'guide'})  # pylint: disable=exec-used
   return capsys.readouterr().out, expected and expected.group(1)
 
 

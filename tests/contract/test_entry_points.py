@@ -310,3 +310,22 @@ def test_an_empty_folder_becomes_a_workdir(tmp_path):
   train, test = problem('classification')
   ens = ensemble.fit('mlp', train, test=test, workdir=str(folder), **FIT)
   assert ens.workdir == str(folder) and os.path.exists(folder / 'config.json')
+
+
+# --- a loop's round is a fit ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('pool_path', ['arrays', 'source'])
+@pytest.mark.parametrize('task', ['classification', 'regression'])
+def test_an_active_learning_round_trains_the_members_fit_trains_on_its_rows(task, pool_path):
+  """Whatever path the pool comes by, a round's ensemble is `fit`'s on the seed rows and the rows acquired."""
+  (x, y), test = problem(task)
+  if task == 'regression':  # one target: the acquisitions score one
+    y, test = y[:, 0], (test[0], test[1][:, 0])
+  pool = (x[16:], y[16:]) if pool_path == 'arrays' else as_source((x[16:], y[16:]))
+  result = ensemble.active_learning('mlp', (x[:16], y[:16]), pool, test, task=task, batch=8, rounds=1,
+                                    acquisition='bald' if task == 'classification' else 'epistemic_std', **COMMON)
+  rows = np.concatenate([np.arange(16), 16 + result.acquired])
+  direct = ensemble.fit('mlp', (x[rows], y[rows]), test=test, task=task, **FIT)
+  assert_same_members(result.ensemble, direct, inputs=test[0])
+  key = 'accuracy' if task == 'classification' else 'rmse'
+  np.testing.assert_allclose(result.curve[-1][key], direct.evaluate(*test)['ensemble'][key], rtol=1e-5)

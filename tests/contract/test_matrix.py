@@ -9,7 +9,7 @@ import pytest
 
 import checks
 import matrix
-from conftest import release_compiled_programs_if_many
+from ensemble.host_memory import release_compiled_programs_if_many
 from lab import Lab
 
 

@@ -1,0 +1,234 @@
+"""The active-learning and Bayesian-optimisation loops: their rounds, their records, a stop and a resume that
+records the same curve, every pool path giving the same rounds, and each bad input in one line."""
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import ensemble
+from ensemble import data
+from ensemble.errors import UsageError
+from ensemble.loops import record as record_lib
+
+FIT = {'ensemble_size': 2, 'epochs': 3, 'batch_size': 8}
+
+
+def _blobs(n, seed):
+  rng = np.random.default_rng(seed)
+  centres = np.random.default_rng(7).normal(size=(4, 6)) * 3
+  labels = rng.integers(0, 4, n)
+  return (centres[labels] + rng.normal(size=(n, 6))).astype(np.float32), labels.astype(np.int32)
+
+
+SEED, POOL, TEST = _blobs(8, 0), _blobs(60, 1), _blobs(40, 2)
+
+
+def _timeless(curve):
+  return [{k: v for k, v in entry.items() if k != 'seconds'} for entry in curve]
+
+
+def _learn(pool=POOL, **kwargs):
+  settings = {'acquisition': 'bald', 'batch': 4, 'rounds': 2, **FIT, **kwargs}
+  return ensemble.active_learning('mlp', SEED, pool, TEST, **settings)
+
+
+@pytest.fixture(scope='module')
+def warm_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('warm') / 'loop')
+  return workdir, _learn(workdir=workdir, warm=True)
+
+
+def test_each_round_labels_a_batch_of_the_pool_and_records_it(warm_run):
+  workdir, result = warm_run
+  assert [entry['labels'] for entry in result.curve] == [8, 12, 16]
+  assert all(0 <= entry['accuracy'] <= 1 and np.isfinite(entry['nll']) for entry in result.curve)
+  assert len(result.acquired) == 8 and len(set(result.acquired.tolist())) == 8
+  np.testing.assert_array_equal(result.labels, POOL[1][result.acquired])
+  assert result.curve[-1]['acquired'] == []  # the last round fits and scores only
+  for entry in result.curve:
+    assert set(entry['seconds']) >= {'fit', 'test', 'loop', 'round'} and entry['seconds']['loop'] >= 0
+  assert sorted(os.listdir(workdir)) == sorted([record_lib.LAST, record_lib.SETTINGS, record_lib.CURVE])
+  with open(os.path.join(workdir, record_lib.CURVE)) as f:
+    assert _timeless([json.loads(line) for line in f]) == _timeless(result.curve)
+  assert ensemble.load(os.path.join(workdir, record_lib.LAST)).summary['epoch'] == FIT['epochs']
+
+
+def test_sigterm_between_rounds_loses_nothing_and_the_resumed_loop_records_the_same_curve(warm_run, tmp_path):
+  _, whole = warm_run
+  workdir, asked = str(tmp_path / 'loop'), []
+
+  def label(indices, inputs):
+    asked.append(indices.tolist())
+    if len(asked) == 2:  # the second round's labeller: stopped before it answers
+      os.kill(os.getpid(), signal.SIGTERM)
+    return POOL[1][indices]
+  before = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(KeyboardInterrupt, match='SIGTERM'):
+    _learn(workdir=workdir, warm=True, pool=POOL[0], label=label)
+  assert signal.getsignal(signal.SIGTERM) is before
+  with open(os.path.join(workdir, record_lib.CURVE)) as f:
+    assert len(f.readlines()) == 1  # the first round, whole
+  resumed = _learn(workdir=workdir, warm=True, pool=POOL[0], label=label)
+  assert len(asked) == 3 and asked[2] == asked[1]  # the recorded round is not asked again; the stopped one is
+  assert _timeless(resumed.curve) == _timeless(whole.curve)
+  np.testing.assert_array_equal(resumed.acquired, whole.acquired)
+  assert _timeless(_learn(workdir=workdir, warm=True, pool=POOL[0], label=label).curve) == _timeless(whole.curve)
+  assert len(asked) == 3  # a finished loop run again asks nothing
+
+
+def test_a_pool_read_from_a_source_gives_the_same_rounds_as_arrays():
+  import grain  # pylint: disable=g-import-not-at-top
+  arrays = _learn(acquisition='batch_bald')
+  pairs = list(zip(*POOL))
+  for source in (pairs, grain.MapDataset.source(pairs)):
+    result = _learn(acquisition='batch_bald', pool=source)
+    assert _timeless(result.curve) == _timeless(arrays.curve)
+
+
+def test_candidates_score_a_random_part_of_the_pool_and_random_acquires_within_it():
+  result = _learn(acquisition='random', candidates=10, rounds=1)
+  assert len(result.acquired) == 4 and result.curve[0]['seconds']['pool'] >= 0
+
+
+def test_a_regression_loop_acquires_by_the_members_disagreement():
+  rng = np.random.default_rng(0)
+  x = rng.uniform(-2, 2, (50, 1)).astype(np.float32)
+  y = np.sin(2 * x[:, 0])
+  result = ensemble.active_learning('mlp', (x[:6], y[:6]), x[6:], (x[:20], y[:20]), task='regression',
+                                    acquisition='epistemic_std', batch=3, rounds=1,
+                                    label=lambda indices, inputs: np.sin(2 * inputs[:, 0]), **FIT)
+  assert {'rmse', 'nll', 'crps'} <= set(result.curve[0]) and np.isfinite(result.curve[1]['rmse'])
+  np.testing.assert_allclose(result.labels, y[6:][result.acquired])
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    ({'pool': POOL[0][:, :4]}, r'pool= holds inputs of shape \(4,\), and the labelled ones are \(6,\)'),
+    ({'batch': 40}, r'batch=40 x rounds=2 acquires 80 labels, and the pool holds 60 inputs'),
+    ({'pool': POOL[0]}, 'pool= holds inputs without labels and no label= is given'),
+    ({'pool': POOL[0], 'label': lambda i, x: np.zeros(len(i), np.float32)},
+     r'label= returned labels of dtype float32 .* one integer class per input'),
+    ({'pool': POOL[0], 'label': lambda i, x: np.zeros(len(i) + 1, np.int32)}, 'label= returned 5 labels for 4 inputs'),
+    ({'pool': POOL[0], 'label': lambda i, x: np.full(len(i), 7)},
+     r'returned class 7, and the ensemble has classes 0..3'),
+    ({'acquisition': 'ei'}, "acquisition='ei' is not one for a classification ensemble"),
+    ({'candidates': 2}, r'candidates=2 must be a whole number >= 4'),
+    ({'init': None}, 'init= is set by the loop'),
+    ({'task': 'dense'}, "task='dense': the active-learning loop takes a classification or regression ensemble"),
+    ({'label': 'ask'}, r'label=str: give a function f\(indices, inputs\) -> labels'),
+])
+def test_bad_inputs_are_one_line(kwargs, message):
+  with pytest.raises(UsageError, match=message) as raised:
+    _learn(**kwargs)
+  assert '\n' not in str(raised.value)
+
+
+def test_a_workdir_of_other_settings_is_refused_in_one_line(warm_run):
+  workdir, _ = warm_run
+  with pytest.raises(UsageError, match=r"holds a loop with acquisition='bald', and this one has "
+                                       r"acquisition='entropy': give the settings it was started with"):
+    _learn(workdir=workdir, warm=True, acquisition='entropy')
+
+
+# --- Bayesian optimisation --------------------------------------------------------------------------------------
+
+BOUNDS = [(-1.0, 2.0), (0.0, 1.0)]
+
+
+def _peak(x):
+  return -float((x[0] - 1.2) ** 2 + (x[1] - 0.3) ** 2)
+
+
+def _optimise(function=_peak, **kwargs):
+  settings = {'evaluations': 11, 'initial': 8, 'acquisition': 'ei', 'candidates': 256, 'steps': 20,
+              'ensemble_size': 2, 'epochs': 30, **kwargs}
+  return ensemble.bayesian_optimization('mlp', function, BOUNDS, **settings)
+
+
+@pytest.fixture(scope='module')
+def optimised(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('bo') / 'loop')
+  return workdir, _optimise(workdir=workdir)
+
+
+def test_bayesian_optimisation_evaluates_within_the_bounds_and_records_the_best(optimised):
+  _, result = optimised
+  assert result.x.shape == (11, 2) and len(result.curve) == 11
+  assert ((result.x >= [-1, 0]) & (result.x <= [2, 1])).all()
+  assert [entry['acquisition'] for entry in result.curve] == ['initial'] * 8 + ['ei'] * 3
+  assert result.best_y == max(result.y) == result.curve[-1]['best']
+  assert all(np.isfinite(entry['acquisition_value']) for entry in result.curve[8:])
+  assert result.ensemble is not None and result.ensemble.task.name == 'regression'
+  assert all(entry['seconds']['fit'] > 0 and entry['seconds']['acquire'] > 0 for entry in result.curve[8:])
+
+
+def test_a_stopped_optimisation_resumes_without_evaluating_a_point_twice(optimised, tmp_path):
+  _, whole = optimised
+  workdir, calls = str(tmp_path / 'loop'), []
+
+  def function(x):
+    calls.append(x.tolist())
+    if len(calls) == 10:
+      raise KeyboardInterrupt
+    return _peak(x)
+  with pytest.raises(KeyboardInterrupt):
+    _optimise(function, workdir=workdir)
+  resumed = _optimise(function, workdir=workdir)
+  assert len(calls) == 12 and calls[10] == calls[9]  # the nine recorded are not evaluated again; the stopped one is
+  assert _timeless(resumed.curve) == _timeless(whole.curve)
+
+
+def test_minimising_and_random_search():
+  result = _optimise(lambda x: -_peak(x), maximize=False, acquisition='random', evaluations=9)
+  assert result.ensemble is None and result.best_y == min(result.y)
+  assert [entry['acquisition'] for entry in result.curve] == ['initial'] * 8 + ['random']
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    ({'bounds': [(0, 1, 2)]}, r'give one \(low, high\) pair per dimension'),
+    ({'bounds': [(1, 0), (0, 1)]}, r'each \(low, high\) must be finite with low < high'),
+    ({'function': lambda x: np.nan, 'evaluations': 1}, r'function returned nan at x=\[.*\]: return a finite number'),
+    ({'function': lambda x: x, 'evaluations': 1}, r'function returned ndarray \(2,\) at x=.*: return one real number'),
+    ({'acquisition': 'bald'}, "acquisition='bald': give one of ei, pi, ucb"),
+    ({'task': 'classification'}, 'task= is set by the loop'),
+    ({'starts': 2000}, r'starts=2000 refines that many of the candidates=1000'),
+])
+def test_bad_optimisation_inputs_are_one_line(kwargs, message):
+  bounds = kwargs.pop('bounds', BOUNDS)
+  with pytest.raises(UsageError, match=message) as raised:
+    ensemble.bayesian_optimization('mlp', kwargs.pop('function', _peak), bounds,
+                                   **{'evaluations': 11, 'initial': 8, **kwargs})
+  assert '\n' not in str(raised.value)
+
+
+def test_fits_on_growing_images_keep_their_programs_under_the_loops_image_statistics():
+  """Images are normalised in the programs, by statistics a new set of images would change; the loop fixes them
+  (the seed rows' and the pool's), so a round compiles nothing that the last compiled."""
+  from conftest import compiles  # pylint: disable=g-import-not-at-top
+  from ensemble import standardise  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  images = lambda n: rng.integers(0, 256, (n, 8, 8, 1)).astype(np.uint8)
+  labels = lambda n: rng.integers(0, 3, n).astype(np.int32)
+  fit = {'ensemble_size': 2, 'epochs': 1, 'batch_size': 8, 'augment': 'none', 'progress': False}
+  with standardise.image_stats((0.5,), (0.25,)):
+    ensemble.fit('cnn', (images(16), labels(16)), **fit)
+    with compiles() as counts:
+      ens = ensemble.fit('cnn', (images(16), labels(16)), **fit)
+  assert not counts, f'{sum(counts.values())} programs compiled'
+  assert ens._data_info['mean'] == [0.5] and ens._data_info['std'] == [0.25]  # pylint: disable=protected-access
+  seed, pool = images(8), images(20)
+  result = ensemble.active_learning('cnn', (seed, labels(8)), pool, batch=4, rounds=1, acquisition='entropy',
+                                    label=lambda indices, inputs: labels(len(indices)),
+                                    **{k: v for k, v in fit.items() if k != 'progress'})
+  mean, std = data.channel_stats(np.concatenate([seed, pool]))  # the seed rows and the whole (small) pool
+  info = result.ensemble._data_info  # pylint: disable=protected-access
+  np.testing.assert_allclose([info['mean'], info['std']], [mean, std])
+
+
+@pytest.mark.parametrize('heading', ['## Active learning: a worked example', '## Bayesian optimisation'])
+def test_the_page_s_examples_run_as_written(heading, capsys):
+  """docs/active-learning.md's examples run as written and print what the page shows (to 0.01)."""
+  from conftest import assert_printed_as_the_page_says, run_guide_example  # pylint: disable=g-import-not-at-top
+  assert_printed_as_the_page_says(*run_guide_example(heading, capsys, 'active-learning.md'))
