@@ -232,3 +232,18 @@ def test_the_page_s_examples_run_as_written(heading, capsys):
   """docs/active-learning.md's examples run as written and print what the page shows (to 0.01)."""
   from conftest import assert_printed_as_the_page_says, run_guide_example  # pylint: disable=g-import-not-at-top
   assert_printed_as_the_page_says(*run_guide_example(heading, capsys, 'active-learning.md'))
+
+
+def test_regression_improvement_is_over_the_best_target_labelled_so_far():
+  """'ei' in the pool loop improves on the highest target labelled, not on zero: with targets far above zero, the
+  loop's choice is the top of `acquire.expected_improvement` at that best."""
+  from ensemble.loops import active_learning as loop  # pylint: disable=g-import-not-at-top
+  from ensemble import acquire  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  means, variances = rng.normal(100.0, 3.0, (4, 50)), rng.uniform(0.5, 4.0, (4, 50))
+  best = 104.0
+  chosen = loop.acquisition_program('ei', 'regression', 3)((means, variances), None, best)
+  want = np.argsort(-np.asarray(acquire.expected_improvement((means, variances), best)))[:3]
+  np.testing.assert_array_equal(chosen, want)
+  assert not np.array_equal(chosen, np.argsort(-np.asarray(acquire.expected_improvement((means, variances),
+                                                                                        0.0)))[:3])

@@ -124,28 +124,30 @@ def test_scores(ens: Any, test: tuple[np.ndarray, np.ndarray]) -> dict[str, floa
 
 
 def acquisition_program(name: Any, task: str, size: int) -> Callable[..., np.ndarray]:
-  """f(outputs, key) -> the `size` indices acquired among the candidates whose member outputs are `outputs`: a
-  batch acquisition's own choice, or the top of a per-input score (a callable `name` is a score of the user's,
-  g(outputs, key) -> (N,) scores). Compiled once for each power of two of candidates: the outputs are padded to
+  """f(outputs, key, best) -> the `size` indices acquired among the candidates whose member outputs are `outputs`:
+  a batch acquisition's own choice, or the top of a per-input score (a callable `name` is a score of the user's,
+  g(outputs, key) -> (N,) scores); `best`, the highest target labelled so far, is what regression's 'ei' and 'pi'
+  improve on. Compiled once for each power of two of candidates: the outputs are padded to
   it, and the padding is never chosen."""
   if callable(name):
     score = name
   else:
     name = acquire.named(name, task)
-    score = (functools.partial(acquire.REGRESSION[name], best=0.0) if task == 'regression'
-             else acquire.CLASSIFICATION.get(name))
+    score = acquire.REGRESSION[name] if task == 'regression' else acquire.CLASSIFICATION.get(name)
+  if callable(name) or task != 'regression':
+    score = functools.partial(lambda outputs, key, best, f: f(outputs, key), f=score)
 
   @jax.jit
-  def choose(outputs, valid, key):
+  def choose(outputs, valid, key, best):
     if name in acquire.BATCHES:
       return acquire.BATCHES[name](outputs, size, key, valid=valid)
-    return acquire.top(jnp.where(valid, score(outputs, key), -jnp.inf), size)
+    return acquire.top(jnp.where(valid, score(outputs, key, best), -jnp.inf), size)
 
-  def chosen(outputs, key):
+  def chosen(outputs, key, best=0.0):
     n = jax.tree.leaves(outputs)[0].shape[1]
     padded = max(64, 1 << (n - 1).bit_length())
     pad = lambda a: np.pad(np.asarray(a, np.float32), [(0, 0), (0, padded - n)] + [(0, 0)] * (a.ndim - 2), 'edge')
-    return np.asarray(choose(jax.tree.map(pad, outputs), np.arange(padded) < n, key))
+    return np.asarray(choose(jax.tree.map(pad, outputs), np.arange(padded) < n, key, jnp.float32(best)))
   return chosen
 
 
@@ -235,7 +237,7 @@ def active_learning(model: Any, train: Any, pool: Any, test: Any = None, *, acqu
           if task == 'regression':
             outputs = ens.task.components(outputs)
         with clock.part('acquire'):
-          chosen = program(outputs, round_key)
+          chosen = program(outputs, round_key, float(y_train.max()) if task == 'regression' else 0.0)
         picked = unlabelled[chosen]
         with clock.part('label'):
           given = y_candidates[chosen] if label is None else label(picked.copy(), x_candidates[chosen])
