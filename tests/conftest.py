@@ -37,6 +37,25 @@ SAME_SUMS = {'xla_cpu_ynnpack': True}
 SHARED_MNIST = os.path.abspath(os.path.join(os.path.dirname(__file__), '..', '..', 'shared', 'mnist'))
 
 
+def _approx_of_numbers(approx):
+  """`pytest.approx`, refusing a JAX array anywhere in what it is given to expect.
+
+  pytest 9.2 reads `expected.flat`, which JAX arrays refuse (NotImplementedError), while 9.0 did not: a JAX value
+  passed here passes on one machine and fails on a fresh install. Refused on every version, it fails where it is
+  written; `float(x)` or `np.asarray(x)` gives what approx compares."""
+
+  def approx_of_numbers(expected, *args, **kwargs):
+    if any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(expected)):
+      raise TypeError('pytest.approx was given a JAX array to expect; pass float(x) or np.asarray(x): pytest 9.2 '
+                      'cannot read a JAX array (no .flat)')
+    return approx(expected, *args, **kwargs)
+  approx_of_numbers.__wrapped__ = approx
+  return approx_of_numbers
+
+
+pytest.approx = _approx_of_numbers(pytest.approx)
+
+
 def write_idx(path: str, array: np.ndarray, magic: int | None = None):
   """Writes `array` as an IDX file (gzipped when `path` ends in .gz)."""
   array = np.asarray(array, dtype=np.uint8)

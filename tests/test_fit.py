@@ -425,7 +425,7 @@ def test_the_nll_is_the_members_log_probabilities_unclipped(classifier, data):
                                 data_info=classifier._data_info)  # pylint: disable=protected-access
   log_probs = wrong.member_outputs(x)
   labels = np.argmin(log_probs.mean(0), -1)  # each input's least likely class
-  nll = -np.mean(jax.nn.logsumexp(log_probs, 0)[np.arange(len(x)), labels] - np.log(wrong.size))
+  nll = -float(np.mean(jax.nn.logsumexp(log_probs, 0)[np.arange(len(x)), labels] - np.log(wrong.size)))
   assert nll > 1000  # beyond what a clip at float64's tiny (708.4) could report
   assert wrong.evaluate(x, labels)['ensemble']['nll'] == pytest.approx(nll, rel=1e-6)
 

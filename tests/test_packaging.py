@@ -77,3 +77,16 @@ def test_the_check_fails_on_an_undeclared_import(monkeypatch):
     assert 'clu' in str(e)
   else:
     raise AssertionError('an undeclared import passed the check')
+
+
+def test_pytest_approx_refuses_a_jax_array_on_every_pytest_version():
+  """pytest 9.2's approx reads `expected.flat`, which JAX arrays refuse: the suite's approx (tests/conftest.py)
+  refuses them on any version, so that a test passing here passes on a fresh install too."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import pytest  # pylint: disable=g-import-not-at-top
+  for expected in (jnp.float32(1.0), [1.0, jnp.ones(2)], {'nll': jnp.zeros(())}):
+    with pytest.raises(TypeError, match='JAX array'):
+      pytest.approx(expected, rel=1e-6)
+  assert 1.0 == pytest.approx(float(jnp.float32(1.0)), rel=1e-6)
+  assert np.ones(2) == pytest.approx(np.asarray(jnp.ones(2)), rel=0.1)
