@@ -179,12 +179,12 @@ def thompson(outputs: tuple[jax.Array, jax.Array], key: jax.Array) -> jax.Array:
   return means[jax.random.randint(key, (), 0, means.shape[0])]
 
 
-# The pool loop's acquisitions by name: how each scores member outputs with a key (and, for regression, the best
-# value seen), and whether it chooses a batch itself.
+# The pool loop's acquisitions by name: how each scores member outputs with a key and the best value seen (what
+# regression's improve on), and whether it chooses a batch itself. A task says which it takes (`Task.acquisitions`).
 CLASSIFICATION: dict[str, Callable[..., jax.Array]] = {
-    'bald': lambda outputs, key: bald(outputs), 'entropy': lambda outputs, key: entropy(outputs),
-    'variation_ratios': lambda outputs, key: variation_ratios(outputs),
-    'margin': lambda outputs, key: margin(outputs), 'random': random}
+    'bald': lambda outputs, key, best: bald(outputs), 'entropy': lambda outputs, key, best: entropy(outputs),
+    'variation_ratios': lambda outputs, key, best: variation_ratios(outputs),
+    'margin': lambda outputs, key, best: margin(outputs), 'random': lambda outputs, key, best: random(outputs, key)}
 REGRESSION: dict[str, Callable[..., jax.Array]] = {
     'epistemic_std': lambda outputs, key, best: epistemic_std(outputs),
     'ucb': lambda outputs, key, best: upper_confidence_bound(outputs),
@@ -197,9 +197,10 @@ BATCHES = {'batch_bald': batch_bald,
            'power_bald': lambda log_probs, size, key, valid=None: stochastic(bald(log_probs), size, key, valid=valid)}
 
 
-def named(name: Any, task: str) -> str:
-  """`name` checked against the acquisitions for `task`, in one line that lists them."""
-  names = (list(CLASSIFICATION) + list(BATCHES)) if task == 'classification' else list(REGRESSION)
+def named(name: Any, task: Any) -> str:
+  """`name` checked against the acquisitions `task` takes (`Task.acquisitions`, `Task.batch_acquisitions`), in one
+  line that lists them."""
+  names = list(task.acquisitions) + list(task.batch_acquisitions)
   if not isinstance(name, str) or name not in names:
-    raise UsageError(f'acquisition={name!r} is not one for a {task} ensemble: give one of {", ".join(names)}')
+    raise UsageError(f'acquisition={name!r} is not one for a {task.name} ensemble: give one of {", ".join(names)}')
   return name

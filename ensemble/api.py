@@ -27,7 +27,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from ensemble import console, data, defaults, errors, host_memory, loop, manifest, members, posthoc, predictor, starts
+from ensemble import console, data, devices as devices_lib, errors, host_memory, loop, manifest, members, posthoc
+from ensemble import starts, tasks
 from ensemble import recipe as recipe_lib
 from ensemble.data import arrays
 from ensemble.errors import UsageError
@@ -66,15 +67,15 @@ def read(workdir: str, step: int | None = None, *, model: Any = None, batch_size
     evaluation = _evaluation()
     config = evaluation.load_run_config(workdir)
     evaluation.refuse_single_model(config, workdir)
-    devices = predictor.evaluation_devices(config.ensemble_size)
+    devices = devices_lib.evaluation_devices(config.ensemble_size)
     member, state, epoch = evaluation.restore(workdir, config, manifest.saved_epoch(workdir) if step is None else step,
                                               devices, model)
     from ensemble import checkpoint  # pylint: disable=g-import-not-at-top  # orbax: only where files are read
     record = checkpoint.read_record(workdir, epoch)
-    chain, summary = manifest.read(workdir, config, epoch, member.task.name,
+    chain, summary = manifest.read(workdir, config, epoch, member.task,
                                    (record.get('summary') or {}).get('scalars', {}))
     if temperature is not None:
-      given = given_temperature(member.task.name, temperature, epoch, chain)
+      given = given_temperature(member.task, temperature, epoch, chain)
       chain = posthoc.replaced(chain, given.kind, given)
     ens = Ensemble(workdir, config, member, state, devices, epoch,
                    batch_size=config.eval_batch_size if batch_size is None else batch_size, summary=summary,
@@ -109,8 +110,9 @@ FIT_DEFAULTS = {'heldout_fraction': 0.0, 'eval_every': 0, 'compilation_cache': '
 
 def fit_defaults(task: str | None) -> dict[str, Any]:
   """Where `fit` (and `distill`) start from other values than ensemble/defaults.py's, for `task` (None: the
-  default's): `FIT_DEFAULTS`, and for regression `defaults.REGRESSION`."""
-  return {**FIT_DEFAULTS, **{'regression': defaults.REGRESSION, 'dense': defaults.DENSE}.get(task, {})}
+  default's): `FIT_DEFAULTS`, and the task's own (`Task.fit_defaults`: for regression, Adam on standardised
+  features)."""
+  return {**FIT_DEFAULTS, **(tasks.named(task).fit_defaults if task in tasks.TASKS else {})}
 
 
 def fit_recipe(config: Any, fields: dict[str, Any]) -> recipe_lib.Recipe:
@@ -213,7 +215,7 @@ def _accepted_paths(model: Any, dataset: data.Dataset, settings: recipe_lib.Reci
                     predicates: dict[str, Any]) -> dict[str, tuple[str, ...]]:
   """`shared=` or `frozen=` given as a predicate of a parameter's path ('backbone/Dense_0/kernel') -> the paths of
   the model's parameters it accepts: what config.json records, and a resume or `load` reads."""
-  outputs = 2 * dataset.num_classes if dataset.task == 'regression' else dataset.num_classes
+  outputs = tasks.create(settings).model_outputs(dataset.num_classes)
   info = members.data_info(dataset.image_shape, outputs, [0.0], [1.0], inputs=dataset.inputs)
   recipe = settings.replace(shared=(), frozen=(), adapter_rank=0)
   if isinstance(model, str):
@@ -292,27 +294,22 @@ def fit_dataset(model: Any, dataset: data.Dataset, settings: recipe_lib.Recipe, 
   settings = settings.replace(dataset=data.ARRAYS, data_dir='', data_fingerprint=_fingerprint(dataset))
   settings = _batch_within_rows(settings, dataset)
   recipe, devices = recipe_lib.resolve(settings, jax.devices(), model=model_object, dataset=dataset)
-  if init is not None:
-    recipe_lib.check_warm_start(recipe, init.config, keep_optimizer)
   if keep_freed_memory:  # once the arguments are checked
     host_memory.keep_freed_memory_on_cpu()
   if workdir is not None:
     from ensemble import trainer  # pylint: disable=g-import-not-at-top  # only here: its writers import TensorFlow
     workdir = os.path.abspath(os.path.expanduser(workdir))
-    _, summary = trainer.train_and_evaluate(recipe, workdir, dataset=dataset, model=model_object, progress=progress,
-                                            devices=devices, validation=validation, init_params=init_params)
+    _, summary = trainer.train(recipe, workdir, devices=devices, dataset=dataset, model=model_object,
+                               progress=progress, validation=validation, init_params=init_params)
     ens = read(workdir, model=model_object)
     # What the run ended with, as a fit in memory reports it: early stopping's test pass on the best members and
     # the epochs trained, which no checkpoint's record holds (the best one was written before them).
     return ens._replace(summary=summary) if summary else ens  # pylint: disable=protected-access
   run = loop.prepare(recipe, devices, dataset, model_object, validation=validation)
-  state = run.init() if init is None else starts.from_ensemble(run, init, keep_optimizer)
-  if init_params is None and recipe.init_from and init is None:
-    init_params = _evaluation().first_member_params(recipe.init_from, recipe.shared)
-  if init_params is not None:
-    state = starts.from_variables(run, state, init_params)
+  state = (starts.from_variables(run, run.init(), init_params) if init is None
+           else starts.from_ensemble(run, init, keep_optimizer))
   state, summary = loop.train(run, state, progress=progress)
-  devices = predictor.evaluation_devices(recipe.ensemble_size)
+  devices = devices_lib.evaluation_devices(recipe.ensemble_size)
   if devices != run.devices:  # members spread over several devices each (backend jit): one device's worth each
     from ensemble import backends  # pylint: disable=g-import-not-at-top
     state = jax.device_put(state, backends.member_sharding(devices))
@@ -402,7 +399,8 @@ def _streamed(train: Any, test: Any, settings: recipe_lib.Recipe) -> data.Datase
   first = splits['train'].source
   inputs = first.inputs
   # Classes from a sample of the labels; the loop checks every label it reads against the model's outputs.
-  outputs = (math.prod(first.label.shape) if settings.task in ('regression', 'multilabel')
-             else int(data.stream.sample(splits['train'])['label'].max()) + 1)
+  task = tasks.named(settings.task)
+  outputs = (task.num_outputs(data.stream.sample(splits['train'])['label']) if task.has_classes
+             else math.prod(first.label.shape))
   return data.Dataset(splits['train'], splits['test'], f'{type(train).__name__} source, streamed', outputs,
                       inputs=inputs, task=settings.task)

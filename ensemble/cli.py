@@ -131,7 +131,7 @@ def run(argv: Sequence[str], program: str, body: Callable[[], None], exit_: Call
   """The frame of every program's `main`: no stray arguments, quiet libraries, the logging flags applied,
   then `body()`; a UsageError it raises ends the program with one `error:` line and exit status 2, Ctrl-C with one
   `interrupted` line (the KeyboardInterrupt's message) and exit status 130, SIGTERM in a training run alike with
-  exit status 143 (ensemble/loop.py's `stop_on_sigterm`). The library's hints (`errors.hint`: Python warnings, which
+  exit status 143 (ensemble/sigterm.py's `stop_on_sigterm`). The library's hints (`errors.hint`: Python warnings, which
   a script sees) are the program's log lines (`console.hints_logged`), each shown once.
 
   `exit_` is how to exit (train.py's skips jax.distributed's shutdown barrier).

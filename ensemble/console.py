@@ -235,12 +235,14 @@ class Progress:
   batch size times members); metrics passed to `update` add the running mean
   loss, fetched only when progress is shown: `loss` says which metric, and
   what to add to it (a task's, `reported_loss`: a regression's NLL in the
-  targets' units, as the epoch's summary reports it).
+  targets' units, as the epoch's summary reports it); a dict of metrics and their weights names a weighted sum of
+  them (a quantile task's pinball losses per target, each in its target's units).
   """
 
   def __init__(self, total: int, desc: str, *, unit: str = 'step', items_per_step: int = 0,
                items: str = 'member-images', every_secs: float | None = None, file: TextIO | None = None,
-               show: bool | None = None, bar: bool | None = None, loss: tuple[str, float] = ('loss', 0.0)):
+               show: bool | None = None, bar: bool | None = None,
+               loss: tuple[str | dict[str, float], float] = ('loss', 0.0)):
     self.total, self.desc, self.unit, self.units = total, desc, unit, plural_of(unit)
     self._loss_key, self._loss_offset = loss
     self._items_per_step, self._items = items_per_step, items
@@ -274,8 +276,10 @@ class Progress:
     self._n += n
     if not self._show:
       return
-    if metrics is not None and self._loss_key in metrics:
-      self._pending_losses.append(metrics[self._loss_key])
+    if metrics is not None:
+      weights = self._loss_key if isinstance(self._loss_key, dict) else {self._loss_key: 1.0}
+      if all(key in metrics for key in weights):  # a sum of device arrays stays on the device until shown
+        self._pending_losses.append(sum(weight * metrics[key] for key, weight in weights.items()))
     if self._bar is not None:
       self._bar.update(n)
       if self._n >= self.total:
@@ -341,6 +345,11 @@ def track(iterable: Iterable[Any], desc: str, **kwargs) -> Iterator[Any]:
     progress.close()
 
 
+def _loss_name(record: Mapping[str, Any]) -> str:
+  """What a summary's losses are: a quantile ensemble's a pinball loss (its `test_coverage` says so), else NLLs."""
+  return 'pinball loss' if 'test_coverage' in record else 'NLL'
+
+
 def _member_accuracies(record: Mapping[str, Any]) -> list[float]:
   """Member accuracies from an epoch summary (`member_test_accuracy/i` keys) or a metrics.jsonl line (a list)."""
   if 'member_test_accuracy' in record:
@@ -353,6 +362,9 @@ def _member_accuracies(record: Mapping[str, Any]) -> list[float]:
 def _figures(record: Mapping[str, Any]) -> str:
   if 'test_rmse' in record:  # regression
     return f'ensemble RMSE {_figure(record["test_rmse"])}, NLL {_figure(record["test_loss"])}'
+  if 'test_coverage' in record:  # quantile regression: a pinball loss and the outermost pair's interval
+    return (f'ensemble pinball loss {_figure(record["test_loss"])}, interval coverage '
+            f'{_figure(record["test_coverage"])}')
   members = _member_accuracies(record)
   if len(members) <= 1:
     return f'accuracy {_figure(record["test_accuracy"])}, NLL {_figure(record["test_loss"])}'
@@ -404,7 +416,8 @@ def log_epoch(summary: Mapping[str, Any], num_epochs: int, seconds: float, echo:
   """
   figures = f'{_figures(summary)}; ' if 'test_loss' in summary else ''  # epochs without a test pass have none
   if 'validation_loss' in summary:  # early stopping's
-    figures += f'validation NLL {_figure(summary["validation_loss"])} (best: epoch {int(summary["best_epoch"])}); '
+    figures += (f'validation {_loss_name(summary)} {_figure(summary["validation_loss"])} (best: epoch '
+                f'{int(summary["best_epoch"])}); ')
   if echo and _is_main_process() and not logging.level_info():
     tqdm.write(f'epoch {int(summary["epoch"])}/{num_epochs}: {figures}train loss '
                f'{_figure(summary["train_loss"])}; {_duration(seconds)}', file=sys.stderr)
@@ -450,7 +463,7 @@ def log_training_summary(workdir: str, summary: Mapping[str, Any] | None = None,
   result = f' (epoch {int(record["epoch"])}): {_figures(record)}' if record else ''
   if record and 'epochs_trained' in record:  # early stopping: the best epoch's members are the result
     result = (f' (early stopping: epoch {int(record["epoch"])} of the {int(record["epochs_trained"])} trained, the '
-              f'lowest validation NLL, {record["validation_loss"]:.4g}): {_figures(record)}')
+              f'lowest validation {_loss_name(record)}, {record["validation_loss"]:.4g}): {_figures(record)}')
   quoted = shlex.quote(workdir)
   logging.info('\n'.join([
       f'Done in {_duration(time.monotonic() - _STARTED)}{result}.',

@@ -2,7 +2,7 @@
 
 The defaults are the default deep ensemble: one CNN per device (8 on a single
 device), trained with pmap on MNIST. `ensemble.fit` starts from them (but
-`api.FIT_DEFAULTS`, and `REGRESSION` for regression), and so does
+`api.FIT_DEFAULTS`, and a task's own, `REGRESSION` for targets), and so does
 `python -m ensemble.train` with configs/default.py, whose `get_config()` is
 these fields as an ml_collections ConfigDict; the other configs start from
 that one. The recipe (cosine schedule, 2-pixel shifts, weight decay 5e-4,
@@ -96,7 +96,8 @@ class Recipe:
   # per target, and the ensemble predicts the uniform mixture of the members' Gaussians) or 'multilabel' (labels
   # (N, L) of 0 and 1; a logit per label, a sigmoid each, the ensemble the mean of the members' probabilities) or
   # 'dense' (a class per position: labels (N, *positions), logits (N, *positions, C), e.g. a segmentation's
-  # (N, H, W) labels of (N, H, W, C) images). docs/python-api.md.
+  # (N, H, W) labels of (N, H, W, C) images) or 'quantile' (float targets, as regression's; the model gives a
+  # quantile of each target at each of `quantiles`, and the ensemble their mean). docs/python-api.md.
   task: str = 'classification'
   # Dense: the label of a position that carries none (not a class: negative, or above every class); such positions
   # are left out of the loss and of every score.
@@ -108,6 +109,9 @@ class Recipe:
   # its predicted variance to the power beta, Seitzer et al. 2022) or 'mse' (squared error of the mean only).
   loss: str = 'nll'
   beta: float = 0.5
+  # Quantile regression (task='quantile'): the levels, increasing in (0, 1), whose quantiles of each target every
+  # member predicts (trained by the pinball loss); the outermost pair bounds the interval predict gives.
+  quantiles: tuple[float, ...] = (0.05, 0.5, 0.95)
   # A student distilled from an ensemble (ensemble.distill): the temperature T of Hinton et al.'s loss, T^2 times
   # the cross-entropy of softmax(logits / T) against the teacher's probabilities at T. Used only where the training
   # labels are a teacher's probabilities; 1: the plain cross-entropy against them.

@@ -1,10 +1,11 @@
-"""JAX's settings for a process: simulated CPU devices (what `--cpu_devices` is to the programs, for a library
-caller) and the persistent compilation cache.
+"""JAX's devices and settings for a process: simulated CPU devices (what `--cpu_devices` is to the programs, for a
+library caller), the devices an ensemble's members go on to predict, and the persistent compilation cache.
 
 Kept apart from `ensemble.api` so that asking for devices imports nothing heavy.
 """
 
 import os
+from typing import Sequence
 
 import jax
 from absl import logging
@@ -58,3 +59,11 @@ def compilation_cache(setting: str) -> str | None:
   if 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS' not in os.environ:
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
   return setting
+
+
+def evaluation_devices(ensemble_size: int, available: Sequence[jax.Device] | None = None) -> list[jax.Device]:
+  """As many of the `available` devices (default: all) as split the members evenly: each device a member's whole
+  state, or several members'."""
+  available = list(jax.devices() if available is None else available)
+  count = max(n for n in range(1, len(available) + 1) if ensemble_size % n == 0)
+  return available[:count]

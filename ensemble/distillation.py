@@ -15,6 +15,11 @@ labels; what it becomes is an ordinary classifier or regressor of the teacher's 
                   (the KL divergence from it, up to a constant). The NLL is quadratic in the target, so that
                   expectation is exactly the mean of the ordinary NLL at the two targets m + sqrt(v) and
                   m - sqrt(v): each input is trained on both, and the task's loss is regression's own.
+  multi-label     each label's mean probability, a soft target of its binary cross-entropy.
+  quantile        each input once per level, with the teacher's quantile at that level as its target: the pinball
+                  losses over them are least at the teacher's quantiles.
+
+Each task makes its student's labels (`Task.student_labels`).
 """
 
 import dataclasses
@@ -25,9 +30,8 @@ import numpy as np
 from absl import logging
 
 from ensemble import api
-from ensemble.data import arrays, base
+from ensemble.data import base
 from ensemble.errors import UsageError
-from ensemble.tasks import regression
 
 # What the student is, which fit's keywords would change: one network, of the teacher's task and inputs.
 _FIXED = {'ensemble_size': 'the student is one network',
@@ -41,7 +45,8 @@ _FIXED = {'ensemble_size': 'the student is one network',
 
 @dataclasses.dataclass(frozen=True)
 class DistillationReport:
-  """The test set's NLL (nats per example) of the teacher, its members and the student.
+  """The test set's NLL (nats per example; `loss` says where it is another loss) of the teacher, its members and
+  the student.
 
   `retained` is how much of the ensemble's gain over a single member the
   student keeps: (mean member - student) / (mean member - ensemble), the mean
@@ -55,6 +60,7 @@ class DistillationReport:
   best_member_nll: float
   student_nll: float
   examples: int
+  loss: str = 'nll'  # what the four figures are: the NLL, or a quantile ensemble's pinball loss
 
   @staticmethod
   def _share(reference: float, student: float, ensemble: float) -> float:
@@ -83,22 +89,6 @@ def _inputs(ens: api.Ensemble, data: Any) -> np.ndarray:
   return inputs
 
 
-def classification_targets(ens: api.Ensemble, inputs: np.ndarray) -> np.ndarray:
-  """(N, C) float32: the members' mean probabilities, the ensemble's predictive as `evaluate` scores it (without
-  the calibration temperature, which scales only `predict`'s 'probs')."""
-  return ens.member_probs(inputs).mean(0).astype(np.float32)
-
-
-def regression_targets(ens: api.Ensemble, inputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """(inputs twice, targets (2N, D)): every input with the targets m + sqrt(v) and m - sqrt(v), m and v the
-  mixture's mean and variance per target (`regression.mixture_moments`, the members as trained): the average of
-  the Gaussian NLL at the two is the expected NLL under N(m, v)."""
-  moments = regression.mixture_moments(*ens.components(inputs))
-  spread = np.sqrt(moments['variance'])
-  targets = np.concatenate([moments['mean'] + spread, moments['mean'] - spread])
-  return np.concatenate([inputs, inputs]), targets
-
-
 def _check(ens: Any, temperature: Any, fit_kwargs: dict[str, Any]):
   """The refusals that need nothing computed, made before the teacher labels anything."""
   if not isinstance(ens, api.Ensemble):
@@ -107,14 +97,14 @@ def _check(ens: Any, temperature: Any, fit_kwargs: dict[str, Any]):
   if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
     raise UsageError(f'temperature={temperature!r} must be a positive number (1: the ensemble\'s probabilities as '
                      'they are)')
-  if ens.task.name not in ('classification', 'dense') and temperature != 1:
+  if 'distill_temperature' not in ens.task.fields and temperature != 1:
     raise UsageError(f'temperature={temperature} sharpens or softens class probabilities, and {ens._name} is a '
                      f'{ens.task.name} ensemble: leave temperature= out')
   for key, why in _FIXED.items():
     if key in fit_kwargs:
       raise UsageError(f'distill sets {key}= itself ({why}): leave {key}= out')
   loss = fit_kwargs.get('loss', 'nll')
-  if ens.task.name == 'regression' and loss != 'nll':
+  if 'loss' in ens.task.fields and loss != 'nll':
     raise UsageError(f"loss={loss!r}: a regression student matches the ensemble's mixture by the Gaussian NLL; "
                      "leave loss= out")
 
@@ -146,25 +136,22 @@ def distill(ens: api.Ensemble, student_model: Any, data: Any, *, temperature: fl
   if test is not None:  # before the training it would score
     test = _test_pair(test)
     ens.check(test[0], 'test')
-  task = ens.task.name
-  # What the student is, whatever `config` says: one network of the teacher's task, trained on every input given.
-  settings = api.fit_recipe(config, {**fit_kwargs, 'ensemble_size': 1, 'method': 'independent', 'task': task,
-                                     'distill_temperature': float(temperature), 'heldout_fraction': 0.0})
-  source = f'the predictive of {ens._name}'  # pylint: disable=protected-access
-  if task == 'regression':
-    dataset = arrays.from_arrays(regression_targets(ens, inputs), None, ens.member.inputs, task, source)
-  elif task == 'multilabel':  # each label's mean probability, a soft target of its binary cross-entropy
-    train = {'image': inputs, 'label': ens.predict(inputs, members=True)['member_probs'].mean(0).astype(np.float32)}
-    dataset = base.Dataset(train, None, source, ens.num_classes, inputs=ens.member.inputs, task=task)
-  else:
-    train = {'image': inputs, 'label': classification_targets(ens, inputs)}  # a dense one's per position
-    dataset = base.Dataset(train, None, source, ens.num_classes, inputs=ens.member.inputs, task=task)
+  task = ens.task
+  # What the student is, whatever `config` says: one network of the teacher's task (and quantile levels), trained
+  # on every input given.
+  settings = api.fit_recipe(config, {**fit_kwargs, 'ensemble_size': 1, 'method': 'independent', 'task': task.name,
+                                     'distill_temperature': float(temperature), 'heldout_fraction': 0.0,
+                                     'quantiles': ens.config.quantiles})
+  x, y = task.student_labels(ens, inputs)  # the teacher's predictive as the task's labels
+  dataset = base.Dataset({'image': x, 'label': y}, None, f'the predictive of {ens._name}',  # pylint: disable=protected-access
+                         task.width(ens.num_classes), inputs=ens.member.inputs, task=task.name)
   student = api.fit_dataset(student_model, dataset, settings, workdir=workdir, init=init, keep_optimizer=keep_optimizer,
                             keep_freed_memory=keep_freed_memory, progress=progress)
   if test is not None:
     student = student._replace(distillation=report(ens, student, *test))  # pylint: disable=protected-access
     logging.info('Distilled %s into one %s: %s', ens._name, student.config.model,  # pylint: disable=protected-access
-                 ', '.join(f'{k} {v:.4g}' for k, v in student.distillation.as_dict().items()))
+                 ', '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}'
+                           for k, v in student.distillation.as_dict().items()))
   return student
 
 
@@ -176,8 +163,9 @@ def _test_pair(test: Any) -> tuple[Any, Any]:
 
 def report(ens: api.Ensemble, student: api.Ensemble, inputs: Any, labels: Any) -> DistillationReport:
   """The teacher's and the student's NLL on labelled `inputs`, as their `evaluate` scores them (the task's own
-  metrics: the mixture's exact density for regression)."""
+  metrics: the mixture's exact density for regression); a quantile ensemble's pinball loss (`loss`)."""
   teacher, scored = ens.evaluate(inputs, labels), student.evaluate(inputs, labels)
-  return DistillationReport(ensemble_nll=teacher['ensemble']['nll'], mean_member_nll=teacher['mean_member']['nll'],
-                            best_member_nll=min(member['nll'] for member in teacher['members']),
-                            student_nll=scored['ensemble']['nll'], examples=len(np.asarray(labels)))
+  key = ens.task.loss_score
+  return DistillationReport(ensemble_nll=teacher['ensemble'][key], mean_member_nll=teacher['mean_member'][key],
+                            best_member_nll=min(member[key] for member in teacher['members']),
+                            student_nll=scored['ensemble'][key], examples=len(np.asarray(labels)), loss=key)

@@ -193,3 +193,4 @@ def stop_agreed(dispatch: int) -> bool:
   start) because one of them was sent SIGTERM. JAX's sync point is the dispatch after the furthest any process
   had reached when the notice came, so each process must ask after every dispatch."""
   return multihost_utils.reached_preemption_sync_point(dispatch)
+

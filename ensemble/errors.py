@@ -15,6 +15,10 @@ class UsageError(ValueError):
   """Bad config, bad data or an incompatible workdir; the message says the fix."""
 
 
+class DataError(UsageError):
+  """A data file, dataset or array that is missing or malformed."""
+
+
 class EnsembleWarning(UserWarning):
   """What the library does as asked but says may not be what was meant (members with no source of diversity, a
   batch larger than the data, a loss still falling at the end, members still at chance), in one line with the fix

@@ -1,6 +1,6 @@
 """A trained workdir read and scored: its recipe and checkpoints restored onto the devices at hand, its data's
 held-out slice, and `evaluate`, the library half of `python -m ensemble.evaluate` (no flags, no logging set-up),
-which scores a checkpoint with `scoring.score` (what `Ensemble.report` runs on any ensemble) and writes
+which scores a checkpoint with its task's `Task.report` (what `Ensemble.report` runs on any ensemble) and writes
 metrics.json, report.md and PNG plots.
 """
 
@@ -14,11 +14,12 @@ import jax
 import numpy as np
 from absl import logging
 
-from ensemble import backends, checkpoint, console, data, manifest, members, multilabel_report, regression_report
-from ensemble import recipe as recipe_lib, report, scoring, sharing, steps
+from ensemble import backends, checkpoint, console, data, manifest, members
+from ensemble import recipe as recipe_lib, scoring, sharing, steps
 from ensemble.data import tfds
 from ensemble.models import user
-from ensemble.predictor import Predictor, evaluation_devices
+from ensemble.devices import evaluation_devices
+from ensemble.predictor import Predictor
 from ensemble.errors import UsageError
 
 # Runs trained before `heldout_fraction` existed (or with 0) held nothing out; the temperature is then
@@ -195,18 +196,11 @@ def load_ood(names: Sequence[str], image_shape: Sequence[int], test: data.Split)
   return sets
 
 
-def write_report(task: str, results: dict[str, Any], output_dir: str):
-  """The report of a `task` ensemble's results (`scoring.score`'s) in `output_dir`: report.md, metrics.json and
-  the plots of its task's writer."""
-  writer = {'regression': regression_report, 'multilabel': multilabel_report}.get(task, report)
-  writer.write(results, output_dir)
-
-
 def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = None,
              output_dir: str | None = None, angles: Sequence[int] = scoring.DEFAULT_ANGLES, noise: bool = True,
              ood_names: Sequence[str] = DEFAULT_OOD, alphas: Sequence[float] = scoring.DEFAULT_ALPHAS,
              max_examples: int | None = None) -> dict[str, Any]:
-  """Scores the checkpoint (`scoring.score`, as `Ensemble.report` does), writes the report into `output_dir`
+  """Scores the checkpoint (`Task.report`, as `Ensemble.report` does), writes the report into `output_dir`
   (default WORKDIR/eval) and returns its numbers. `max_examples`: score the first that many test examples only.
 
   The report records which checkpoint (`checkpoint_id`) and which data (`data_dir`) it scored, so that the
@@ -220,19 +214,19 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
   member, state, epoch = restore(workdir, config, step, devices)
   logging.info('Restored %s %d of %s: %s on %s.', config.checkpoint_unit, epoch, workdir,
                console.count(config.ensemble_size, 'member'), console.count(len(devices), 'device'))
-  task = member.task.name
-  if task == 'regression' and ood_names and list(ood_names) != list(DEFAULT_OOD):  # the built-in image sets
-    raise UsageError(f'--ood detects unfamiliar images, and {workdir} is a regression ensemble: leave --ood out')
+  task = member.task
+  if not task.detects_ood and ood_names and list(ood_names) != list(DEFAULT_OOD):  # the built-in image sets
+    raise UsageError(f'--ood detects unfamiliar images, and {workdir} is a {task.name} ensemble: leave --ood out')
   if max_examples is not None and max_examples < 1:
     raise UsageError(f'--max_examples={max_examples}: give a positive number of test examples, or leave it out for '
                      'all of them')
   data_dir = config.data_dir if data_dir is None else data_dir
-  dataset = data.load(config.dataset, data_dir, config.train_split, config.test_split, task=task,
+  dataset = data.load(config.dataset, data_dir, config.train_split, config.test_split, task=task.name,
                       target=config.target, streaming=config.streaming, ignore=config.ignore_label)
   test = data.stream.in_memory(dataset.test, None if max_examples is None else
                                np.arange(min(max_examples, len(dataset.test['label']))))
   shape = member.image_shape
-  if tuple(dataset.image_shape) != shape or (task == 'regression' and dataset.num_classes != member.task.targets):
+  if tuple(dataset.image_shape) != shape or (task.standardises_targets and dataset.num_classes != task.targets):
     raise UsageError(f'{dataset.source} holds {"x".join(map(str, dataset.image_shape))} {dataset.inputs} but '
                      f'{workdir} was trained on {"x".join(map(str, shape))}; give --data_dir the data it was trained '
                      'on')
@@ -240,20 +234,20 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
   if seen_in_training:
     logging.warning('%s held out no training examples (heldout_fraction=0): the temperature and the conformal sets '
                     'are fitted on examples the members were trained on.', workdir)
-  images = member.inputs == 'images' and task == 'classification'  # what the shifts score
+  images = member.inputs == 'images' and task.shifts  # what the shifts score
   logging.info('Predicting the %d test examples and the %d held-out ones.', len(test['label']), len(heldout['label']))
   results = {'workdir': os.path.abspath(workdir), 'epoch': epoch, 'checkpoint_unit': config.checkpoint_unit,
              'checkpoint': checkpoint.checkpoint_id(workdir, epoch), 'ensemble_size': config.ensemble_size,
-             'task': task,
+             'task': task.name,
              'data': dataset.source, 'data_dir': recipe_lib.data_location(data_dir),
-             **scoring.score(Predictor(member, state, devices, config.eval_batch_size), test, heldout,
-                             seen_in_training, task=member.task, ensemble_size=config.ensemble_size,
-                             angles=angles if images else (), noise=noise and images,
-                             ood_sets=(load_ood(ood_names, shape, test) if member.inputs == 'images'
-                                       and task != 'regression' else None), alphas=alphas)}
+             **task.report(Predictor(member, state, devices, config.eval_batch_size), test, heldout,
+                           seen_in_training, size=config.ensemble_size, angles=angles if images else (),
+                           noise=noise and images, alphas=alphas,
+                           ood_sets=(load_ood(ood_names, shape, test) if member.inputs == 'images'
+                                     and task.detects_ood else None))}
   own = os.path.join(workdir, 'eval')
   output_dir = output_dir or own
-  write_report(task, results, output_dir)
+  task.write_report(results, output_dir)
   logging.info('Wrote metrics.json, report.md and plots to %s.', output_dir)
   # The temperature `ensemble.load` applies is this one where the report is the workdir's own and of its data: the
   # flags predict applies at it are the ones just fitted.

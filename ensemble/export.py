@@ -15,8 +15,9 @@ dependencies:
 A regression workdir's artifact takes its features and returns what
 `Ensemble.predict` does, per target (N, D): 'mean', 'std', 'variance' =
 'aleatoric' + 'epistemic', and the mixture's central intervals 'lower_P' and
-'upper_P' for P = 50, 80, 90, 95 (`_regression_forward`), and where `Ensemble.conformal` calibrated it, the
-conformal interval 'conformal_lower', 'conformal_upper'.
+'upper_P' for P = 50, 80, 90, 95, and where `Ensemble.conformal` calibrated it, the conformal interval
+'conformal_lower', 'conformal_upper'. Every task's artifact returns its `Task.exported` (ensemble/tasks/): a
+multi-label one 'member_logits' and per-label 'probs', a quantile one its 'quantiles', 'lower' and 'upper'.
 
 The batch dimension is symbolic, so one artifact serves every batch size; the
 program runs on one device. The parameters (and BatchNorm's running averages)
@@ -34,7 +35,7 @@ from absl import flags, logging  # pylint: disable=g-import-not-at-top,g-multipl
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-from ensemble import api, backends, cli, files, posthoc  # pylint: disable=g-import-not-at-top
+from ensemble import api, backends, cli, files  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
 # The artifact runs on any of these; lowering for a platform needs no device of it.
@@ -47,8 +48,7 @@ FLAGS = flags.FLAGS
 def forward(model: api.Ensemble) -> Callable[[jnp.ndarray], dict[str, jnp.ndarray]]:
   """float32 images (N, H, W, C) in [0, 1] (or the run's features, or int32 tokens) -> {'member_log_probs':
   (K, N, C), 'probs': (N, C)} on one device, after the ensemble's post-hoc chain (its temperature; 'set' and
-  'flag' where it has a conformal or a flags step); a regression's or a multi-label ensemble's own
-  (`_regression_forward`, `_labels_forward`).
+  'flag' where it has a conformal or a flags step); another task's own (`Task.exported`).
 
   Each member's forward pass is `steps.Member.predict`, as in training and
   evaluation, mapped over the members as `backends.predict_members` maps
@@ -58,50 +58,7 @@ def forward(model: api.Ensemble) -> Callable[[jnp.ndarray], dict[str, jnp.ndarra
   state = jax.device_get(model.state.replace(opt_state=None))
   output = lambda state, images: model.task.member_output(model.member.predict(state, images))
   members = backends.predict_members(output, model.member, jax.devices()[:1])
-  outputs = lambda inputs: members(state, model.standardise(inputs, xp=jnp))
-  if model.task.name == 'regression':
-    return _regression_forward(model, outputs)
-  if model.task.name == 'multilabel':
-    return _labels_forward(model, outputs)
-
-  def fn(images):
-    member_log_probs = outputs(images)
-    mean_probs = jnp.exp(jax.nn.logsumexp(member_log_probs, axis=0) - jnp.log(model.size))
-    chained = posthoc.apply(model.posthoc, {'member_probs': jnp.exp(member_log_probs), 'probs': mean_probs}, xp=jnp)
-    return {'member_log_probs': member_log_probs, 'probs': chained['probs'],
-            **{key: chained[key] for key in ('set', 'flag') if key in chained}}
-  return fn
-
-
-def _labels_forward(model: api.Ensemble, outputs) -> Callable[[jnp.ndarray], dict[str, jnp.ndarray]]:
-  """A multi-label ensemble's forward pass: 'member_logits' (K, N, L), 'probs' (N, L) after the chain (its
-  temperature), and its conformal step's 'set' (N, L, 2)."""
-
-  def fn(inputs):
-    member_logits = outputs(inputs)
-    member_probs = jax.nn.sigmoid(member_logits)
-    chained = posthoc.apply(model.posthoc, {'member_label_probs': member_probs, 'label_probs': member_probs.mean(0)},
-                            xp=jnp)
-    return {'member_logits': member_logits, 'probs': chained['label_probs'],
-            **{key: chained[key] for key in ('set',) if key in chained}}
-  return fn
-
-
-def _regression_forward(model: api.Ensemble, outputs) -> Callable[[jnp.ndarray], dict[str, jnp.ndarray]]:
-  """A regression ensemble's forward pass: what `Ensemble.predict` returns, each (N, D) and in float32
-  (`tasks.regression.predictive`, the same code traced: 'mean', 'std', 'variance', 'aleatoric', 'epistemic' and the
-  mixture's central intervals 'lower_P', 'upper_P'; 'conformal_lower' and 'conformal_upper' where the chain has a
-  conformal step), and the components 'member_means' and 'member_variances' (K M, N, D) in the targets' units, as
-  the chain leaves them (times its variance scale)."""
-  from ensemble.tasks import regression  # pylint: disable=g-import-not-at-top
-
-  def fn(inputs):
-    means, variances = model.task.components(outputs(inputs), xp=jnp)
-    chained = posthoc.apply(model.posthoc, {'means': means, 'variances': variances}, xp=jnp)
-    return {'member_means': chained['means'], 'member_variances': chained['variances'],
-            **regression.predictive(chained['means'], chained['variances'], xp=jnp),
-            **{key: chained[key] for key in ('conformal_lower', 'conformal_upper') if key in chained}}
-  return fn
+  return lambda inputs: model.task.exported(members(state, model.standardise(inputs, xp=jnp)), model.posthoc, jnp)
 
 
 def check_platforms(platforms: Sequence[str]):

@@ -20,12 +20,9 @@ so a fit with another seed reuses them too, under any method.
 
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import json
-import signal
-import threading
 import time
 from typing import Any, Sequence
 
@@ -35,7 +32,7 @@ import numpy as np
 from absl import logging
 
 from ensemble import backends, console, data, devices as devices_lib, distributed, divergence, errors, members
-from ensemble import standardise
+from ensemble import sigterm, standardise
 from ensemble import steps, tasks
 from ensemble import recipe as recipe_lib
 from ensemble.defaults import Recipe
@@ -50,40 +47,6 @@ RESIDENT_LIMIT_BYTES = 64 << 20
 AUTO_DISPATCH = -2
 # How many runs' programs a process keeps.
 _CACHE_SIZE = 8
-class Stopped(KeyboardInterrupt):
-  """SIGTERM asked the run to stop (a preemptible VM's notice, a scheduler's end of the job): raised at the end of
-  the dispatch in progress, once the hooks have saved where it stands (`stop_on_sigterm`, `Hook.stop_point`)."""
-
-
-_STOP = threading.Event()
-
-
-@contextlib.contextmanager
-def stop_on_sigterm():
-  """While a workdir trains: SIGTERM sets a flag that `train` reads after each dispatch, so that the run stops
-  between steps, with its position saved, where Python's default would end the process at once and lose the epoch
-  (a handler that raised at once, as Ctrl-C does, could cut a save in half). Only the main thread takes signals:
-  elsewhere nothing changes."""
-  if threading.current_thread() is not threading.main_thread() or distributed.preemption_synced():
-    yield  # elsewhere nothing changes; across processes, JAX's preemption service takes the signal (`_stopping`)
-    return
-  _STOP.clear()
-  previous = signal.signal(signal.SIGTERM, lambda *_: _STOP.set())
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGTERM, previous)
-    _STOP.clear()
-
-
-def _stopping(dispatch: int) -> bool:
-  """Whether SIGTERM asked the run to stop after `dispatch`: this process's flag, or across processes the dispatch
-  they all agreed on (`distributed.stop_agreed`), so that none waits in a collective the others left."""
-  if distributed.preemption_synced():
-    return distributed.stop_agreed(dispatch)
-  return _STOP.is_set()
-
-
 class Hook:
   """What the loop calls as it goes; each does nothing unless a hook says otherwise. The workdir's checkpoints,
   metrics and event files are hooks (ensemble/trainer.py)."""
@@ -217,7 +180,7 @@ def prepare(recipe: Recipe, devices: Sequence[jax.Device], dataset: data.Dataset
     """Labels the outputs can score, and token ids the model can embed, checked as they are read."""
     if split is None:
       return None
-    if dataset.task == 'classification':
+    if dataset.kind.has_classes:
       split = data.stream.with_classes_checked(split, programs.num_outputs)
     if vocabulary:
       split = data.stream.transformed(split, image=functools.partial(members.ids_checked, programs.member,
@@ -264,7 +227,7 @@ def evaluate(backend, state, split: data.Split, batch_size: int, task: Any) -> d
   outputs = task.in_data_units(outputs)
   # The ensemble outputs are the same on every member; member 0's copy is enough.
   outputs = {k: v[0] if k.startswith('ensemble_') else v.T for k, v in outputs.items()}
-  return metrics.BY_TASK[task.name].eval.single_from_model_output(**outputs, mask=np.concatenate(masks)).compute()
+  return metrics.of(task).single_from_model_output(**outputs, mask=np.concatenate(masks)).compute()
 
 
 def _train_summary(outputs: list[dict[str, np.ndarray]], earlier: tuple[int, dict[str, float]] | None = None,
@@ -415,17 +378,18 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
         if bar is not None:
           bar.update(count, chunk_metrics)
         dispatches += 1
-        stopping, every = _stopping(dispatches), config.checkpoint_every_steps
+        stopping, every = sigterm.stopping(dispatches), config.checkpoint_every_steps
         if step < first + len(indices) and (stopping or (every and step % every == 0)):
           summary = {'epoch': epoch, 'train_seconds': time.perf_counter() - origin, **run.task.summary(so_far())}
           _keep(run, hooks, epoch, state, summary,
                 Position(step, data.stream.stream_position(reads, step - first), so_far(),
                          time.perf_counter() - origin), stop=stopping)
           if stopping:
-            raise Stopped(f'SIGTERM at step {step}')
+            raise sigterm.Stopped(f'SIGTERM at step {step}')
       summary = {'epoch': epoch, 'train_seconds': time.perf_counter() - origin}
       train_metrics = so_far()
-      if not judged and (epoch >= min(NEAR_CHANCE_EPOCH, config.num_epochs)) and step >= NEAR_CHANCE_STEPS:
+      if (not judged and epoch >= min(NEAR_CHANCE_EPOCH, config.num_epochs)
+          and step >= NEAR_CHANCE_STEPS):
         judged = True  # once, after the first epochs: each member's loss over this epoch's steps
         note_if_near_chance(run, epoch, np.concatenate(
             [np.reshape(chunk['loss'], (config.ensemble_size, -1)) for chunk in outputs], axis=1).mean(1))
@@ -452,11 +416,11 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
       if patience and improved:
         best = Best(summary['validation_loss'], epoch,
                     copied(backend.to_canonical(state) if canonical is None else canonical), summary)
-      if (stopping if distributed.preemption_synced() else _STOP.is_set()) and epoch < config.num_epochs:
-        raise Stopped(f'SIGTERM at step {step}')
+      if (stopping if distributed.preemption_synced() else sigterm.requested()) and epoch < config.num_epochs:
+        raise sigterm.Stopped(f'SIGTERM at step {step}')
       if bar is not None:
         console.log_epoch(summary, config.num_epochs, bar.close(), echo=bool(progress),
-                          num_classes=run.dataset.num_classes if run.dataset.task == 'classification' else None,
+                          num_classes=run.dataset.num_classes if run.task.chance_hint else None,
                           method=config.method)
       if patience and epoch - best.epoch >= patience:
         logging.info('Early stopping after epoch %d: no lower validation NLL in %d epochs since epoch %d (%.4g).',
@@ -525,7 +489,7 @@ def note_if_near_chance(run: Run, epoch: int, member_losses: np.ndarray):
   for a classifier trained on labels (not a student on a teacher's probabilities). Such a member learns nothing and
   blurs the ensemble's average, with no NaN to stop the run; the test set's accuracy (`console.log_epoch`) shows it
   only where there is a test set, and only as a log line."""
-  if run.dataset.task != 'classification' or run.data_info['num_classes'] < 2:
+  if not run.task.chance_hint or run.data_info['num_classes'] < 2:
     return
   if not data.stream.is_streamed(run.train) and not np.issubdtype(np.asarray(run.train['label']).dtype, np.integer):
     return  # `ensemble.distill`'s student: its loss against soft targets stays above log C's share where they are
@@ -595,7 +559,8 @@ def _train_at_once(run: Run, state: Any) -> tuple[Any, dict[str, float]]:
                 if epoch * per_epoch >= NEAR_CHANCE_STEPS), None)  # the epoch `train` judges at
   if judge is not None:
     note_if_near_chance(run, judge, losses[:, judge - 1].reshape(config.ensemble_size, -1).mean(1))
-  note_if_still_falling(run.task.summary({k: v.mean((0, 2)) for k, v in metrics.items()})['train_loss'].tolist())
+  per_epoch_losses = run.task.summary({k: v.mean((0, 2)) for k, v in metrics.items()})['train_loss']
+  note_if_still_falling(per_epoch_losses.tolist())
   return backend.to_canonical(state), summary
 
 

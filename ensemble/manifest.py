@@ -121,7 +121,7 @@ def is_saved(workdir: str) -> bool:
   return os.path.exists(os.path.join(workdir, MANIFEST_FILE))
 
 
-def read(workdir: str, config: recipe_lib.Recipe, epoch: int, task: str,
+def read(workdir: str, config: recipe_lib.Recipe, epoch: int, task: Any,
          summary: dict[str, float]) -> tuple[tuple[posthoc.Step, ...], dict[str, float]]:
   """(post-hoc chain, training summary) of checkpoint `epoch` of `workdir`: a saved ensemble's from its manifest,
   checked against the checkpoint it names; a run's from what earlier versions kept beside its checkpoints."""
@@ -140,18 +140,18 @@ def read(workdir: str, config: recipe_lib.Recipe, epoch: int, task: str,
   return chain, found.get('summary', summary)
 
 
-def legacy_chain(workdir: str, config: recipe_lib.Recipe, epoch: int, task: str) -> tuple[posthoc.Step, ...]:
+def legacy_chain(workdir: str, config: recipe_lib.Recipe, epoch: int, task: Any) -> tuple[posthoc.Step, ...]:
   """The post-hoc steps an earlier version kept beside checkpoint `epoch` of a workdir: `Ensemble.save`'s
   calibration.json (a temperature, then a conformal quantile, as its predictions applied them), or the
   temperature `python -m ensemble.evaluate` fitted on the held-out slice (eval/metrics.json). Steps given, not
   fitted here: they record no examples."""
   saved = _saved_calibration(workdir, epoch)
-  kind = posthoc.SCALE_KINDS[task]
+  kind = task.calibration
   temperature = saved.get('temperature') or fitted_temperature(workdir, config, epoch)
   chain = []
   if isinstance(temperature, list):  # a multi-label ensemble's, one per label
     chain.append(posthoc.given(kind, chain, epoch, value=[float(t) for t in temperature]))
-  elif temperature and temperature != 1.0:
+  elif temperature and temperature != 1.0 and kind:
     chain.append(posthoc.given(kind, chain, epoch, value=float(temperature)))
   found = saved.get('conformal')
   if found:

@@ -98,31 +98,11 @@ def check_model(member: steps.Member, num_classes: int, method: str) -> int:
     message = str(e).strip().splitlines()[0] if str(e).strip() else ''
     raise UsageError(f'the model fails on inputs of shape {shape} ({type(e).__name__}: {message[:300]}); make it '
                      f'take a batch of {member.inputs} of that shape, or reshape the data') from None
-  if member.task.name == 'regression':
-    targets = num_classes // 2
-    if not hasattr(logits, 'shape') or len(logits.shape) != 2 or logits.shape[1] != num_classes:
-      got = _batch_named(getattr(logits, 'shape', type(logits).__name__))
-      raise UsageError(f'the model maps inputs {shape} to {got}, not to (batch, {num_classes}): for {targets} '
-                       f'target(s) give its last layer {num_classes} outputs, a mean and a raw scale per target')
-  elif member.task.name == 'dense':
-    positions = tuple(member.positions)
-    if (not hasattr(logits, 'shape') or tuple(logits.shape[:-1]) != (1, *positions)
-        or logits.shape[-1] < num_classes):
-      got = _batch_named(getattr(logits, 'shape', type(logits).__name__))
-      want = ', '.join(map(str, ('batch', *positions, num_classes)))
-      raise UsageError(f'the model maps inputs {shape} to {got}, not to ({want}) logits, a class per position of '
-                       f'the labels: give it a last layer of {num_classes} outputs at each position (a 1x1 '
-                       'convolution, or a Dense layer on unflattened inputs)')
-  elif member.task.name == 'multilabel':
-    if not hasattr(logits, 'shape') or len(logits.shape) != 2 or logits.shape[1] != num_classes:
-      got = _batch_named(getattr(logits, 'shape', type(logits).__name__))
-      raise UsageError(f'the model maps inputs {shape} to {got}, not to (batch, {num_classes}) logits, one per '
-                       f'label: give its last layer {num_classes} outputs')
-  elif (not hasattr(logits, 'shape') or len(logits.shape) != 2 or logits.shape[0] != 1
-        or logits.shape[1] < num_classes):
-    got = _batch_named(getattr(logits, 'shape', type(logits).__name__))
-    raise UsageError(f'the model maps inputs {shape} to {got}, not to (batch, {num_classes}) logits, one per class; '
-                     f'give its last layer {num_classes} outputs (the labels run 0..{num_classes - 1})')
+  output_shape = tuple(logits.shape) if hasattr(logits, 'shape') else None
+  problem = member.task.output_error(output_shape, member.task.width(num_classes), tuple(member.positions))
+  if problem:
+    got = _batch_named(output_shape if output_shape is not None else type(logits).__name__)
+    raise UsageError(f'the model maps inputs {shape} to {got}, {problem}')
   sharing.check(member.method.shared_filters, variables['params'], 'shared')
   sharing.check(member.frozen, variables['params'], 'frozen')
   sharing.check_adapted(member.method.shared_filters, variables['params'], member.adapter_rank)

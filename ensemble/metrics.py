@@ -1,4 +1,4 @@
-"""clu metric collections for training and evaluation, a pair for each task.
+"""clu metric collections of a test pass, made for each task from what it scores (`Task.eval_scores`).
 
 They live here, not beside the tasks, so that only the trainer, which collects
 metrics, imports clu: the step modules (steps, tasks, backends, models) import
@@ -6,7 +6,7 @@ with jax, flax, optax and numpy alone, as scripts/benchmark.py does on a GPU
 host without clu.
 """
 
-from typing import NamedTuple
+import functools
 
 import flax
 import jax.numpy as jnp
@@ -64,57 +64,19 @@ class PerPosition(clu_metrics.Metric):
     return self.total / jnp.maximum(self.count, 1.0)
 
 
-@flax.struct.dataclass
-class TrainMetrics(clu_metrics.Collection):
-  """Training loss and accuracy, averaged over the members and the steps."""
-  loss: clu_metrics.Average.from_output('loss')
-  accuracy: clu_metrics.Average.from_output('accuracy')
+@functools.lru_cache(maxsize=None)
+def _collection(scores: tuple[tuple[str, str], ...], per_position: bool) -> type[clu_metrics.Collection]:
+  mean = PerPosition.of if per_position else clu_metrics.Average.from_output
+  per_member = PerPosition.of if per_position else PerMember.from_output
+  fields = {}
+  for name, output in scores:
+    fields[name] = mean(f'ensemble_{output}')
+    fields[f'member_{name}'] = per_member(f'member_{output}')
+  return clu_metrics.Collection.create(**fields)
 
 
-@flax.struct.dataclass
-class EvalMetrics(clu_metrics.Collection):
-  """Test NLL and accuracy of the ensemble (mean probabilities) and of each member."""
-  loss: clu_metrics.Average.from_output('ensemble_loss')
-  accuracy: clu_metrics.Average.from_output('ensemble_correct')
-  member_loss: PerMember.from_output('member_loss')
-  member_accuracy: PerMember.from_output('member_correct')
-
-
-@flax.struct.dataclass
-class RegressionTrainMetrics(clu_metrics.Collection):
-  """The members' training loss and Gaussian NLL, in standardised units, averaged over the members and the steps."""
-  loss: clu_metrics.Average.from_output('loss')
-  nll: clu_metrics.Average.from_output('nll')
-
-
-@flax.struct.dataclass
-class RegressionEvalMetrics(clu_metrics.Collection):
-  """Test NLL of the mixture and of each member (nats per input, original units) and their squared errors."""
-  loss: clu_metrics.Average.from_output('ensemble_loss')
-  squared_error: clu_metrics.Average.from_output('ensemble_squared_error')
-  member_loss: PerMember.from_output('member_loss')
-  member_squared_error: PerMember.from_output('member_squared_error')
-
-
-@flax.struct.dataclass
-class DenseEvalMetrics(clu_metrics.Collection):
-  """`EvalMetrics` of a dense task: over the labelled positions of the split, each counted once."""
-  loss: PerPosition.of('ensemble_loss')
-  accuracy: PerPosition.of('ensemble_correct')
-  member_loss: PerPosition.of('member_loss')
-  member_accuracy: PerPosition.of('member_correct')
-
-
-class TaskMetrics(NamedTuple):
-  """A task's collections: of its train steps' outputs, and of its eval steps' outputs over a split."""
-  train: type[clu_metrics.Collection]
-  eval: type[clu_metrics.Collection]
-
-
-BY_TASK = {
-    'classification': TaskMetrics(TrainMetrics, EvalMetrics),
-    'regression': TaskMetrics(RegressionTrainMetrics, RegressionEvalMetrics),
-    # The same fields: a label's loss and accuracy averaged over the labels (tasks/multilabel.py).
-    'multilabel': TaskMetrics(TrainMetrics, EvalMetrics),
-    'dense': TaskMetrics(TrainMetrics, DenseEvalMetrics),
-}
+def of(task) -> type[clu_metrics.Collection]:
+  """A task's test-pass collection (`Task.eval_scores`): each score's mean of the ensemble's outputs over a split,
+  and of each member's, one entry per member; over the labelled positions of a dense task's split, each counted
+  once (`PerPosition`)."""
+  return _collection(tuple(task.eval_scores.items()), task.per_position)

@@ -98,3 +98,4 @@ def restart_schedule(opt_state):
   is_schedule = lambda node: isinstance(node, optax.ScaleByScheduleState)
   restart = lambda node: node._replace(count=jnp.zeros_like(node.count)) if is_schedule(node) else node
   return jax.tree.map(restart, opt_state, is_leaf=is_schedule)
+

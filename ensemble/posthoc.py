@@ -29,9 +29,7 @@ import numpy as np
 
 from ensemble import calibration
 from ensemble.errors import UsageError
-from ensemble.tasks import regression
-from ensemble.tasks.dense import IGNORED
-from ensemble.uncertainty import conformal, decomposition, multilabel, selective
+from ensemble.uncertainty import decomposition, multilabel, selective
 
 # The flag (`flags`) is two tests. The total predictive entropy counts both kinds of doubt, a blurred digit
 # (aleatoric) and a shape no member has seen (epistemic), and its threshold keeps the error rate of the unflagged
@@ -96,39 +94,22 @@ def digest(inputs: np.ndarray, labels: np.ndarray) -> str:
   return h.hexdigest()[:16]
 
 
-# --- the kinds: each a fit (outputs at its place, labels -> its settings), an apply and a name ------------------------
+# --- the kinds: each a fit (outputs at its place, labels, the task -> its settings), an apply and a name -------------
+# A task says which of them it takes (`Task.calibration`, `conformal_scores`, `flags`) and fits what differs
+# between tasks (`Task.fitted_scale`, `Task.fit_conformal`), on its labelled examples (`Task.labelled_view`).
 
-def _labelled_positions(probs: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """A dense task's (N, *positions, C) probabilities and (N, *positions) labels -> those of its labelled positions,
-  (M, C) and (M,), each position an example of its own: a temperature is shared over the positions, and conformal
-  coverage is marginal over them. Another task's as they are."""
-  if labels.ndim == 1:
-    return probs, labels
-  labelled = labels != IGNORED
-  return probs[labelled], labels[labelled]
-
-
-def _fit_temperature(outputs, labels):
-  return {'value': calibration.fit_temperature(*_labelled_positions(outputs['probs'], labels))}
+def _fit_scale(outputs, labels, task, **settings):
+  return task.fitted_scale(outputs, labels, **settings)
 
 
 def _apply_temperature(step, outputs, xp):
   return {**outputs, 'probs': calibration.temperature_scale(outputs['probs'], step['value'], xp=xp)}
 
 
-def _fit_label_temperature(outputs, labels, per_label=False):
-  value = multilabel.fit_temperature(outputs['label_probs'], labels, per_label=per_label)
-  return {'value': [float(v) for v in value] if per_label else float(value)}
-
-
 def _apply_label_temperature(step, outputs, xp):
   value = step['value']
   value = xp.asarray(value) if isinstance(value, tuple) else value
   return {**outputs, 'label_probs': multilabel.temperature_scale(outputs['label_probs'], value, xp=xp)}
-
-
-def _fit_variance_scale(outputs, targets):
-  return {'value': regression.scale_variances(outputs['means'], outputs['variances'], targets)}
 
 
 def _apply_variance_scale(step, outputs, xp):
@@ -141,26 +122,14 @@ def check_alpha(alpha: Any):
     raise UsageError(f'alpha={alpha!r} must be in (0, 1), the miscoverage: e.g. alpha=0.1 for 90% sets')
 
 
-def _fit_conformal(outputs, labels, alpha, score):
-  if 'means' in outputs:  # regression: |y - mean| / std of the mixture as the steps before left it
-    moments = regression.mixture_moments(outputs['means'], outputs['variances'])
-    q = regression.conformal_quantile(moments['mean'], moments['std'], labels, alpha)
-    return {'alpha': float(alpha), 'score': score, 'quantile': [float(v) for v in q]}
-  if 'label_probs' in outputs:  # multi-label: a quantile per label, of 1 - p(the label's value)
-    q = multilabel.calibrated_quantiles(outputs['label_probs'], labels, alpha)
-    return {'alpha': float(alpha), 'score': score, 'quantile': [float(v) for v in q]}
-  return {'alpha': float(alpha), 'score': score,
-          'quantile': conformal.calibrated_quantile(*_labelled_positions(outputs['probs'], labels), alpha, score)}
+def _fit_conformal(outputs, labels, task, alpha, score):
+  return task.fit_conformal(outputs, labels, alpha, score)
 
 
 def _apply_conformal(step, outputs, xp):
-  if 'means' in outputs:
-    moments = regression.mixture_moments(outputs['means'], outputs['variances'])
-    lower, upper = regression.conformal_interval(moments['mean'], moments['std'], step['quantile'], xp=xp)
-    return {**outputs, 'conformal_lower': lower, 'conformal_upper': upper}
-  if 'label_probs' in outputs:
-    return {**outputs, 'set': multilabel.prediction_sets(outputs['label_probs'], xp.asarray(step['quantile']), xp=xp)}
-  return {**outputs, 'set': conformal.prediction_sets(outputs['probs'], step['quantile'], step['score'], xp=xp)}
+  """The sets (intervals) of the task whose score the step has."""
+  from ensemble import tasks  # pylint: disable=g-import-not-at-top  # the tasks ask this module back
+  return tasks.with_score(step['score']).apply_conformal(step, outputs, xp)
 
 
 def _doubts(member_probs, xp=np):
@@ -181,7 +150,8 @@ def flag_thresholds(entropy: np.ndarray, mutual_information: np.ndarray, correct
           'ood_rate': float(ood_rate)}
 
 
-def _fit_flags(outputs, labels, target_risk, ood_rate):
+def _fit_flags(outputs, labels, task, target_risk, ood_rate):
+  del task
   entropy, mutual_information = _doubts(outputs['member_probs'])
   return flag_thresholds(entropy, mutual_information, np.argmax(outputs['probs'], -1) == labels, target_risk,
                          ood_rate)
@@ -199,41 +169,31 @@ def _apply_flags(step, outputs, xp):
 
 
 class Kind(NamedTuple):
-  """What a kind of step is for: the task it serves, its fit, its apply, and its name in a repr."""
-  task: str
+  """A kind of step: its fit, its apply, and its name in a repr."""
   fit: Callable[..., dict[str, Any]]
   apply: Callable[[Step, dict, Any], dict]
   describe: Callable[[Step], str]
 
 
 KINDS = {
-    'temperature': Kind('classification', _fit_temperature, _apply_temperature,
-                        lambda s: f'temperature {s["value"]:.4g}'),
-    'label_temperature': Kind('multilabel', _fit_label_temperature, _apply_label_temperature,
-                              lambda s: f'temperature {_values(s["value"])}'),
-    'variance_scale': Kind('regression', _fit_variance_scale, _apply_variance_scale,
-                           lambda s: f'variance_scale {s["value"]:.4g}'),
-    'conformal': Kind('any', _fit_conformal, _apply_conformal,
-                      lambda s: f'conformal {s["score"]} alpha {s["alpha"]:g}'),
-    'flags': Kind('classification', _fit_flags, _apply_flags,
-                  lambda s: f'flags risk {s["target_risk"]:g} ood_rate {s["ood_rate"]:g}'),
+    'temperature': Kind(_fit_scale, _apply_temperature, lambda s: f'temperature {s["value"]:.4g}'),
+    'label_temperature': Kind(_fit_scale, _apply_label_temperature, lambda s: f'temperature {_values(s["value"])}'),
+    'variance_scale': Kind(_fit_scale, _apply_variance_scale, lambda s: f'variance_scale {s["value"]:.4g}'),
+    'conformal': Kind(_fit_conformal, _apply_conformal, lambda s: f'conformal {s["score"]} alpha {s["alpha"]:g}'),
+    'flags': Kind(_fit_flags, _apply_flags, lambda s: f'flags risk {s["target_risk"]:g} ood_rate {s["ood_rate"]:g}'),
 }
-
-
-# What `Ensemble.calibrate` fits, and a temperature given by hand is, for each task: the one step that rescales its
-# outputs' confidence.
-SCALE_KINDS = {'classification': 'temperature', 'multilabel': 'label_temperature', 'regression': 'variance_scale',
-               'dense': 'temperature'}
 
 
 # --- a chain -------------------------------------------------------------------------------------------------------
 
 def fit(kind: str, chain: Sequence[Step], outputs: dict[str, Any], labels: np.ndarray, inputs: np.ndarray,
-        epoch: int, **settings) -> Step:
-  """A step of `kind` fitted on `outputs` as `chain` leaves them (`apply`), for labelled `inputs`."""
-  fitted = KINDS[kind].fit(apply(chain, outputs), labels, **settings)
+        epoch: int, task: Any, **settings) -> Step:
+  """A step of `kind` fitted on `outputs` as `chain` leaves them (`apply`), for labelled `inputs`: on the `task`'s
+  labelled examples (a dense task's labelled positions), whose count it records."""
+  view, labelled = task.labelled_view(apply(chain, outputs), labels)
+  fitted = KINDS[kind].fit(view, labelled, task, **settings)
   return Step(kind, _settings(fitted),
-              FittedOn(int(epoch), tuple(step.id for step in chain), int(len(labels)), digest(inputs, labels)))
+              FittedOn(int(epoch), tuple(step.id for step in chain), task.examples(labels), digest(inputs, labels)))
 
 
 def given(kind: str, chain: Sequence[Step], epoch: int, **settings) -> Step:

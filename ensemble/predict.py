@@ -5,10 +5,10 @@
 PATH is an .npy or .npz array, an IDX images file, a PNG or JPEG image, or a
 folder of them (`ensemble.data.inputs`). For a regression workdir, one row
 per input: the mixture's mean and std, its aleatoric and epistemic std and
-the 90% interval's bounds (`regression_rows`); for a multi-label one, the
-labels predicted and each label's probability and mutual information
-(`label_rows`); a dense one writes its maps to --output=FILE.npz
-(`write_maps`). For a classifier, one row per image: its name, the
+the 90% interval's bounds; for a multi-label one, the labels predicted and
+each label's probability and mutual information; for a quantile one, each
+level's quantile (each task's `Task.table`); a dense one writes its maps to
+--output=FILE.npz (`write_maps`). For a classifier, one row per image: its name, the
 predicted class and its probability, the predictive entropy, the mutual
 information between the prediction and the members (the part of the
 uncertainty the members disagree on), and `flag`: whether the image is more
@@ -63,44 +63,6 @@ def rows(names: Sequence[str], result: dict[str, np.ndarray],
     if flagged is not None:
       row['flag'] = int(flagged[i])
     yield row
-
-
-def regression_rows(names: Sequence[str], result: dict[str, np.ndarray]) -> tuple[list[str], Iterator[dict]]:
-  """(columns, rows) of a regression ensemble's prediction: per target the mixture's mean and std, its aleatoric
-  and epistemic std, and the bounds of the 90% central interval; a suffix _d per target when there are several."""
-  figure = lambda x: float(f'{x:.6g}')
-  parts = {'mean': result['mean'], 'std': result['std'], 'aleatoric_std': np.sqrt(result['aleatoric']),
-           'epistemic_std': np.sqrt(result['epistemic']), 'lower_90': result['lower_90'],
-           'upper_90': result['upper_90']}
-  targets = 1 if result['mean'].ndim == 1 else result['mean'].shape[1]
-  columns = [name if targets == 1 else f'{name}_{d}' for d in range(targets) for name in parts]
-  flat = {name: values.reshape(len(names), targets) for name, values in parts.items()}
-
-  def rows_():
-    for i, name in enumerate(names):
-      row = {'name': name}
-      for d in range(targets):
-        for part, values in flat.items():
-          row[part if targets == 1 else f'{part}_{d}'] = figure(values[i, d])
-      yield row
-  return ['name', *columns], rows_()
-
-
-def label_rows(names: Sequence[str], result: dict[str, np.ndarray]) -> tuple[list[str], Iterator[dict]]:
-  """(columns, rows) of a multi-label ensemble's prediction: the labels predicted (their indices, by spaces), and
-  per label l its probability and the members' mutual information ('probability_l', 'mutual_information_l')."""
-  figure = lambda x: float(f'{x:.6g}')
-  count = result['probs'].shape[1]
-  parts = ('probability', 'mutual_information')
-  columns = ['name', 'labels', *(f'{part}_{label}' for part in parts for label in range(count))]
-
-  def rows_():
-    for i, name in enumerate(names):
-      row = {'name': name, 'labels': ' '.join(map(str, np.flatnonzero(result['labels'][i])))}
-      for part, values in zip(parts, (result['probs'], result['mutual_information'])):
-        row.update({f'{part}_{label}': figure(values[i, label]) for label in range(count)})
-      yield row
-  return columns, rows_()
 
 
 def write_maps(names: Sequence[str], result: dict[str, np.ndarray], output: str):
@@ -178,18 +140,17 @@ def predict_files(workdir: str, input_path: str, output: str | None = None, *, s
   if not input_path:
     raise UsageError('--input is required: an image, a folder of images, an .npy/.npz array or an IDX file')
   model = api.read(workdir, step, batch_size=batch_size)
-  _output_format(output, dense=model.task.name == 'dense')
+  _output_format(output, dense=model.task.per_position)
   names, images, skipped = inputs.read(input_path, model.image_shape, array, skip_unreadable)
   model.check(images, role=input_path)  # its errors name the file
-  if model.task.name == 'dense':
+  if model.task.per_position:
     logging.info('Predicting %d inputs.', len(images))
     write_maps(names, model.predict(images, progress=True), output)
     logging.info('Wrote the maps of %d inputs to %s.', len(names), output)
     return {'images': len(names), 'flagged': None, 'threshold': None, 'skipped': skipped}
-  if model.task.name in ('regression', 'multilabel'):
+  if not model.task.flags:  # a row per input of the task's own columns (`Task.table`)
     logging.info('Predicting %d inputs.', len(images))
-    table = regression_rows if model.task.name == 'regression' else label_rows
-    columns, rows_ = table(names, model.predict(images, progress=True))
+    columns, rows_ = model.task.table(names, model.predict(images, progress=True))
     write(rows_, output, columns)
     logging.info('Wrote %d rows to %s.', len(names), output or 'stdout')
     return {'images': len(names), 'flagged': None, 'threshold': None, 'skipped': skipped}

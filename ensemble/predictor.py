@@ -15,14 +15,6 @@ from jax.sharding import PartitionSpec as P
 from ensemble import backends, data, steps
 
 
-def evaluation_devices(ensemble_size: int, available: Sequence[jax.Device] | None = None) -> list[jax.Device]:
-  """As many of the `available` devices (default: all) as split the members evenly: each device a member's whole
-  state, or several members'."""
-  available = list(jax.devices() if available is None else available)
-  count = max(n for n in range(1, len(available) + 1) if ensemble_size % n == 0)
-  return available[:count]
-
-
 class Predictor:
   """Every member's probabilities for a split: one jitted program, each device running its own members.
 

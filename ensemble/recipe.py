@@ -25,18 +25,17 @@ from typing import Any, Mapping, Sequence
 import jax
 from absl import logging
 
-from ensemble import backends, data, methods, models, optim, predictor, steps
+from ensemble import backends, data, methods, models, optim, steps, tasks
 from ensemble.data import augment, stream
 from ensemble.defaults import FIELDS, Kwargs, Recipe, frozen
+from ensemble.backends import sharded
 from ensemble.errors import UsageError
-from ensemble.methods import packed as packed_method
 from ensemble.models import user
-from ensemble.tasks import regression
+from ensemble.tasks import quantile, regression
 
 __all__ = ['Recipe', 'of', 'resolve', 'from_record']
 
 MEMBER_DATA = ('shared', 'shuffled', 'bootstrap')
-TASKS = ('classification', 'regression', 'multilabel', 'dense')
 DTYPES = ('float32', 'bfloat16')
 MAX_SEED = 2**32 - 1  # jax.random.key folds larger seeds onto the same keys
 # The members of `ensemble_size=0` on a single device (a laptop's CPU, one GPU): several on the device, as 0 means one
@@ -64,14 +63,11 @@ RECORD_KEYS = ('model', 'ensemble_size', 'learning_rate', 'momentum', 'eval_batc
 # What a run recorded before a field existed ran as, where that is not the field's default today: nothing was
 # streamed, and nothing held out.
 LEGACY = {'streaming': 'never', 'heldout_fraction': 0.0}
-# The methods whose members are K independent networks of one architecture: a warm start from one of them into
-# another keeps each member's network. The others' members share weights or are built for their method.
-MEMBERWISE = ('independent', 'bagging', 'hyper', 'snapshot', 'multiswag')
 # Values each field takes, where they are names: checked alone, before anything is read.
 CHOICES = {
     'backend': backends.NAMES, 'member_sharding': backends.MEMBER_SHARDINGS, 'method': methods.NAMES,
     'shared_sharding': backends.SHARED_SHARDINGS,
-    'task': TASKS, 'loss': regression.LOSSES, 'member_data': MEMBER_DATA, 'streaming': stream.MODES,
+    'task': tasks.NAMES, 'loss': regression.LOSSES, 'member_data': MEMBER_DATA, 'streaming': stream.MODES,
     'inputs': ('auto', *steps.INPUTS), 'augment': tuple(augment.AUGMENTATIONS), 'optimizer': tuple(optim.OPTIMIZERS),
     'schedule': tuple(optim.SCHEDULES), 'dtype': DTYPES,
 }
@@ -201,6 +197,11 @@ def _check_field(name: str, value: Any):
     _require(not value or os.path.isdir(os.path.expanduser(value)),
              f'init_from={value!r} is no folder: give the workdir of a trained run (a 1-member run of the same model, '
              'or an ensemble saved with Ensemble.save)')
+  elif name == 'quantiles':
+    _require(len(value) >= 2 and all(isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 < v < 1
+                                     for v in value) and all(a < b for a, b in zip(value, value[1:])),
+             f'quantiles={value!r} must be at least two levels in (0, 1), increasing, e.g. '
+             f'--config.quantiles="{quantile.DEFAULT_LEVELS}" (the outermost pair bounds the interval)')
   elif name == 'pos_weight':
     _require(all(isinstance(v, numbers.Real) and not isinstance(v, bool) and _positive(v) for v in value),
              f'pos_weight={value!r} must be positive weights, one per label, e.g. negatives / positives of each; '
@@ -261,7 +262,7 @@ def devices_for(k: int, available: Sequence[jax.Device], backend: str = 'pmap') 
   n = len(available)
   if not k or k % n == 0 or (backend == 'jit' and n % k == 0):
     return list(available)
-  return predictor.evaluation_devices(k, available)
+  return list(available[:max(d for d in range(1, n) if k % d == 0)])  # the most devices that split the members
 
 
 def _check_placement(backend: str, k: int, num_devices: int):
@@ -280,134 +281,13 @@ def _check_placement(backend: str, k: int, num_devices: int):
            + f', or set --config.num_devices to a divisor of {k}')
 
 
-def _single_model(r: Recipe, devices: Sequence[jax.Device]) -> dict[str, Any]:
-  """A mesh backend splits one model over all the devices: an ensemble of one, the model its placement is written
-  for, on plain batches; its mesh's shape resolved."""
-  backend, model = r.backend, backends.MESH_MODELS[r.backend]
-  example = f"configs/{'mlp' if backend == 'sharded' else backend}.py"
-  _require(r.mesh_shape and r.num_layers, f'backend {backend!r} needs the mesh fields (mesh_shape, ...) '
-           f'of {example}: run with --config={example}')
-  _require(r.model == model, f'backend {backend!r} trains model {model!r}, not {r.model!r}: set --config.model={model}')
-  _require(r.ensemble_size in (0, 1), f'backend {backend!r} trains one model, not an ensemble: set '
-           '--config.ensemble_size=1, or use backend pmap or jit for ensembles')
-  _require(r.method == 'independent', f'backend {backend!r} trains one model, not an ensemble: leave --config.method '
-           'at independent, or use backend pmap or jit for the ensembling methods')
-  _require(r.member_data == 'shared', f"backend {backend!r} trains one model: set --config.member_data=shared")
-  _require(r.task == 'classification',
-           f'backend {backend!r} trains one classifier: use backend pmap or jit for --config.task={r.task}')
-  _require(r.augment == 'none', f'backend {backend!r} trains one model on plain batches: set --config.augment=none, '
-           'or use backend pmap or jit for augmented training')
-  _require(not r.adversarial_epsilon, f'backend {backend!r} trains one model on plain batches: set '
-           '--config.adversarial_epsilon=0, or use backend pmap or jit for adversarial training')
-  _require(jax.process_count() == 1,
-           f'backend {backend!r} runs in a single process; use backend pmap or jit across processes')
-  n = len(devices)
-  fix = f'set --config.mesh_shape to a (data, model) pair whose product is {n}, e.g. ({n}, 1) or (-1, 1)'
-  shape = r.mesh_shape
-  if -1 in shape:
-    known = max(shape)
-    _require(n % known == 0, f'mesh_shape={shape!r}: {known} does not divide the {n} devices in use; {fix}')
-    shape = tuple(n // known if s == -1 else s for s in shape)
-  _require(math.prod(shape) == n, f'mesh_shape={r.mesh_shape} has {math.prod(shape)} devices but {n} are in use; '
-           f'{fix}, or use --config.num_devices')
-  for name in ('batch_size', 'eval_batch_size'):
-    _require(getattr(r, name) % shape[0] == 0, f'{name}={getattr(r, name)} cannot be split over the {shape[0]} '
-             f'devices of the data axis; set --config.{name} to a multiple of {shape[0]}')
-  if backend in ('dp', 'fsdp'):
-    _require(shape == (n, 1), f'mesh_shape={r.mesh_shape}: dp and fsdp split over the data axis only; set '
-             f'--config.mesh_shape=({n}, 1)')
-    per_device = r.batch_size // n
-    _require(per_device % r.num_minibatches == 0, f'num_minibatches={r.num_minibatches} does not divide the '
-             f'{per_device} examples each device gets per step; set --config.num_minibatches to a divisor of '
-             f'{per_device}')
-  return {'ensemble_size': 1, 'mesh_shape': shape}
-
-
-# The methods whose members may share parameters (`shared`) or keep them frozen (`frozen`), and why the others may
-# not.
-SHARING_METHODS = ('independent', 'bagging')
-FREEZING_METHODS = ('independent', 'bagging', 'snapshot', 'multiswag')
-SHARING_METHODS_REFUSE = {
-    'hyper': "gives each member its own learning rate and weight decay in its optimizer's state",
-    'snapshot': "averages each member's snapshots of all its parameters",
-    'multiswag': "samples each member's parameters from its own Gaussian",
-    'batchensemble': 'already shares the weights of its rank-1 layers, by their name',
-    'mc_dropout': 'already shares every weight',
-    'mimo': 'already shares every weight',
-    'packed': 'builds each member at its own width',
-}
-
-
-def _check_method(r: Recipe):
-  """The rules between a method and the other fields."""
-  method, k = r.method, r.ensemble_size
-  _require(not r.shared or method in SHARING_METHODS,
-           f'shared={list(r.shared)} makes those parameters one copy that every member trains, and method {method} '
-           f'{SHARING_METHODS_REFUSE.get(method, "keeps its own per member")}: use method independent or bagging, or '
-           'leave shared out')
-  _require(not r.frozen or method in FREEZING_METHODS,
-           f'frozen={list(r.frozen)} keeps those parameters out of training, and method {method} '
-           f'{SHARING_METHODS_REFUSE.get(method, "changes them otherwise")}: use one of {list(FREEZING_METHODS)}, or '
-           'leave frozen out')
-  _require(r.shared_sharding == 'replicated' or (r.backend == 'jit' and (r.shared or method == 'batchensemble')),
-           f'shared_sharding={r.shared_sharding} splits the parameters that all members share over the devices, on '
-           f'backend jit; ' + ('here the members share none' if r.backend == 'jit' else f'backend {r.backend!r} '
-                               'holds a copy on each device') + ': set --config.backend=jit and --config.shared (or '
-           'method batchensemble), or leave --config.shared_sharding at replicated')
-  if method == 'hyper':
-    (low, high), rate = r.hyper_learning_rate, r.learning_rate
-    _require(low <= rate <= high,  # else the rate set would be silently replaced by draws far from it
-             f'method hyper draws each member its learning rate from hyper_learning_rate=({low:g}, {high:g}) in '
-             f'place of learning_rate={rate:g}, which that range leaves out: set one around it, e.g. '
-             f"--config.hyper_learning_rate='({0.4 * rate:.3g}, {1.2 * rate:.3g})'")
-  if method == 'snapshot':
-    cycles, epochs = r.snapshot_cycles, r.num_epochs
-    _require(not r.num_train_steps, 'method snapshot counts its cycles in epochs: set --config.num_epochs (a '
-             'multiple of snapshot_cycles) and leave --config.num_train_steps at 0')
-    _require(epochs % cycles == 0, f'snapshot_cycles={cycles} must be a positive divisor of num_epochs={epochs}: '
-             f'each cycle spans whole epochs; set --config.snapshot_cycles to one of '
-             f'{[c for c in range(1, epochs + 1) if epochs % c == 0]}')
-    _require(r.warmup_epochs < epochs // cycles, f'warmup_epochs={r.warmup_epochs} must be shorter than a snapshot '
-             f'cycle ({epochs // cycles} epochs): lower --config.warmup_epochs or --config.snapshot_cycles')
-    _require(r.schedule != 'constant', 'method snapshot restarts the learning-rate schedule each cycle, and a '
-             'constant rate has nothing to restart: set --config.schedule=cosine')
-  if method == 'batchensemble':  # a user's model (an import path) is checked for rank-1 layers once it is built
-    _require(r.model in methods.RANK1_MODELS or user.is_import_path(r.model),
-             f'method batchensemble needs a model with rank-1 layers, one of {list(methods.RANK1_MODELS)}, not '
-             f'{r.model!r}: set --config.model=cnn, or build a model of your own with ensemble.models.rank1')
-  if method == 'mc_dropout':
-    _require(r.dropout_rate > 0, f'dropout_rate={r.dropout_rate!r} must be in (0, 1) for method mc_dropout, the '
-             'probability that a unit is dropped: set e.g. --config.dropout_rate=0.1')
-  if method == 'multiswag':
-    _require(r.swag_learning_rate <= r.learning_rate,
-             f'swag_learning_rate={r.swag_learning_rate!r} must be in (0, learning_rate={r.learning_rate}], the '
-             f'constant rate of the collection phase: set e.g. --config.swag_learning_rate={r.learning_rate / 10:g}')
-    _require(r.num_train_steps or r.warmup_epochs < r.swag_start * r.num_epochs,
-             f'warmup_epochs={r.warmup_epochs} must end before the collection phase starts (epoch '
-             f'{r.swag_start * r.num_epochs:g} of {r.num_epochs}): lower --config.warmup_epochs or raise '
-             '--config.swag_start')
-  if method == 'mimo':
-    _require(k != 1, 'method mimo trains one network of M = ensemble_size heads, and 1 head is a single network: '
-             'set e.g. --config.ensemble_size=4')
-    _require(r.batch_size % k == 0,
-             f'batch_size={r.batch_size} must be a multiple of ensemble_size={k} for method mimo, which groups each '
-             f"member's batch into examples of {k} inputs: set e.g. "
-             f'--config.batch_size={max(k, r.batch_size // k * k)}')
-  if method == 'packed':
-    model = r.model
-    _require(user.is_import_path(model) or (model in packed_method.MODELS and not (model == 'mlp' and r.num_layers)),
-             f'method packed has packed members of models {list(packed_method.MODELS)} (the plain mlp), not of '
-             f'{model!r}{" with the mesh fields" if model == "mlp" else ""}: set --config.model=cnn, or build a '
-             'model of your own with ensemble.models.packed')
-  _require(r.member_data != 'bootstrap' or method == 'bagging',
-           "member_data='bootstrap' is what method bagging sets: run with --config.method=bagging instead")
-
-
 def _check_optimizer(r: Recipe):
-  _require(r.warmup_epochs < r.num_epochs,
-           f'warmup_epochs={r.warmup_epochs} must be in [0, num_epochs={r.num_epochs})')
-  _require(not r.warmup_epochs or r.schedule == 'warmup_cosine',
-           f'warmup_epochs={r.warmup_epochs} needs --config.schedule=warmup_cosine (schedule is {r.schedule!r})')
+  """The rules between the schedule's fields."""
+  if r.warmup_epochs >= r.num_epochs:
+    raise UsageError(f'warmup_epochs={r.warmup_epochs} must be in [0, num_epochs={r.num_epochs})')
+  if r.warmup_epochs and r.schedule != 'warmup_cosine':
+    raise UsageError(f'warmup_epochs={r.warmup_epochs} needs --config.schedule=warmup_cosine (schedule is '
+                     f'{r.schedule!r})')
 
 
 def _check_processes(r: Recipe, devices: Sequence[jax.Device]):
@@ -417,18 +297,20 @@ def _check_processes(r: Recipe, devices: Sequence[jax.Device]):
   per_process = {}
   for device in devices:
     per_process[device.process_index] = per_process.get(device.process_index, 0) + 1
-  _require(len(per_process) == jax.process_count() and len(set(per_process.values())) == 1,
-           f'the {jax.process_count()} processes would train on {per_process} of their devices; give every process '
-           'the same number of devices (--cpu_devices on CPU) and leave --config.num_devices at 0')
+  if len(per_process) != jax.process_count() or len(set(per_process.values())) != 1:
+    raise UsageError(f'the {jax.process_count()} processes would train on {per_process} of their devices; give '
+                     'every process the same number of devices (--cpu_devices on CPU) and leave --config.num_devices '
+                     'at 0')
   num_processes, local = len(per_process), len(devices) // len(per_process)
   # Batches that all members share are split over all devices and gathered back on each: every eval batch, and the
   # train batches of the plain path (the fast path gathers on device).
   split = ['eval_batch_size'] + (['batch_size'] if r.member_data == 'shared' and not r.steps_per_dispatch else [])
   for name in split:
     value = getattr(r, name)
-    _require(value % len(devices) == 0, f'{name}={value} gives each of the {num_processes} processes '
-             f'{value / num_processes:g} examples per step, which its {local} devices cannot split evenly; set '
-             f'--config.{name} to a multiple of {len(devices)}')
+    if value % len(devices):
+      raise UsageError(f'{name}={value} gives each of the {num_processes} processes {value / num_processes:g} '
+                       f'examples per step, which its {local} devices cannot split evenly; set --config.{name} to a '
+                       f'multiple of {len(devices)}')
 
 
 def _fit_to_data(r: Recipe, dataset: data.Dataset, model: Any) -> dict[str, Any]:
@@ -440,11 +322,13 @@ def _fit_to_data(r: Recipe, dataset: data.Dataset, model: Any) -> dict[str, Any]
            '--config.inputs=auto')
   _require(dataset.task == r.task, f'{dataset.source} holds {dataset.task} data but task={r.task!r}: set '
            f'--config.task={dataset.task}')
-  _require(not r.pos_weight or (r.task == 'multilabel' and len(r.pos_weight) == dataset.num_classes),
+  task = dataset.kind  # the recipe's: refused above where it is not
+  reads_weights = 'pos_weight' in task.fields
+  _require(not r.pos_weight or (reads_weights and len(r.pos_weight) == dataset.num_classes),
            f'pos_weight holds {len(r.pos_weight)} weights, but {dataset.source} has '
-           + (f'{dataset.num_classes} labels: give one weight per label' if r.task == 'multilabel'
+           + (f'{dataset.num_classes} labels: give one weight per label' if reads_weights
               else f'{r.task} data: pos_weight weighs the labels of task=multilabel; leave it out'))
-  if r.task == 'dense':
+  if task.per_position:
     _require(dataset.inputs != 'images' or r.augment == 'none',
              f'augment={r.augment!r} moves the pixels of an image but not its labels, which task=dense places on '
              'them: set --config.augment=none')
@@ -462,8 +346,8 @@ def _fit_to_data(r: Recipe, dataset: data.Dataset, model: Any) -> dict[str, Any]
     changes['augment'] = 'none'
     if model is None and dataset.inputs == 'features' and r.model == _DEFAULTS.model:
       changes['model'] = models.FEATURES_MODEL
-  elif model is None and r.task == 'dense' and r.model == _DEFAULTS.model:  # a class per pixel
-    changes['model'] = models.DENSE_IMAGES_MODEL
+  elif model is None and task.images_model and r.model == _DEFAULTS.model:  # e.g. a class per pixel
+    changes['model'] = task.images_model
   if model is None:
     models.check_inputs(changes.get('model', r.model), dataset.image_shape)
   rows = len(dataset.train['label'])
@@ -533,7 +417,7 @@ def resolve(fields: Any, available: Sequence[jax.Device], *, model: Any = None,
   else:
     devices = devices_for(k, available, r.backend)
   if single_model:
-    r = r.replace(**_single_model(r, devices))
+    r = r.replace(**sharded.resolved(r, devices))
   elif not k:
     r = r.replace(ensemble_size=default_ensemble_size(len(devices)))
   k, num_devices = r.ensemble_size, len(devices)
@@ -555,7 +439,7 @@ def resolve(fields: Any, available: Sequence[jax.Device], *, model: Any = None,
            f'early_stopping={r.early_stopping} keeps the best epoch as the last checkpoint, and checkpoint_every_steps='
            f'{r.checkpoint_every_steps} saves later steps after it: set one of --config.early_stopping and '
            '--config.checkpoint_every_steps to 0')
-  _check_method(r)
+  methods.check(r)
   _check_optimizer(r)
   _check_processes(r, devices)
   if dataset is not None:
@@ -580,10 +464,10 @@ _READ_BY = {
     **dict.fromkeys(('packed_alpha', 'packed_gamma'), lambda r: r.method == 'packed'),
     **dict.fromkeys(('swag_samples', 'swag_rank', 'swag_start', 'swag_learning_rate'),
                     lambda r: r.method == 'multiswag'),
-    **dict.fromkeys(('loss', 'beta'), lambda r: r.task == 'regression'),
-    'distill_temperature': lambda r: r.task in ('classification', 'dense'),
-    'ignore_label': lambda r: False,  # mapped to tasks.dense.IGNORED as the labels are read
-    'pos_weight': lambda r: r.task == 'multilabel',
+    # A task's own fields (`Task.fields`): the loss's, the labels' weights, the quantile levels.
+    **{name: (lambda r, name=name: name in tasks.TASKS[r.task].fields)
+       for name in sorted({field for task in tasks.TASKS.values() for field in task.fields})},
+    'ignore_label': lambda r: False,  # mapped to tasks.IGNORED as the labels are read
     # The built-in models' dropout is method mc_dropout's (and the mesh classifier's); a user's model keeps its own.
     'dropout_rate': lambda r: r.method == 'mc_dropout' or r.model == 'classifier',
     **dict.fromkeys(('resnet_depth', 'resnet_width'), lambda r: r.model == 'resnet'),
@@ -661,24 +545,3 @@ def check_resume(r: Recipe, saved: Mapping[str, Any], path: str):
   _require(not method_changes,
            f'{path} records {", ".join(method_changes)}: {why}; resume with {", ".join(settings)} as recorded there, '
            'or train in a new --workdir')
-
-
-def check_warm_start(r: Recipe, started: Recipe, keep_optimizer: bool):
-  """`init=` trains on from another ensemble's members where both are the same method, or both K independent
-  networks (`MEMBERWISE`: each member's network carried over); a warm start into or out of a method whose members
-  share weights or are built for it is refused. A kept optimizer needs the same optimizer and method."""
-  same = r.method == started.method
-  _require(same or (r.method in MEMBERWISE and started.method in MEMBERWISE),
-           f'init= is an ensemble of method {started.method}, and this fit trains method {r.method}: '
-           f'{"their members share weights or are built for their method" if not same else ""}, so no member carries '
-           f'over; start from an ensemble of method {r.method}, or leave init= out')
-  _require(tuple(r.shared) == tuple(started.shared),
-           f'init= is an ensemble whose members share {list(started.shared) or "no parameters"}, and this fit shares '
-           f'{list(r.shared) or "none"}: no member carries over as it was; start from one model\'s parameters with '
-           'init_params= instead, or give the same shared=')
-  _require(not keep_optimizer or tuple(r.frozen) == tuple(started.frozen),
-           f'keep_optimizer=True keeps an optimizer state without one for the frozen {list(started.frozen)}, and this '
-           f'fit freezes {list(r.frozen)}: set keep_optimizer=False, or give the same frozen=')
-  _require(not keep_optimizer or (same and r.optimizer == started.optimizer),
-           f'keep_optimizer=True keeps the optimizer state of an ensemble of method {started.method} with optimizer '
-           f'{started.optimizer}, and this fit trains method {r.method} with {r.optimizer}: set keep_optimizer=False')

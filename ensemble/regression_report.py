@@ -1,5 +1,5 @@
 """A regression ensemble's report: report.md, metrics.json and the coverage plot, drawn from the numbers
-`scoring.score_regression` makes (the mixture and the mean member on the test split: RMSE, the exact mixture's NLL,
+`tasks.mixture.report` makes (the mixture and the mean member on the test split: RMSE, the exact mixture's NLL,
 CRPS, the coverage of central intervals; a variance scale and split-conformal intervals fitted on held-out
 examples; selective prediction by predicted std).
 """

@@ -3,7 +3,7 @@ ensemble-size curve, shifts (rotations, Gaussian noise), temperature scaling, se
 and out-of-distribution detection. What `python -m ensemble.evaluate` (`evaluation.evaluate`, a workdir) and
 `Ensemble.report` (any ensemble, in memory or loaded) both compute: one implementation.
 
-  results = scoring.score(predict, test, heldout, task=ens.task, angles=(0, 90), noise=True)
+  results = ens.task.report(predict, test, heldout, seen_in_training, size=K, angles=(0, 90), noise=True, ...)
 
 `predict` is the ensemble's forward pass over a split ({'image', 'label'}): `predict.log_probs(split)` the (K, N, C)
 member outputs, `predict(split)` their probabilities, `predict.labels(split)` its labels (a
@@ -21,8 +21,7 @@ import scipy.ndimage
 from absl import logging
 
 from ensemble import calibration, console, data, posthoc
-from ensemble.tasks import regression
-from ensemble.tasks.dense import IGNORED
+from ensemble.tasks import IGNORED
 from ensemble.uncertainty import conformal, decomposition, multilabel, ood, selective
 
 DEFAULT_ANGLES = tuple(range(0, 181, 15))
@@ -33,45 +32,20 @@ OOD_HISTOGRAM_BINS = 40
 DEFAULT_ALPHAS = (0.1, 0.05, 0.01)
 # Coverages at which the report tabulates the risk (the plot and metrics.json keep a 100-point curve).
 SELECTIVE_COVERAGES = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.5)
-# A regression report's: the expected coverages of the calibration plot, and the shares of inputs kept by std.
-PLOT_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
-REGRESSION_SELECTIVE_COVERAGES = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1)
 
 
-def score(predict: Any, test: data.Split, heldout: data.Split | None = None, seen_in_training: bool = False, *,
-          task: Any, ensemble_size: int, angles: Sequence[int] = (), noise: bool = False,
-          ood_sets: dict[str, np.ndarray] | None = None, alphas: Sequence[float] = DEFAULT_ALPHAS) -> dict[str, Any]:
-  """The report's numbers for `test` (in memory); with `heldout` (examples the members did not train on, unless
-  `seen_in_training`), the temperature (a regression's variance scale), the conformal sets and the flag thresholds
-  fitted on it. `angles` and `noise`: the image shifts to score (none for other inputs); `ood_sets`: name -> inputs
-  to detect against the test set (classification)."""
-  test_outputs = predict.log_probs(test)
-  heldout_outputs = heldout_labels = None
-  if heldout is not None:
-    heldout_outputs, heldout_labels = predict.log_probs(heldout), predict.labels(heldout)
-  if task.name == 'regression':
-    components = lambda outputs, labels: (*task.components(outputs), np.asarray(labels, np.float64).reshape(
-        len(labels), -1))
-    return {'test_examples': len(test['label']),
-            **score_regression(components(test_outputs, test['label']),
-                               None if heldout is None else components(heldout_outputs, heldout_labels),
-                               ensemble_size, alphas, seen_in_training)}
-  if task.name == 'multilabel':
-    ood_logits = {name: predict.log_probs({'image': x, 'label': np.zeros(len(x), np.int32)})
-                  for name, x in (ood_sets or {}).items()}
-    return {'test_examples': len(test['label']),
-            **score_multilabel(test_outputs, test['label'], heldout_outputs, heldout_labels, seen_in_training, alphas,
-                               ood_logits)}
-  labels, dense = test['label'], task.name == 'dense'
-  if dense:  # each labelled position a classification of its own, scored as a classifier's examples are
-    labels, test_outputs = labels[labels != IGNORED], test_outputs[:, labels != IGNORED]
-    if heldout is not None:
-      heldout_outputs = heldout_outputs[:, heldout_labels != IGNORED]
-      heldout_labels = heldout_labels[heldout_labels != IGNORED]
-    angles, noise, ood_sets = (), False, None  # shifts and other data move the labels too, or have none
+def score_classes(predict: Any, test: data.Split, test_outputs: np.ndarray, labels: np.ndarray,
+                  heldout: tuple[np.ndarray, np.ndarray] | None, seen_in_training: bool, *, angles: Sequence[int],
+                  noise: bool, ood_sets: dict[str, np.ndarray] | None, alphas: Sequence[float], flags: bool,
+                  iou: bool = False) -> dict[str, Any]:
+  """The report's numbers of class probabilities: the (K, N, C) member log-probabilities of the test split and its
+  labels (a dense task's labelled positions, each an example); with `heldout` (its outputs and labels: examples the
+  members did not train on, unless `seen_in_training`), the temperature, the conformal sets and (`flags`) the flag
+  thresholds fitted on it. `angles` and `noise`: the image shifts of `test` to score; `ood_sets`: name -> inputs
+  to detect against the test set; `iou`: the classes' intersection over union too."""
   member_probs = np.exp(test_outputs)
-  results = {'test_examples': len(test['label']), **score_test_set(test_outputs, labels, iou=dense)}
-  if dense:
+  results = {'test_examples': len(test['label']), **score_test_set(test_outputs, labels, iou=iou)}
+  if iou:
     results.update(labelled_positions=len(labels), iou=_iou_list(member_probs.mean(0), labels))
   logging.info('test: ensemble accuracy %.4f NLL %.4f ECE %.4f; mean member accuracy %.4f NLL %.4f ECE %.4f',
                *(results[who][name] for who in ('ensemble', 'mean_member') for name in ('accuracy', 'nll', 'ece')))
@@ -82,14 +56,14 @@ def score(predict: Any, test: data.Split, heldout: data.Split | None = None, see
     logging.info('Adding Gaussian noise to the test set at %d severities.', len(NOISE_STDS))
     results['gaussian_noise'] = score_noise(predict, test)
   if heldout is not None:
-    heldout_probs = np.exp(heldout_outputs)
+    heldout_probs, heldout_labels = np.exp(heldout[0]), heldout[1]
     results['temperature_scaling'] = score_temperature(heldout_probs.mean(0), heldout_labels, seen_in_training,
                                                        member_probs.mean(0), labels)
     logging.info('temperature %.3f: test NLL %.4f -> %.4f', results['temperature_scaling']['temperature'],
                  results['temperature_scaling']['before']['nll'], results['temperature_scaling']['after']['nll'])
     results['conformal'] = score_conformal(heldout_probs, heldout_labels, seen_in_training, member_probs, labels,
                                            alphas)
-    if not dense:  # a flag is an input's, and a dense one's uncertainty is a map
+    if flags:
       results['flags'] = score_flags(heldout_probs, heldout_labels, seen_in_training)
   results['selective'] = score_selective(member_probs, labels)
   if ood_sets:
@@ -122,7 +96,8 @@ def add_gaussian_noise(images: np.ndarray, std: float, seed: int = 0) -> np.ndar
   The noise is a function of `seed` and `std` only, so every evaluation sees the same corrupted set.
   """
   rng = np.random.default_rng([seed, round(std * 1e6)])
-  noisy = images.astype(np.float32) / 255.0 + rng.normal(0.0, std, images.shape).astype(np.float32)
+  unit = images.astype(np.float32) / 255.0 if images.dtype == np.uint8 else images.astype(np.float32)
+  noisy = unit + rng.normal(0.0, std, images.shape).astype(np.float32)
   return np.clip(noisy, 0.0, 1.0)
 
 
@@ -441,56 +416,3 @@ def score_conformal(heldout_member_probs: np.ndarray, heldout_labels: np.ndarray
       logging.info('conformal %s at alpha %g: ensemble coverage %.4f, mean set size %.3f', score, alpha,
                    ensemble['coverage'], ensemble['mean_size'])
   return {'calibration_examples': n, 'seen_in_training': seen_in_training, 'rows': rows}
-
-
-def member_components(means: np.ndarray, variances: np.ndarray, size: int) -> list[tuple[np.ndarray, np.ndarray]]:
-  """Each member's (means, variances) of a mixture's (K M, N, D) components: its M (a snapshot member's M
-  snapshots, else one)."""
-  per_member = len(means) // size
-  return [(means[k * per_member:(k + 1) * per_member], variances[k * per_member:(k + 1) * per_member])
-          for k in range(size)]
-
-
-def _coverages(means, variances, y, levels) -> list[float]:
-  covered = []
-  for level in levels:
-    low, high = regression.mixture_interval(means, variances, level)
-    covered.append(float(((low <= y) & (y <= high)).mean()))
-  return covered
-
-
-def score_regression(test: tuple[np.ndarray, np.ndarray, np.ndarray],
-                     heldout: tuple[np.ndarray, np.ndarray, np.ndarray] | None, size: int, alphas: Sequence[float],
-                     seen_in_training: bool) -> dict[str, Any]:
-  """A regression ensemble's report numbers from the components (means, variances (K M, N, D)) and targets (N, D)
-  of the test split and (for the variance scale and the conformal intervals) of the held-out examples."""
-  means, variances, y = test
-  members = member_components(means, variances, size)
-  member_scores = [regression.score(m, v, y) for m, v in members]
-  results = {'ensemble': regression.score(means, variances, y), 'members': member_scores,
-             'mean_member': {key: float(np.mean([s[key] for s in member_scores])) for key in member_scores[0]}}
-  results['calibration'] = {
-      'expected': list(PLOT_LEVELS), 'ensemble': _coverages(means, variances, y, PLOT_LEVELS),
-      'mean_member': list(np.mean([_coverages(m, v, y, PLOT_LEVELS) for m, v in members], axis=0))}
-  test_moments = regression.mixture_moments(means, variances)
-  results['selective'] = regression.selective_rmse(test_moments['mean'], test_moments['std'], y,
-                                                   REGRESSION_SELECTIVE_COVERAGES)
-  if heldout is None:
-    return results
-  held_means, held_variances, held_y = heldout
-  scale = regression.scale_variances(held_means, held_variances, held_y)
-  results['variance_scaling'] = {'scale': scale, 'heldout_examples': len(held_y), 'seen_in_training': seen_in_training,
-                                 'before': results['ensemble'],
-                                 'after': regression.score(means, variances * scale, y)}
-  held_moments = regression.mixture_moments(held_means, held_variances)
-  rows = []
-  for alpha in alphas:
-    q = regression.conformal_quantile(held_moments['mean'], held_moments['std'], held_y, alpha)
-    half = q * test_moments['std']
-    covered = np.abs(y - test_moments['mean']) <= half
-    bounds = list(conformal.coverage_bounds(len(held_y), covered.size, alpha))
-    rows.append({'alpha': alpha, 'quantile': [float(v) for v in q], 'coverage': float(covered.mean()),
-                 'bounds': bounds, 'within_bounds': bounds[0] <= float(covered.mean()) <= bounds[1],
-                 'mean_width': float((2 * half).mean())})
-  results['conformal'] = {'calibration_examples': len(held_y), 'seen_in_training': seen_in_training, 'rows': rows}
-  return results

@@ -13,9 +13,20 @@ from typing import Any, Iterator
 import jax.numpy as jnp
 import numpy as np
 
-from ensemble import data, members
+from ensemble import data, members, tasks
 from ensemble.defaults import Recipe
 from ensemble.errors import UsageError
+
+
+def input_stats(inputs: np.ndarray, kind: str,
+                standardize_features: bool = False) -> tuple[tuple[float, ...], tuple[float, ...]]:
+  """(mean, std) that `steps.Member.prepare` standardises with: per channel for images, per feature for features
+  when asked, and (0,), (1,), which leave them as they are, otherwise."""
+  if kind == 'images':
+    return data.channel_stats(inputs)
+  if kind == 'features' and standardize_features:
+    return data.arrays.feature_stats(inputs)
+  return (0.0,), (1.0,)
 
 
 def splits(dataset: data.Dataset, train: data.Split, recipe: Recipe):
@@ -31,8 +42,8 @@ def splits(dataset: data.Dataset, train: data.Split, recipe: Recipe):
   the programs (normalised after augmentation, on the device).
   """
   test, sample = dataset.test, data.stream.sample(train)
-  target_stats = None
-  if dataset.task == 'regression':
+  target_stats, task = None, tasks.create(recipe)  # the recipe's: a quantile task's outputs depend on its levels
+  if task.standardises_targets:
     targets = sample['label'].astype(np.float64)
     with np.errstate(over='ignore', invalid='ignore'):  # beyond float64: refused just below
       target_mean, target_std = targets.mean(0), targets.std(0)
@@ -44,12 +55,12 @@ def splits(dataset: data.Dataset, train: data.Split, recipe: Recipe):
     if test is not None:
       test = data.stream.transformed(test, label=functools.partial(_standardised, target_stats,
                                                                    'the test targets, standardised'))
-  mean, std = data.input_stats(sample['image'], dataset.inputs, recipe.standardize_features)
+  mean, std = input_stats(sample['image'], dataset.inputs, recipe.standardize_features)
   if dataset.inputs == 'images' and _IMAGE_STATS.get() is not None:
     mean, std = _IMAGE_STATS.get()
-  outputs = 2 * dataset.num_classes if target_stats else dataset.num_classes
+  outputs = task.model_outputs(dataset.num_classes)
   positions = ()
-  if dataset.task == 'dense':  # the labels' shape per input (a teacher's probabilities have their classes after it)
+  if task.per_position:  # the labels' shape per input (a teacher's probabilities have their classes after it)
     labels = sample['label']
     positions = labels.shape[1:-1] if np.issubdtype(labels.dtype, np.floating) else labels.shape[1:]
   data_info = members.data_info(dataset.image_shape, outputs, mean, std, inputs=dataset.inputs,

@@ -14,23 +14,35 @@ from ensemble import distributed, errors, loop, optim, sharing, steps
 from ensemble.errors import UsageError
 
 
+def given(run: loop.Run, init_params: Any) -> Any:
+  """What starts the members: `init_params`, or where it is None the first member of the run `recipe.init_from`
+  names (`evaluation.first_member_params`); None for neither."""
+  if init_params is None and run.recipe.init_from:
+    from ensemble import evaluation  # pylint: disable=g-import-not-at-top  # only to start from another run
+    return evaluation.first_member_params(run.recipe.init_from, run.recipe.shared)
+  return init_params
+
+
 def from_variables(run: loop.Run, state: Any, init_params: Any) -> Any:
-  """`state` (fresh members, the backend's layout) with every parameter that `init_params` (one model's tree: a
-  pretrained checkpoint's, a 1-member fit's `params`; or its whole variables, {'params': ..., 'batch_stats': ...})
-  holds, for every member (ensemble/sharing.py's `fill_from`), and `recipe.init_noise` added to the members' own
-  copies; the model's collections that it holds (BatchNorm's running averages) fill every member's alike. The
-  optimizer's state is a fresh one's either way. Members left with no source of diversity are named in one warning
-  (`warn_if_alike`)."""
+  """`state` (fresh members, the backend's layout) with every parameter that `init_params` (`given`: one model's
+  tree, a pretrained checkpoint's, a 1-member fit's `params`; or its whole variables, {'params': ...,
+  'batch_stats': ...}; or `init_from`'s first member) holds, for every member (ensemble/sharing.py's `fill_from`),
+  and `recipe.init_noise` added to the members' own copies; the model's collections that it holds (BatchNorm's
+  running averages) fill every member's alike. The optimizer's state is a fresh one's either way. Members left with
+  no source of diversity are named in one warning (`warn_if_alike`). Neither given: `state` as it is."""
+  init_params = given(run, init_params)
+  if init_params is None:
+    return state
   canonical = run.backend.to_canonical(state)
-  given = variables(run, init_params, canonical)
+  parts = variables(run, init_params, canonical)
   params = canonical.params
-  if 'params' in given:
-    params = sharing.fill_from(given['params'], params, run.recipe.init_noise, run.recipe.seed,
+  if 'params' in parts:
+    params = sharing.fill_from(parts['params'], params, run.recipe.init_noise, run.recipe.seed,
                                run.member.method.shared(params))
   batch_stats = canonical.batch_stats
-  if set(given) - {'params'}:
+  if set(parts) - {'params'}:
     collections = run.member._collections(batch_stats)  # pylint: disable=protected-access
-    for name, tree in given.items():
+    for name, tree in parts.items():
       if name != 'params':
         collections[name] = sharing.fill_from(tree, collections[name], what=f'init_params[{name!r}]', kind='variable')
     batch_stats = steps._held(collections)  # pylint: disable=protected-access  # as `Member.init` holds them
@@ -53,6 +65,15 @@ def variables(run: loop.Run, init_params: Any, canonical: Any = None) -> dict[st
       sharing.given_leaves(tree, canonical.params, 'init_params' if len(given) == 1 else "init_params['params']")
     else:
       sharing.given_leaves(tree, collections[name], f'init_params[{name!r}]', 'variable')
+  for name, tree in collections.items():  # a frozen layer's statistics, which no step updates, left fresh
+    frozen = [path for path, _ in jax.tree_util.tree_leaves_with_path(tree)
+              if sharing.matches(member.frozen, sharing.names(path))]
+    if name not in given and 'params' in given and frozen:
+      where = '/'.join(sharing.names(frozen[0])[:-1])
+      raise UsageError(f"init_params gives the frozen layers' parameters but not their {name} ({where}: "
+                       "BatchNorm's running statistics), which frozen layers never update, so the members would "
+                       f"normalise by fresh ones at test time; give the pretrained model's whole variables, "
+                       f"init_params={{'params': ..., '{name}': ...}}")
   return given
 
 
@@ -103,10 +124,43 @@ def _alike(x: jax.Array) -> jax.Array:
   return jnp.all(x == x[:1])
 
 
+# The methods whose members are K independent networks of one architecture: a warm start from one of them into
+# another keeps each member's network. The others' members share weights or are built for their method.
+MEMBERWISE = ('independent', 'bagging', 'hyper', 'snapshot', 'multiswag')
+
+
+def _require(ok: bool, message: str):
+  if not ok:
+    raise UsageError(message)
+
+
+def check_warm_start(r: Any, started: Any, keep_optimizer: bool):
+  """`init=` trains on from another ensemble's members where both are the same method, or both K independent
+  networks (`MEMBERWISE`: each member's network carried over); a warm start into or out of a method whose members
+  share weights or are built for it is refused. A kept optimizer needs the same optimizer and method."""
+  same = r.method == started.method
+  _require(same or (r.method in MEMBERWISE and started.method in MEMBERWISE),
+           f'init= is an ensemble of method {started.method}, and this fit trains method {r.method}: '
+           f'{"their members share weights or are built for their method" if not same else ""}, so no member carries '
+           f'over; start from an ensemble of method {r.method}, or leave init= out')
+  _require(tuple(r.shared) == tuple(started.shared),
+           f'init= is an ensemble whose members share {list(started.shared) or "no parameters"}, and this fit shares '
+           f'{list(r.shared) or "none"}: no member carries over as it was; start from one model\'s parameters with '
+           'init_params= instead, or give the same shared=')
+  _require(not keep_optimizer or tuple(r.frozen) == tuple(started.frozen),
+           f'keep_optimizer=True keeps an optimizer state without one for the frozen {list(started.frozen)}, and this '
+           f'fit freezes {list(r.frozen)}: set keep_optimizer=False, or give the same frozen=')
+  _require(not keep_optimizer or (same and r.optimizer == started.optimizer),
+           f'keep_optimizer=True keeps the optimizer state of an ensemble of method {started.method} with optimizer '
+           f'{started.optimizer}, and this fit trains method {r.method} with {r.optimizer}: set keep_optimizer=False')
+
+
 def from_ensemble(run: loop.Run, init: Any, keep_optimizer: bool) -> Any:
   """A fresh state of `run`'s members with `init`'s parameters and other model state (and optimizer state, if
   `keep_optimizer`: its moments kept, its schedule restarted, so that the new fit trains for its own epochs),
-  copied: the steps donate what they train, and `init` stays usable."""
+  copied: the steps donate what they train, and `init` stays usable. Refused where no member carries over
+  (`check_warm_start`)."""
+  check_warm_start(run.recipe, init.config, keep_optimizer)
   fresh = run.backend.to_canonical(run.init())
   parts = ('params', 'batch_stats') + (('opt_state',) if keep_optimizer else ())
   for part in parts:

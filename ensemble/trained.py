@@ -9,6 +9,7 @@ changes an ensemble once made: a chain's step was fitted on what the steps befor
 
 import functools
 import numbers
+import os
 from typing import Any, Sequence
 
 import jax
@@ -19,8 +20,8 @@ from ensemble import console, data, members, posthoc, predictor, scoring, standa
 from ensemble import recipe as recipe_lib
 from ensemble.data import arrays
 from ensemble.errors import UsageError
-from ensemble.tasks import regression
-from ensemble.uncertainty import conformal, decomposition, multilabel
+from ensemble.tasks import mixture
+from ensemble.uncertainty import conformal
 
 # What a predicted input that the members give NaN or infinity for most likely is, by the kind of inputs.
 _NONFINITE_CAUSES = {
@@ -75,15 +76,13 @@ class Ensemble:
   """
 
   def __init__(self, workdir: str | None, config: recipe_lib.Recipe, member: steps.Member,
-               state: steps.TrainState, devices: Sequence[jax.Device], epoch: int, temperature: float = 1.0,
-               batch_size: int = 1000, *, task: Any = None, data_info: dict[str, Any] | None = None,
-               summary: dict[str, float] | None = None, chain: Sequence[posthoc.Step] = (),
-               standardised_on_host: bool = False, distillation: Any = None):
+               state: steps.TrainState, devices: Sequence[jax.Device], epoch: int, batch_size: int = 1000, *,
+               task: Any = None, data_info: dict[str, Any] | None = None, summary: dict[str, float] | None = None,
+               chain: Sequence[posthoc.Step] = (), standardised_on_host: bool = False, distillation: Any = None):
     """`data_info` describes the members' data as their checkpoint records it (`save` writes it);
     `standardised_on_host`: the members take features standardised by it on the host, as `fit`'s programs do
-    (ensemble/loop.py), where a restored member standardises them itself. A `temperature` other than 1 is a
-    temperature given, not fitted: the last step of the chain. `distillation`: a student's report of what it kept
-    of its teacher (`ensemble.distill`), None for any other ensemble."""
+    (ensemble/loop.py), where a restored member standardises them itself. `distillation`: a student's report of
+    what it kept of its teacher (`ensemble.distill`), None for any other ensemble."""
     set_ = functools.partial(object.__setattr__, self)
     set_('workdir', workdir)
     set_('config', config)
@@ -91,13 +90,11 @@ class Ensemble:
     set_('state', state)
     set_('devices', list(devices))
     set_('epoch', int(epoch))
-    set_('task', member.task if task is None else task)  # ensemble/tasks/: 'classification' or 'regression'
+    set_('task', member.task if task is None else task)  # what the outputs mean: ensemble/tasks/
     set_('_data_info', data_info)
     set_('_summary', dict(summary or {}))
     set_('_transform', standardise.feature_transform(data_info) if data_info and standardised_on_host else None)
     set_('_predictors', {})
-    if temperature != 1.0:
-      chain = (*chain, given_temperature(self.task.name, temperature, int(epoch), chain))
     set_('posthoc', tuple(chain))
     set_('distillation', distillation)
     self.batch_size = batch_size
@@ -134,7 +131,7 @@ class Ensemble:
   @property
   def temperature(self) -> float:
     """What the chain's temperatures (a regression ensemble's variance scales) amount to: 1 without any."""
-    return posthoc.product(self.posthoc, posthoc.SCALE_KINDS[self.task.name])
+    return posthoc.product(self.posthoc, self.task.calibration) if self.task.calibration else 1.0
 
   @property
   def conformal_calibration(self) -> dict[str, Any] | None:
@@ -146,12 +143,7 @@ class Ensemble:
             'examples': step.fitted_on.examples}
 
   def __repr__(self) -> str:
-    if self.task.name == 'regression':
-      predicts = console.count(self.task.targets, 'target')
-    elif self.task.name == 'multilabel':
-      predicts = console.count(self.num_classes, 'label')
-    else:
-      predicts = console.count(self.num_classes, 'class', 'classes')
+    predicts = self.task.describe(self.task.width(self.num_classes))
     where = f'workdir={self.workdir!r}' if self.workdir else 'in memory'
     chain = f', {posthoc.describe(self.posthoc)}' if self.posthoc else ''
     return (f'Ensemble({console.count(self.size, "member")} of {self.config.model}, {self.task.name} of '
@@ -161,10 +153,11 @@ class Ensemble:
   # --- post-hoc steps: each a new value ----------------------------------------------------------------------------
 
   def _fit_step(self, kind: str, role: str, inputs: Any, labels: Any, **settings) -> 'Ensemble':
-    inputs = self._labelled(inputs, role)
-    labels = self._labels(labels, len(inputs), role)
+    """A new value with a step of `kind` fitted on labelled rows, counted (a conformal step's alpha needs enough of
+    them) before anything is predicted."""
+    inputs, labels = self._labelled_pair(inputs, labels, role, settings.get('alpha'))
     step = posthoc.fit(kind, self.posthoc, self._member_view(inputs, role=role), labels, inputs, self.epoch,
-                       **settings)
+                       self.task, **settings)
     return self._replace(chain=(*self.posthoc, step))
 
   def calibrate(self, inputs: Any, labels: Any, *, per_label: bool = False) -> 'Ensemble':
@@ -176,10 +169,13 @@ class Ensemble:
     ('temperature_scaled' / 'variance_scaled' scores beside the members' own), `save` and `export` use it; a
     conformal step fitted before it keeps its sets."""
     check_flag('per_label', per_label)
-    if per_label:
-      self._require_task('multilabel', 'per_label=True')
-      return self._fit_step('label_temperature', 'calibrate', inputs, labels, per_label=True)
-    return self._fit_step(posthoc.SCALE_KINDS[self.task.name], 'calibrate', inputs, labels)
+    if self.task.calibration is None:
+      raise UsageError(f'calibrate: a {self.task.name} ensemble has no temperature or scale to fit; its intervals are '
+                       f'calibrated by conformal(x, y, alpha) ({self.task.conformal_scores[0]})')
+    if per_label and self.task.calibration != 'label_temperature':
+      raise UsageError(f'{self._name} holds a {self.task.name} ensemble; per_label=True is for multilabel ensembles')
+    return self._fit_step(self.task.calibration, 'calibrate', inputs, labels,
+                          **({'per_label': True} if per_label else {}))
 
   def conformal(self, inputs: Any, labels: Any, alpha: float = 0.1, score: str | None = None) -> 'Ensemble':
     """A new ensemble whose `predict` also returns split-conformal prediction sets (classification: 'set', (N, C)
@@ -198,17 +194,11 @@ class Ensemble:
     `calibrate` before it; one after it leaves them as they are).
     """
     posthoc.check_alpha(alpha)
-    scores = {'regression': ('normalised',), 'multilabel': ('label',)}.get(self.task.name, tuple(conformal.SCORES))
+    scores = self.task.conformal_scores
     score = scores[0] if score is None else score
     if score not in scores:
       raise UsageError(f'score={score!r}: give one of {list(scores)}, the conformal scores of a {self.task.name} '
                        'ensemble')
-    inputs = self._labelled(inputs, 'conformal')
-    needed = conformal.rows_needed(alpha)
-    if len(inputs) < needed:
-      raise UsageError(f'conformal: alpha={alpha:g} needs at least {needed} calibration examples (the '
-                       f'ceil((n + 1)(1 - alpha))-th smallest score must exist), and {len(inputs)} were given; give '
-                       'more, or raise alpha')
     return self._fit_step('conformal', 'conformal', inputs, labels, alpha=alpha, score=score)
 
   def flags(self, inputs: Any, labels: Any, target_risk: float = posthoc.DEFAULT_FLAG_RISK,
@@ -217,7 +207,7 @@ class Ensemble:
     labelled examples: those whose predictive entropy exceeds the largest threshold that keeps the error rate of
     the unflagged examples within `target_risk`, and those the members disagree on (mutual information) more than
     on all but `ood_rate` of the examples (ensemble/posthoc.py)."""
-    self._require_task('classification', 'flags')
+    self._require(self.task.flags, 'flags')
     _check_rates(target_risk, ood_rate)
     return self._fit_step('flags', 'flags', inputs, labels, target_risk=target_risk, ood_rate=ood_rate)
 
@@ -227,7 +217,8 @@ class Ensemble:
     """`inputs` as (N, *input_shape) of what the members take, checked and converted as `fit` does its training
     arrays (`data.arrays.inputs`); anything else is a one-line UsageError that names `role`.
 
-    Images: uint8, or float in [0, 1] (rounded to uint8). Features: finite numbers. Tokens: integer ids.
+    Images: uint8, or float in [0, 1] (kept as float32, as training kept them). Features: finite numbers. Tokens:
+    integer ids.
     """
     inputs = arrays.inputs(inputs, self.member.inputs, role, self.input_shape, self._name)
     return members.ids_checked(self.member, inputs, role) if self.member.inputs == 'tokens' else inputs
@@ -240,16 +231,33 @@ class Ensemble:
     return inputs
 
   def _labels(self, labels: Any, count: int, role: str) -> np.ndarray:
-    """Labels for `count` inputs: int32 classes the members predict, a multi-label ensemble's (N, L) int32 0s and
-    1s, or a regression's (N, D) float64 targets."""
-    if self.task.name == 'regression':
-      return arrays.labels(labels, 'regression', role, count, outputs=self.task.targets).astype(np.float64)
-    return arrays.labels(labels, self.task.name, role, count, outputs=self.num_classes,
-                         ignore=self.config.ignore_label, positions=self.positions)
+    """Labels for `count` inputs as the task reads them for this ensemble (`Task.labels`): int32 classes the
+    members predict, a multi-label ensemble's (N, L) int32 0s and 1s, a dense one's per position, or (N, D) float64
+    targets."""
+    return self.task.labels(labels, role, count, self.task.width(self.num_classes), self.positions,
+                            self.config.ignore_label)
 
-  def _require_task(self, task: str, what: str):
-    if self.task.name != task:
-      raise UsageError(f'{self._name} holds a {self.task.name} ensemble; {what} is for {task} ensembles')
+  def _labelled_pair(self, inputs: Any, labels: Any, role: str,
+                     alpha: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Checked inputs and their labels, holding at least one labelled example (a dense task's labelled position),
+    and with `alpha` as many as a conformal quantile at it needs: a score or a fit over fewer would be NaN, or no
+    promise at all."""
+    inputs = self._labelled(inputs, role)
+    labels = self._labels(labels, len(inputs), role)
+    examples = self.task.examples(labels)
+    if not examples:
+      raise UsageError(f'{role}: none of the {len(inputs)} inputs carries a label (every position is the ignored '
+                       'label); give labelled positions')
+    what = 'labelled positions' if self.task.per_position else 'calibration examples'
+    if alpha is not None and examples < conformal.rows_needed(alpha):
+      raise UsageError(f'{role}: alpha={alpha:g} needs at least {conformal.rows_needed(alpha)} {what} (the '
+                       f'ceil((n + 1)(1 - alpha))-th smallest score must exist), and {examples} were given; give '
+                       'more, or raise alpha')
+    return inputs, labels
+
+  def _require(self, ok: bool, what: str):
+    if not ok:
+      raise UsageError(f'{self._name} holds a {self.task.name} ensemble; {what} is for classification ensembles')
 
   # --- what the members answer -----------------------------------------------------------------------------------
 
@@ -273,10 +281,7 @@ class Ensemble:
     inputs = self.standardise(jax.numpy.asarray(inputs), xp=jax.numpy)
     state = self.member.method.with_params(self.state, params)
     member_output = lambda state: self.member.task.member_output(self.member.predict(state, inputs))
-    outputs = jax.vmap(member_output)(state)
-    if self.task.name == 'regression':
-      return self.task.components(outputs, xp=jax.numpy)
-    return outputs
+    return self.task.apply_outputs(jax.vmap(member_output)(state), xp=jax.numpy)
 
   @property
   def batch_size(self) -> int:
@@ -306,7 +311,7 @@ class Ensemble:
   def positions(self) -> tuple[int, ...]:
     """The positions of a dense ensemble's class per position, (H, W) of a segmentation's images; () for the other
     tasks."""
-    return _output_shape(self.member)[:-1] if self.task.name == 'dense' else ()
+    return _output_shape(self.member)[:-1] if self.task.per_position else ()
 
   @property
   def num_classes(self) -> int:
@@ -346,17 +351,15 @@ class Ensemble:
 
   def member_probs(self, images: Any, *, progress: bool = False) -> np.ndarray:
     """(K, N, C) float64: every member's probabilities, `batch_size` images at a time, the last batch bucketed; a
-    multi-label ensemble's per label, (K, N, L)."""
-    if self.task.name == 'multilabel':
-      return multilabel.sigmoid(self.member_outputs(images, progress=progress))
-    if self.task.name != 'dense':  # a dense ensemble's per position, (K, N, *positions, C)
-      self._require_task('classification', 'member_probs')
-    return np.exp(self.member_outputs(images, progress=progress))
+    multi-label ensemble's per label, (K, N, L), a dense one's per position, (K, N, *positions, C)."""
+    return self.task.member_probs(self.member_outputs(images, progress=progress))
 
   def components(self, inputs: Any, *, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Regression: the mixture's components' (means, variances), each (K M, N, D) in the targets' units: M = 1
     Gaussian per member, or the snapshot_cycles snapshots of a snapshot member."""
-    self._require_task('regression', 'components')
+    if not hasattr(self.task, 'components'):
+      raise UsageError(f'{self._name} holds a {self.task.name} ensemble; components is for regression ensembles (a '
+                       'Gaussian mixture\'s); use predict')
     return self.task.components(self.member_outputs(inputs, progress=progress))
 
   def standardise(self, inputs: Any, xp=np) -> Any:
@@ -372,15 +375,8 @@ class Ensemble:
     return self._view(self._member_outputs(inputs, progress, role))
 
   def _view(self, outputs: np.ndarray) -> dict[str, np.ndarray]:
-    """(K, N, W) member outputs as the post-hoc chain takes them."""
-    if self.task.name == 'regression':
-      means, variances = self.task.components(outputs)
-      return {'means': means, 'variances': variances}
-    if self.task.name == 'multilabel':
-      member_probs = multilabel.sigmoid(outputs)
-      return {'member_label_probs': member_probs, 'label_probs': member_probs.mean(0)}
-    member_probs = np.exp(outputs)
-    return {'member_probs': member_probs, 'probs': member_probs.mean(0)}
+    """(K, N, W) member outputs as the post-hoc chain takes them (`Task.view`)."""
+    return self.task.view(outputs)
 
   def _outputs(self, inputs: Any, role: str, progress: bool = False) -> dict[str, np.ndarray]:
     """The outputs after the whole chain."""
@@ -392,16 +388,17 @@ class Ensemble:
     return self._predictors[batch_size]
 
   def predict(self, images: Any, *, members: bool = False, progress: bool = False,
-              levels: Sequence[float] = regression.LEVELS, threshold: float = 0.5) -> dict[str, np.ndarray]:
+              levels: Sequence[float] = mixture.LEVELS, threshold: float = 0.5) -> dict[str, np.ndarray]:
     """Per image: 'probs' (N, C), the members' mean after the post-hoc chain (its temperature); 'class' (N,); and,
     in nats, 'entropy' (total predictive), 'aleatoric' (expected member entropy), 'mutual_information' (epistemic:
     their difference) and 'disagreement' (share of member pairs voting differently); the chain's 'set' and 'flag'
     where it has a conformal or a flags step. 'member_probs' (K, N, C) with `members`. A regression ensemble
     returns the mixture's mean, std, aleatoric and epistemic variance and its central intervals holding each of
-    `levels` instead (`_predict_regression`; `levels=()`: none, for a loop that needs only the mean and std: the
+    `levels` instead (`levels=()`: none, for a loop that needs only the mean and std: the
     intervals cost most of a small prediction). A multi-label ensemble returns per label (N, L): 'probs', 'labels'
     (1 where 'probs' exceeds `threshold`), 'entropy', 'aleatoric' and 'mutual_information'; the conformal step's
-    'set' (N, L, 2); 'member_probs' (K, N, L) with `members`.
+    'set' (N, L, 2); 'member_probs' (K, N, L) with `members`. A quantile ensemble returns its 'quantiles', the
+    outermost pair's 'lower' and 'upper' and the members' 'epistemic_std' (tasks/quantile.py).
 
     The uncertainty is split on the members' own probabilities, where total =
     aleatoric + epistemic holds; a temperature only rescales 'probs' (and
@@ -409,51 +406,9 @@ class Ensemble:
     """
     check_flag('members', members)
     check_flag('progress', progress)
-    if self.task.name == 'regression':
-      return self._predict_regression(images, members=members, progress=progress, levels=levels)
-    if self.task.name == 'multilabel':
-      return self._predict_labels(images, members=members, progress=progress, threshold=threshold)
-    if threshold != 0.5:
-      raise UsageError(f'threshold={threshold!r} decides the labels of a multilabel ensemble, and this is a '
-                       f'{self.task.name} ensemble; leave it out')
-    outputs = self._outputs(images, 'predict', progress)
-    member_probs, probs = outputs['member_probs'], outputs['probs']
-    result = {'probs': probs, 'class': np.argmax(probs, -1), **decomposition.decompose(member_probs)}
-    result.update({key: outputs[key] for key in ('set', 'flag') if key in outputs})
-    if members:
-      result['member_probs'] = member_probs
-    return result
-
-  def _predict_labels(self, inputs: Any, *, members: bool, progress: bool, threshold: float) -> dict[str, np.ndarray]:
-    """Multi-label's `predict`: per label, the chain's probabilities, the decisions at `threshold` and the members'
-    own probabilities' split of the uncertainty (`uncertainty.multilabel.decompose`)."""
-    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 < threshold < 1:
-      raise UsageError(f'threshold={threshold!r} must be in (0, 1): a label is predicted where its probability '
-                       'exceeds it')
-    outputs = self._outputs(inputs, 'predict', progress)
-    member_probs, probs = outputs['member_label_probs'], outputs['label_probs']
-    result = {'probs': probs, 'labels': (probs > threshold).astype(np.int32), **multilabel.decompose(member_probs)}
-    if 'set' in outputs:
-      result['set'] = outputs['set']
-    if members:
-      result['member_probs'] = member_probs
-    return result
-
-  def _predict_regression(self, inputs: Any, *, members: bool, progress: bool,
-                          levels: Sequence[float] = regression.LEVELS) -> dict[str, np.ndarray]:
-    """Regression's `predict`: the mixture's 'mean', 'std', 'variance' = 'aleatoric' + 'epistemic', and the
-    central intervals 'lower_P', 'upper_P' holding P% of it (exact mixture quantiles), of the components as the
-    chain leaves them (times its variance scale); the conformal step's 'conformal_lower' and 'conformal_upper';
-    each (N, D), or (N,) for one target. 'member_means' and 'member_variances' (K M, N, D) with `members`."""
-    levels = regression.checked_levels(levels)
-    outputs = self._outputs(inputs, 'predict', progress)
-    result = regression.predictive(outputs['means'], outputs['variances'], levels)
-    result.update({key: outputs[key] for key in ('conformal_lower', 'conformal_upper') if key in outputs})
-    if self.task.targets == 1:
-      result = {k: v[:, 0] for k, v in result.items()}
-    if members:
-      result['member_means'], result['member_variances'] = outputs['means'], outputs['variances']
-    return result
+    self.task.check_predict_options(levels, threshold)
+    return self.task.predict(self._outputs(images, 'predict', progress), members=members, levels=levels,
+                             threshold=threshold)
 
   def evaluate(self, inputs: Any, labels: Any) -> dict[str, Any]:
     """The report's scores on labelled inputs: 'ensemble' and 'mean_member' accuracy, NLL, Brier and ECE, and
@@ -466,38 +421,16 @@ class Ensemble:
     interval coverage ('variance_scaled' with a variance scale in the chain); a multi-label ensemble 0/1 labels
     (N, L) and per-label scores (`scoring.score_labels`).
     """
-    inputs = self._labelled(inputs, 'evaluate')
-    labels = self._labels(labels, len(inputs), 'evaluate')
-    member_outputs = self._member_outputs(inputs, role='evaluate')
-    view = self._view(member_outputs)
-    scaled = posthoc.apply(self.posthoc, view)
-    if self.task.name == 'regression':
-      means, variances = view['means'], view['variances']
-      members_scores = [regression.score(m, v, labels) for m, v in scoring.member_components(means, variances,
-                                                                                             self.size)]
-      scores = {'ensemble': regression.score(means, variances, labels), 'members': members_scores,
-                'mean_member': {key: float(np.mean([m[key] for m in members_scores])) for key in members_scores[0]}}
-      if any(step.kind == 'variance_scale' for step in self.posthoc):
-        scores['variance_scaled'] = regression.score(scaled['means'], scaled['variances'], labels)
-      return scores
-    if self.task.name == 'multilabel':
-      return scoring.score_labels(member_outputs, labels, scaled['label_probs']
-                                  if any(step.kind == 'label_temperature' for step in self.posthoc) else None)
-    if self.task.name == 'dense':
-      return scoring.score_positions(member_outputs, labels, scaled['probs']
-                                     if any(step.kind == 'temperature' for step in self.posthoc) else None)
-    from ensemble import calibration  # pylint: disable=g-import-not-at-top
-    scores = scoring.score_test_set(member_outputs, labels)
-    if any(step.kind == 'temperature' for step in self.posthoc):
-      scores['temperature_scaled'] = calibration.scores(scaled['probs'], labels)
-    return scores
+    inputs, labels = self._labelled_pair(inputs, labels, 'evaluate')
+    return self.task.evaluate(self._member_outputs(inputs, role='evaluate'), self.task.host_labels(labels),
+                              self.posthoc, self.size)
 
   def report(self, inputs: Any, labels: Any, *, calibration: Any = None, ood: dict[str, Any] | None = None,
              angles: Sequence[int] | None = None, noise: bool | None = None,
              alphas: Sequence[float] = scoring.DEFAULT_ALPHAS, output_dir: str | None = None) -> dict[str, Any]:
     """The full report of `python -m ensemble.evaluate`, for this ensemble on labelled `inputs` (a test set), as one
     nested dict (what its metrics.json holds); with `output_dir`, its report.md and plots written there too. The
-    same implementation (`scoring.score`): the same numbers for the same examples.
+    same implementation (`Task.report`): the same numbers for the same examples.
 
     Always: the scores of every member, their mean, the best and the ensemble,
     the gains, the ensemble-size curve and risk-coverage (a regression's RMSE,
@@ -508,34 +441,36 @@ class Ensemble:
     thresholds. Images: the test set rotated by `angles` (default 0 to 180 by
     15 degrees; () for none) and with Gaussian noise at five severities
     (`noise`, default True); out-of-distribution detection (AUROC, AUPR, FPR95)
-    against `ood`, {name: inputs} (images by default: uniform noise and the
+    against `ood`, {name: inputs} or one set of inputs (images by default: uniform noise and the
     test images' pixels permuted; {} for none).
     """
-    inputs = self._labelled(inputs, 'report')
-    test = {'image': inputs, 'label': self._labels(labels, len(inputs), 'report')}
+    if output_dir is not None:
+      _check_report_folder(output_dir)
+    inputs, labels = self._labelled_pair(inputs, labels, 'report')
+    test = {'image': inputs, 'label': labels}
     heldout = None
     if calibration is not None:
-      x, y = arrays.pair(calibration, 'report: calibration')
-      x = self._labelled(x, 'report: calibration')
-      heldout = {'image': x, 'label': self._labels(y, len(x), 'report: calibration')}
-    images = self.member.inputs == 'images' and self.task.name == 'classification'  # what the shifts score
+      x, y = self._labelled_pair(*arrays.pair(calibration, 'report: calibration'), 'report: calibration')
+      heldout = {'image': x, 'label': y}
+    images = self.member.inputs == 'images' and self.task.shifts  # what the shifts score
     if ood is None:
       ood = ({name: make(inputs) for name, make in scoring.OOD_BUILTINS.items()}
-             if self.member.inputs == 'images' and self.task.name != 'regression' else {})
-    if ood and self.task.name == 'regression':
-      raise UsageError('report: ood= detects unfamiliar inputs by the class probabilities, and this is a regression '
-                       'ensemble: leave ood= out')
+             if self.member.inputs == 'images' and self.task.detects_ood else {})
+    elif not isinstance(ood, dict):  # one set of inputs
+      ood = {'ood': ood}
+    if ood and not self.task.detects_ood:
+      raise UsageError(f'report: ood= detects unfamiliar inputs by the members\' probabilities, and this is a '
+                       f'{self.task.name} ensemble: leave ood= out')
     results = {'workdir': self.workdir or 'an ensemble in memory', 'epoch': self.epoch,
                'checkpoint_unit': self.config.checkpoint_unit, 'ensemble_size': self.size, 'task': self.task.name,
                'data': 'the examples given', 'calibration': 'given' if heldout is not None else None,
-               **scoring.score(_Forward(self), test, heldout, task=self.task, ensemble_size=self.size,
-                               angles=(scoring.DEFAULT_ANGLES if angles is None else angles) if images else (),
-                               noise=(True if noise is None else noise) and images,
-                               ood_sets={name: self.check(x, f'report: ood {name}') for name, x in ood.items()},
-                               alphas=alphas)}
+               **self.task.report(_Forward(self), test, heldout, False, size=self.size,
+                                  angles=(scoring.DEFAULT_ANGLES if angles is None else angles) if images else (),
+                                  noise=(True if noise is None else noise) and images,
+                                  ood_sets={name: self.check(x, f'report: ood {name}') for name, x in ood.items()},
+                                  alphas=alphas)}
     if output_dir is not None:
-      from ensemble import evaluation  # pylint: disable=g-import-not-at-top  # matplotlib
-      evaluation.write_report(self.task.name, results, output_dir)
+      self.task.write_report(results, output_dir)
     return results
 
   @console.root_logging_kept()
@@ -560,7 +495,7 @@ class Ensemble:
     'ood_threshold'. Kept in the workdir by checkpoint and settings, so that a prediction costs its start-up.
     """
     _check_rates(target_risk, ood_rate)
-    self._require_task('classification', 'flag_threshold')
+    self._require(self.task.flags, 'flag_threshold')
     if self.workdir is None:
       raise UsageError('flag_threshold reads the held-out slice of the data a workdir was trained on, and this '
                        'ensemble is in memory; fit flags on held-out rows with ens.flags(x, y), or ens = '
@@ -593,7 +528,7 @@ class Ensemble:
 
 
 class _Forward:
-  """The ensemble's forward pass as `scoring.score` asks for it, as `predictor.Predictor` gives it: a split's every
+  """The ensemble's forward pass as `Task.report` asks for it, as `predictor.Predictor` gives it: a split's every
   member's outputs (its inputs checked already, images as uint8 or in [0, 1]), their probabilities, its labels."""
 
   def __init__(self, ens: Ensemble):
@@ -609,6 +544,17 @@ class _Forward:
     return split['label']
 
 
+def _check_report_folder(output_dir: str):
+  """Refuses a run's own eval folder: `python -m ensemble.evaluate` keeps there the temperature (variance scale)
+  that `ensemble.load` applies to the run, and another report in its place would change what `load` returns."""
+  folder = os.path.abspath(os.path.expanduser(output_dir))
+  run = os.path.dirname(folder)
+  if os.path.basename(folder) == 'eval' and os.path.isfile(os.path.join(run, 'config.json')):
+    raise UsageError(f'report: output_dir={output_dir} is the eval folder of the run in {run}, where python -m '
+                     'ensemble.evaluate keeps the temperature ensemble.load applies to it; write the report to '
+                     'another folder')
+
+
 def _check_rates(target_risk: Any, ood_rate: Any):
   if isinstance(target_risk, bool) or not isinstance(target_risk, numbers.Real) or not target_risk == target_risk:
     raise UsageError(f'target_risk={target_risk!r} must be a number: the error rate the unflagged inputs may have')
@@ -616,9 +562,11 @@ def _check_rates(target_risk: Any, ood_rate: Any):
     raise UsageError(f'ood_rate={ood_rate!r} must be a share of the calibration examples in [0, 1)')
 
 
-def given_temperature(task: str, value: float, epoch: int, chain: Sequence[posthoc.Step]) -> posthoc.Step:
+def given_temperature(task: Any, value: float, epoch: int, chain: Sequence[posthoc.Step]) -> posthoc.Step:
   """A temperature (variance scale) given rather than fitted (`ensemble.load(..., temperature=T)`, a workdir's
   `ensemble.evaluate` report), after `chain`."""
   if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float('inf'):
     raise UsageError(f'temperature={value!r} must be a positive number')
-  return posthoc.given(posthoc.SCALE_KINDS[task], chain, epoch, value=float(value))
+  if task.calibration is None:
+    raise UsageError(f'temperature={value!r}: a {task.name} ensemble has no temperature or scale; leave it out')
+  return posthoc.given(task.calibration, chain, epoch, value=float(value))

@@ -19,7 +19,7 @@ import jax
 from absl import logging
 
 from ensemble import backends, checkpoint, console, data, divergence, files, loop, manifest, recipe as recipe_lib
-from ensemble import starts, writers
+from ensemble import sigterm, starts, writers
 from ensemble.defaults import Recipe
 from ensemble.errors import UsageError
 
@@ -284,34 +284,46 @@ def _position(ckpt: checkpoint.Checkpointer, key: int, steps_per_epoch: int) -> 
   return loop.Position(**recorded)
 
 
-@_releases_the_workdir
 def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | None = None, model: Any = None,
-                       progress: bool | None = None, devices: list[jax.Device] | None = None,
-                       validation: data.Split | None = None, init_params: Any = None) -> tuple[Any, dict[str, float]]:
-  """Trains (or resumes) the ensemble in `workdir`; returns its canonical state and last summary.
+                       progress: bool | None = None, validation: data.Split | None = None,
+                       init_params: Any = None) -> tuple[Any, dict[str, float]]:
+  """Trains (or resumes) the ensemble that `config` (an ml_collections ConfigDict, a dict of fields) describes in
+  `workdir`: the settings resolved (ensemble/recipe.py) and a resume with other data settings refused before any
+  data is read, then the data read and the settings resolved against it, then `train`. `dataset` replaces the data
+  the config names, `model` the model it names (a user's model object); the rest as `train`'s."""
+  recipe, devices = recipe_lib.resolve(config, jax.devices(), model=model)
+  check_workdir(workdir)
+  records = checkpoint.Checkpointer(workdir)
+  try:
+    _check_resume(recipe, workdir, records)
+  finally:
+    records.close()
+  if dataset is None:
+    dataset = data.load(recipe.dataset, recipe.data_dir, recipe.train_split, recipe.test_split, task=recipe.task,
+                        target=recipe.target, streaming=recipe.streaming, ignore=recipe.ignore_label)
+  recipe, devices = recipe_lib.resolve(recipe, devices, model=model, dataset=dataset)
+  return train(recipe, workdir, devices=devices, dataset=dataset, model=model, progress=progress,
+               validation=validation, init_params=init_params)
 
-  `config` is a config (an ml_collections ConfigDict, a dict of fields), resolved here (ensemble/recipe.py); or,
-  with `devices`, a recipe `ensemble.fit` already resolved for its `dataset`. `dataset` replaces the data the
-  config names (arrays in memory), `model` the model it names (a user's model object). `progress`: as
-  `loop.train`'s; `validation`: as `loop.prepare`'s (early stopping's; default: the held-out slice);
+
+@_releases_the_workdir
+def train(recipe: Recipe, workdir: str, *, devices: list[jax.Device], dataset: data.Dataset, model: Any = None,
+          progress: bool | None = None, validation: data.Split | None = None,
+          init_params: Any = None) -> tuple[Any, dict[str, float]]:
+  """Trains (or resumes) the ensemble of a resolved `recipe` on `devices` and `dataset` in `workdir` (what
+  `ensemble.fit` calls with its arrays); returns its canonical state and last summary.
+
+  `progress`: as `loop.train`'s; `validation`: as `loop.prepare`'s (early stopping's; default: the held-out slice);
   `init_params`: as `starts.from_variables`', for a fresh start (a resume goes on from its checkpoint); without
   them, `init_from`'s.
   """
-  # Everything that can refuse the run does so before the workdir is written; a resume with other data
-  # settings before any data is read.
-  resolved = devices is not None
-  recipe, devices = (config, devices) if resolved else recipe_lib.resolve(config, jax.devices(), model=model)
+  # Everything that can refuse the run does so before the workdir is written.
   check_workdir(workdir)
   # One process writes its checkpoints in the background while the next epoch trains; across processes, orbax's
   # saves meet at barriers, kept in the training thread.
   ckpt = checkpoint.Checkpointer(workdir, max_to_keep=recipe.checkpoints_to_keep,
                                  asynchronous=jax.process_count() == 1)
   saved_config = _check_resume(recipe, workdir, ckpt)
-  if dataset is None:
-    dataset = data.load(recipe.dataset, recipe.data_dir, recipe.train_split, recipe.test_split, task=recipe.task,
-                        target=recipe.target, streaming=recipe.streaming, ignore=recipe.ignore_label)
-  if not resolved:
-    recipe, devices = recipe_lib.resolve(recipe, devices, model=model, dataset=dataset)
   run = loop.prepare(recipe, devices, dataset, model, validation=validation)
   ckpt.method = run.member.method  # how its checkpoints hold the shared parameters
   config, backend = recipe, run.backend
@@ -322,9 +334,7 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
     if config.init_noise and init_params is None and not config.init_from:
       raise UsageError(f'--config.init_noise={config.init_noise} adds noise to the start that --config.init_from '
                        'gives every member, and none is given: set --config.init_from, or leave init_noise out')
-    if init_params is None and config.init_from:
-      from ensemble import evaluation  # pylint: disable=g-import-not-at-top  # only to start from another run
-      init_params = evaluation.first_member_params(config.init_from, config.shared)
+    init_params = starts.given(run, init_params)
     if init_params is not None:
       starts.variables(run, init_params)
   checkpoint.lock_workdir(workdir)  # the first write; refused while another run holds the workdir
@@ -354,12 +364,7 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
     else:
       logging.info('Resumed from %s at epoch %d.', ckpt.directory, start_epoch)
   else:
-    state = run.init()
-    if init_params is None and config.init_from:
-      from ensemble import evaluation  # pylint: disable=g-import-not-at-top  # only to start from another run
-      init_params = evaluation.first_member_params(config.init_from, config.shared)
-    if init_params is not None:
-      state = starts.from_variables(run, state, init_params)
+    state = starts.from_variables(run, run.init(), init_params)
   if saved_config is not None:
     _log_changes(config, saved_config, workdir)
 
@@ -391,14 +396,14 @@ def train_and_evaluate(config: Any, workdir: str, *, dataset: data.Dataset | Non
   saves = _SavesInBackground(ckpt, writer, ckpt_meta, start_key, config.checkpoint_unit == 'step')
   saves.resumed_stop = resumed_stop
   try:
-    with loop.stop_on_sigterm():
+    with sigterm.stop_on_sigterm():
       state, summary = loop.train(run, state, start=start, hooks=[saves], progress=progress, best=best,
                                   earlier_losses=_earlier_losses(workdir, start_epoch, run.steps_per_epoch))
   except divergence.Diverged as e:
     resume = f'resume from epoch {e.epoch - 1}' if e.epoch > 1 else 'start again'
     raise UsageError(f'{e} and re-run to {resume} (the checkpoints saved so far are kept)') from None
   except KeyboardInterrupt as e:  # the hooks have closed: the last checkpoint is complete
-    saved, terminated = saves.saved_epoch, isinstance(e, loop.Stopped)
+    saved, terminated = saves.saved_epoch, isinstance(e, sigterm.Stopped)
     by = 'on SIGTERM ' if terminated else ''
     if config.checkpoint_unit == 'step':
       kept = f'the checkpoint of step {saved} is in {ckpt.directory}' if saved else 'no step was saved yet'

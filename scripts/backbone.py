@@ -1,8 +1,8 @@
 """Ensembles on one backbone against a deep ensemble, on MNIST: train speed, the members' state in memory, and the
 uncertainty each buys (docs/benchmarks.md, "A shared backbone").
 
-  python scripts/backbone.py [--rows=10000] [--epochs=2] [--ensemble_size=8] [--sections=speed,memory,quality] \
-      [--member_data=shuffled|shared] [--augment=shift|none] [--peak]
+  python scripts/backbone.py [--rows=10000] [--test_rows=10000] [--epochs=2] [--ensemble_size=8] \
+      [--sections=speed,memory,quality] [--member_data=shuffled|shared] [--augment=shift|none] [--peak]
 
 The backbone is the built-in CNN's convolutions and hidden layer (Conv_0, Conv_1, Dense_0), pretrained by a
 1-member fit on the same rows; its head (Dense_1) is what K heads have K of. Rows:
@@ -45,6 +45,7 @@ from ensemble.uncertainty import ood  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('rows', 10000, 'MNIST training rows every fit trains on.')
+flags.DEFINE_integer('test_rows', 10000, 'MNIST test rows the quality is scored on (10000: the whole test split).')
 flags.DEFINE_integer('epochs', 2, 'Epochs of every fit (the pretraining too).')
 flags.DEFINE_integer('ensemble_size', 8, 'Members K.')
 flags.DEFINE_list('sections', ['speed', 'memory', 'quality'], 'What to measure.')
@@ -99,7 +100,7 @@ def _peak_megabytes(name: str) -> float:
   """The device's peak memory while `name` fits, pretraining included (the same for every row), in a process of
   its own: the allocator's peak only ever grows within one."""
   argv = [sys.executable, os.path.abspath(__file__), f'--only={name}'] + [
-      FLAGS[flag].serialize() for flag in ('rows', 'epochs', 'ensemble_size', 'member_data', 'augment')]
+      FLAGS[flag].serialize() for flag in ('rows', 'test_rows', 'epochs', 'ensemble_size', 'member_data', 'augment')]
   done = subprocess.run(argv, capture_output=True, text=True, check=False)
   if done.returncode:
     raise RuntimeError(f'{name}: its peak-memory fit failed:\n{done.stderr[-3000:]}')
@@ -121,7 +122,7 @@ def main(argv):
   host_memory.keep_freed_memory_on_cpu()
   mnist = data.load('mnist')
   train = (mnist.train['image'][:FLAGS.rows], mnist.train['label'][:FLAGS.rows])
-  test = (mnist.test['image'], mnist.test['label'])
+  test = (mnist.test['image'][:FLAGS.test_rows], mnist.test['label'][:FLAGS.test_rows])
   if FLAGS.only:
     return _only(train, test, FLAGS.only)
   print(f'# {jax.devices()[0].device_kind}, jax {jax.__version__}; MNIST, {FLAGS.rows} training rows, '

@@ -3,12 +3,14 @@
   python scripts/bench_streaming.py --part=throughput --data_dir=/tmp/mnist_ar   # a folder from ensemble.data.convert
   python scripts/bench_streaming.py --part=memory --folder=/tmp/cifar_shaped --gigabytes=2 --steps=300
   python scripts/bench_streaming.py --part=memory --folder=/tmp/c1 --gigabytes=1.2 --steps=100 --read_whole_steps=0
+  python scripts/bench_streaming.py --part=memory --folder=/tmp/cf --examples=100000 --pixels=float32
   python scripts/bench_streaming.py --part=processes --data_dir=/tmp/mnist_ar
 
 throughput: the default recipe (K = 8 CNN members, one per simulated CPU device, batch 128) trains --epochs
 epochs on the folder read whole (streaming=never), then the same epochs streamed (streaming=always), in one
 process after one compiling step, and prints each epoch's member-images/s and the ratio. memory: writes a folder
-of random CIFAR-shaped images (32x32x3, --gigabytes of records; kept for the next run), then trains --steps steps
+of random CIFAR-shaped images (32x32x3, --gigabytes of records or --examples of them; uint8 pixels, or float32 in
+[0, 1] with --pixels=float32, which training keeps at their precision; kept for the next run), then trains --steps steps
 on it streamed and --read_whole_steps steps read whole (K = --ensemble_size members), each in its own
 `python -m ensemble.train` under /usr/bin/time (which ends by fitting the flag thresholds on the held-out tenth),
 and prints each one's peak resident memory. processes: two processes (scripts/launch_local.py, 4 CPU devices each)
@@ -79,8 +81,8 @@ def throughput(args):
 class _Synthetic:
   """Random CIFAR-shaped examples made a batch at a time, the same for the same rows."""
 
-  def __init__(self, size: int, seed: int):
-    self._size, self._seed = size, seed
+  def __init__(self, size: int, seed: int, pixels: str = 'uint8'):
+    self._size, self._seed, self._pixels = size, seed, pixels
 
   def __len__(self):
     return self._size
@@ -88,18 +90,20 @@ class _Synthetic:
   def __getitems__(self, rows):
     rng = np.random.default_rng([self._seed, rows[0], len(rows)])
     images = rng.integers(0, 256, (len(rows), 32, 32, 3), dtype=np.uint8)
+    if self._pixels == 'float32':
+      images = (images.astype(np.float32) + rng.uniform(0, 1, images.shape).astype(np.float32)) / 256
     return [(image, np.int32(row % 10)) for image, row in zip(images, rows)]
 
   def __getitem__(self, row):
     return self.__getitems__([row])[0]
 
 
-def _write_folder(folder: str, gigabytes: float):
+def _write_folder(folder: str, gigabytes: float, examples: int, pixels: str):
   from ensemble import data
   from ensemble.data import convert, stream
 
-  examples = int(gigabytes * 1e9 / (32 * 32 * 3 + 4))
-  splits = [stream.Records(stream.RandomAccessSource(_Synthetic(n, seed), f'synthetic {n}'))
+  examples = examples or int(gigabytes * 1e9 / (32 * 32 * 3 * np.dtype(pixels).itemsize + 4))
+  splits = [stream.Records(stream.RandomAccessSource(_Synthetic(n, seed, pixels), f'synthetic {n}'))
             for n, seed in ((examples, 0), (10_000, 1))]
   started = time.perf_counter()
   convert.write(data.Dataset(splits[0], splits[1], 'random CIFAR-shaped images', 10), folder)
@@ -120,7 +124,7 @@ def _peak_rss(command: list[str]) -> tuple[float, float]:
 
 def memory(args):
   if not os.path.isdir(args.folder):
-    _write_folder(args.folder, args.gigabytes)
+    _write_folder(args.folder, args.gigabytes, args.examples, args.pixels)
   for streaming, steps in (('always', args.steps), ('never', args.read_whole_steps)):
     if not steps:
       continue
@@ -157,6 +161,8 @@ def main():
   parser.add_argument('--cpu_devices', type=int, default=8, help='throughput')
   parser.add_argument('--folder', help='memory: the folder of CIFAR-shaped images, written if it does not exist')
   parser.add_argument('--gigabytes', type=float, default=2.0, help='memory')
+  parser.add_argument('--examples', type=int, default=0, help='memory: training examples (0: as --gigabytes holds)')
+  parser.add_argument('--pixels', choices=('uint8', 'float32'), default='uint8', help='memory: the images\' dtype')
   parser.add_argument('--steps', type=int, help='memory (default 300), processes (default 40)')
   parser.add_argument('--ensemble_size', type=int, default=2, help='memory: members of both runs')
   parser.add_argument('--read_whole_steps', type=int, default=20,

@@ -25,7 +25,7 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from ensemble import backends, data, defaults, host_memory, members, recipe as recipe_lib
+from ensemble import backends, data, defaults, host_memory, members, recipe as recipe_lib, standardise
 from ensemble.data import bundled, idx
 from ensemble.errors import exit_with_error
 
@@ -56,7 +56,7 @@ def build(overrides: dict[str, str], dataset: data.Dataset):
   config, devices = recipe_lib.resolve(config, jax.devices())
   num_train = len(dataset.train['label'])
   info = members.data_info(dataset.image_shape, dataset.num_classes,
-                           *data.input_stats(dataset.train['image'], dataset.inputs), inputs=dataset.inputs)
+                           *standardise.input_stats(dataset.train['image'], dataset.inputs), inputs=dataset.inputs)
   member = members.member(config, info, data.steps_per_epoch(num_train, config.batch_size), None)
   backend = backends.create(config.backend, member=member, devices=devices, ensemble_size=config.ensemble_size,
                             member_data=config.member_data, config=config)

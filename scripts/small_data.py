@@ -83,7 +83,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ensemble
 from ensemble import files
 from ensemble.errors import UsageError, exit_with_error
-from ensemble.tasks import regression
+from ensemble.tasks import mixture
 
 _IMPORTED = time.perf_counter()
 
@@ -171,10 +171,10 @@ class PlainEnsemble:
 
   def predict(self, x: np.ndarray) -> dict[str, np.ndarray]:
     """The mixture's mean and std per row (what an acquisition function needs)."""
-    return {k: v[:, 0] for k, v in regression.mixture_moments(*self.components(x)).items()}
+    return {k: v[:, 0] for k, v in mixture.mixture_moments(*self.components(x)).items()}
 
   def evaluate(self, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-    return regression.score(*self.components(x), y.astype(np.float64)[:, None])
+    return mixture.score(*self.components(x), y.astype(np.float64)[:, None])
 
 
 def _stats(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

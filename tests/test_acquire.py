@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ensemble import acquire
+from ensemble import acquire, tasks
 from ensemble.errors import UsageError
 from ensemble.uncertainty import decomposition
 
@@ -121,6 +121,6 @@ def test_regression_acquisitions_have_gradients_with_respect_to_inputs():
 def test_an_unknown_name_is_one_line_that_lists_the_task_s_acquisitions():
   with pytest.raises(UsageError, match=r"acquisition='ei' is not one for a classification ensemble: give one of "
                                        r'bald, entropy'):
-    acquire.named('ei', 'classification')
+    acquire.named('ei', tasks.named('classification'))
   with pytest.raises(UsageError, match='epistemic_std, ucb, ei, pi, thompson, random'):
-    acquire.named('bald', 'regression')
+    acquire.named('bald', tasks.named('regression'))

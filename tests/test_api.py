@@ -71,11 +71,14 @@ def test_fit_predict_evaluate_a_linen_model_with_batchnorm_and_dropout(linen_run
   assert [line['epoch'] for line in writers.read_jsonl(os.path.join(ens.workdir, 'metrics.jsonl'))] == [1, 2]
 
 
-def test_float_images_are_rounded_at_prediction_as_in_training(linen_run, arrays):
-  """Training rounds [0, 1] floats to 8 bits (`data.base.as_images`); predict must see the same pixels."""
+def test_float_images_keep_their_precision_at_prediction_as_in_training(linen_run, arrays):
+  """uint8 pixels and the same pixels as [0, 1] floats predict alike; a float image is not rounded to 8 bits
+  (`data.base.as_images`), so a change below one 8-bit step changes what the members see."""
   ens, x_test = linen_run, arrays[2][:16]
-  nudged = (x_test / 255.0 + 0.0015).clip(0, 1).astype(np.float32)  # rounds back to the same uint8
-  np.testing.assert_array_equal(ens.predict(nudged)['probs'], ens.predict(x_test)['probs'])
+  as_floats = (x_test / 255.0).astype(np.float32)
+  np.testing.assert_allclose(ens.predict(as_floats)['probs'], ens.predict(x_test)['probs'], rtol=1e-5, atol=1e-6)
+  nudged = (as_floats + 0.0015).clip(0, 1)  # would round back to the same uint8
+  assert not np.array_equal(ens.predict(nudged)['probs'], ens.predict(as_floats)['probs'])
 
 
 def test_dropout_draws_a_key_per_step_and_is_off_at_test_time(linen_run, arrays):

@@ -9,7 +9,7 @@ import ensemble
 from conftest import run_guide_example
 from ensemble import calibration
 from ensemble.errors import UsageError
-from ensemble.tasks import regression
+from ensemble.tasks import mixture
 
 FIT = {'epochs': 8, 'ensemble_size': 4, 'batch_size': 32, 'progress': False}
 
@@ -40,11 +40,11 @@ def test_calibrate_fits_the_variance_scale_by_nll_and_predict_uses_it(fitted):
   x, y = _regression(500, 1)
   calibrated = ens.calibrate(x, y)
   means, variances = ens.components(x)
-  scale = regression.scale_variances(means, variances, y[:, None].astype(np.float64))
+  scale = mixture.scale_variances(means, variances, y[:, None].astype(np.float64))
   assert calibrated.temperature == pytest.approx(scale) and calibrated.summary['variance_scale'] == pytest.approx(scale)
   assert ens.temperature == 1.0  # a copy: the original predicts as before
   np.testing.assert_allclose(calibrated.predict(x)['std'] ** 2,
-                             regression.mixture_moments(means, variances * scale)['variance'][:, 0], rtol=1e-6)
+                             mixture.mixture_moments(means, variances * scale)['variance'][:, 0], rtol=1e-6)
   scores = calibrated.evaluate(x, y)
   assert scores['variance_scaled']['nll'] <= scores['ensemble']['nll'] + 1e-9
   assert f'variance_scale {scale:.4g}' in repr(calibrated)

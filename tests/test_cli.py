@@ -301,7 +301,7 @@ def test_cli_bad_npz_is_one_line_and_nonzero(tmp_path, change, message):
 
 @pytest.mark.parametrize('terminated, status', [(False, 130), (True, 143)])
 def test_an_interrupted_run_ends_in_one_line_with_its_signal_s_status(capsys, monkeypatch, terminated, status):
-  """Ctrl-C ends a program with status 130 and SIGTERM (`loop.stop_on_sigterm`) with 143, as a shell reports a
+  """Ctrl-C ends a program with status 130 and SIGTERM (`sigterm.stop_on_sigterm`) with 143, as a shell reports a
   process those signals ended, each with one `interrupted:` line."""
   from ensemble import cli, console, trainer  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(console, 'setup', lambda program: None)  # the logging flags: a program's, parsed by absl

@@ -121,18 +121,27 @@ def test_npz_images_and_labels(tmp_path, layout):
   path = _npz(tmp_path / 'd.npz', x_train=stored(train), x_test=stored(test),
               y_train=(np.arange(10) % 7)[:, None].astype(np.int64))
   dataset = data.load(data_dir=path)
-  assert dataset.train['image'].dtype == np.uint8 and dataset.test['image'].dtype == np.uint8
-  assert np.array_equal(dataset.train['image'], train) and np.array_equal(dataset.test['image'], test)
+  if layout.startswith('uint8'):
+    assert dataset.train['image'].dtype == np.uint8 and dataset.test['image'].dtype == np.uint8
+    assert np.array_equal(dataset.train['image'], train) and np.array_equal(dataset.test['image'], test)
+  else:  # float images keep their precision, as float32
+    assert dataset.train['image'].dtype == np.float32 and dataset.test['image'].dtype == np.float32
+    np.testing.assert_array_equal(dataset.train['image'], (train / 255.0).astype(np.float32))
   assert dataset.image_shape == (6, 5, channels) and dataset.num_classes == 7
   assert dataset.train['label'].dtype == np.int32 and np.array_equal(dataset.train['label'], np.arange(10) % 7)
   assert dataset.source == path
 
 
-def test_float_images_are_rounded_in_chunks(tmp_path, monkeypatch):
-  monkeypatch.setattr(base, '_CHUNK_BYTES', 64)  # one 6x5 float64 image (240 bytes) per chunk
+def test_float_images_keep_their_precision_and_their_statistics():
+  """A float image is not rounded to 8 bits (a class that lives below one 8-bit step would be lost): float32 on
+  the host, and the per-channel statistics of its own values."""
   x = np.linspace(0, 1, 10 * 30).reshape(10, 6, 5)
-  dataset = data.load(data_dir=_npz(tmp_path / 'd.npz', x_train=x, x_test=x[:8]))
-  assert np.array_equal(dataset.train['image'][..., 0], np.rint(x * 255).astype(np.uint8))
+  images = base.as_images(x, 'x')
+  assert images.dtype == np.float32 and images.shape == (10, 6, 5, 1)
+  np.testing.assert_array_equal(images[..., 0], x.astype(np.float32))
+  mean, std = data.channel_stats(images)
+  np.testing.assert_allclose(mean, [x.mean()], rtol=1e-6)
+  np.testing.assert_allclose(std, [x.std()], rtol=1e-5)
 
 
 @pytest.mark.parametrize('arrays, message', [
@@ -457,9 +466,12 @@ def test_blank_images_train_rather_than_diverge():
   assert np.isfinite(ens.summary['train_loss'])
 
 
-def test_dataset_refuses_float_images():
-  split = {'image': np.zeros((2, 3, 3, 1), np.float32), 'label': np.zeros(2, np.int32)}
-  with pytest.raises(ValueError, match='uint8'):
+def test_dataset_takes_uint8_and_float32_images_and_refuses_others():
+  for dtype in (np.uint8, np.float32):
+    split = {'image': np.zeros((2, 3, 3, 1), dtype), 'label': np.zeros(2, np.int32)}
+    data.Dataset(train=split, test=split, source='test', num_classes=2)
+  split = {'image': np.zeros((2, 3, 3, 1), np.float64), 'label': np.zeros(2, np.int32)}
+  with pytest.raises(ValueError, match='uint8 or float32'):
     data.Dataset(train=split, test=split, source='test', num_classes=2)
 
 

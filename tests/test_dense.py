@@ -109,7 +109,7 @@ def test_images_train_the_built_in_segmenter_and_give_maps_of_their_pixels():
 
 @pytest.mark.parametrize('call, message', [
     (lambda: ensemble.fit('mlp', (_rows(50, 0)[0], _rows(50, 0)[1][:, :4]), task='dense'),
-     r"labels of shape \(50, 4\) for features of shape \(50, 6, 2\); task='dense' takes a label per position"),
+     r"labels of shape \(50, 4\) for inputs of shape \(50, 6, 2\); task='dense' takes a label per position"),
     (lambda: ensemble.fit('mlp', (_rows(50, 0)[0], np.maximum(_rows(50, 0)[1], 0)), task='dense', ignore_label=1),
      r'ignore_label=1 is also a class of arrays \(labels 0..2\)'),
     (lambda: ensemble.fit('mlp', (_rows(50, 0)[0], _rows(50, 0)[1] - 3), task='dense'),
@@ -200,5 +200,5 @@ def test_a_converted_folder_keeps_the_positions_and_reads_the_ignored_label(tmp_
   assert loaded.task == 'dense' and loaded.num_classes == 3
   np.testing.assert_array_equal(loaded.train['label'], np.where(y == 255, -1, y))
   (tmp_path / 'table.csv').write_text('a,y\n1,0\n2,1\n')
-  with pytest.raises(UsageError, match=r'a .csv input is regression or multi-label data; drop --task=dense'):
+  with pytest.raises(UsageError, match=r'a .csv input is regression, multilabel or quantile data; drop --task=dense'):
     convert.convert(str(tmp_path / 'table.csv'), str(tmp_path / 'again'), task='dense', target='y')

@@ -19,7 +19,7 @@ import ensemble
 import user_models
 from ensemble import defaults, distillation, export, tasks
 from ensemble.errors import UsageError
-from ensemble.tasks import regression
+from ensemble.tasks import mixture, regression
 
 K = 4
 TEACHER = {'ensemble_size': K, 'epochs': 2, 'batch_size': 32, 'progress': False}
@@ -67,7 +67,7 @@ def test_student_loss_is_hintons_against_the_members_mean_probabilities(teachers
   x = TRAIN[0][:32]
   # The teacher's averaged probabilities, from its members' log-probabilities through the pure-JAX `apply`.
   mean_probs = np.exp(np.asarray(teacher.apply(teacher.params, x), np.float64)).mean(0)
-  targets = distillation.classification_targets(teacher, x)
+  _, targets = teacher.task.student_labels(teacher, x)
   np.testing.assert_allclose(targets, mean_probs, rtol=1e-5, atol=1e-7)
   logits = jax.random.normal(jax.random.key(1), (32, targets.shape[1])) * 3
   tempered = mean_probs ** (1 / temperature)
@@ -99,7 +99,7 @@ def _config(**fields):
 def test_regression_student_trains_on_the_expected_nll_under_the_mixtures_gaussian(teachers):
   teacher = teachers['regression']
   x = REGRESSION_TRAIN[0][:32]
-  inputs, targets = distillation.regression_targets(teacher, x)
+  inputs, targets = teacher.task.student_labels(teacher, x)
   np.testing.assert_array_equal(inputs, np.concatenate([x, x]))
   means, variances = (np.asarray(part, np.float64) for part in teacher.apply(teacher.params, x))  # (K, N, 1)
   mixture_mean = means.mean(0)
@@ -133,7 +133,7 @@ def test_student_predicts_closer_to_the_ensemble_than_its_members(teachers, stud
   # Regression: the KL divergence from the mixture's moment-matched Gaussian.
   teacher, student = teachers['regression'], students['regression']
   means, variances = teacher.components(REGRESSION_TEST[0])
-  moments = regression.mixture_moments(means, variances)
+  moments = mixture.mixture_moments(means, variances)
   gaussian_kl = lambda mean, variance: (0.5 * (np.log(variance / moments['variance']) - 1 + (
       moments['variance'] + (moments['mean'] - mean) ** 2) / variance)).mean()
   predicted = student.predict(REGRESSION_TEST[0], levels=())
@@ -159,14 +159,14 @@ def test_report_is_the_direct_nll_of_ensemble_members_and_student(teachers, stud
   x, y = REGRESSION_TEST
   means, variances = teachers['regression'].components(x)
   report = students['regression'].distillation
-  np.testing.assert_allclose(report.ensemble_nll, -regression.mixture_log_density(means, variances, y[:, None]).mean(),
+  np.testing.assert_allclose(report.ensemble_nll, -mixture.mixture_log_density(means, variances, y[:, None]).mean(),
                              rtol=1e-6)
-  member_nll = [-regression.mixture_log_density(means[k:k + 1], variances[k:k + 1], y[:, None]).mean()
+  member_nll = [-mixture.mixture_log_density(means[k:k + 1], variances[k:k + 1], y[:, None]).mean()
                 for k in range(K)]
   np.testing.assert_allclose([report.mean_member_nll, report.best_member_nll], [np.mean(member_nll),
                                                                                  np.min(member_nll)], rtol=1e-6)
   student_means, student_variances = students['regression'].components(x)
-  np.testing.assert_allclose(report.student_nll, -regression.mixture_log_density(
+  np.testing.assert_allclose(report.student_nll, -mixture.mixture_log_density(
       student_means, student_variances, y[:, None]).mean(), rtol=1e-6)
 
 

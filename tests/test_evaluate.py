@@ -292,7 +292,7 @@ def _assert_same_numbers(got, want, path='results'):
 
 def test_the_python_report_is_the_command_line_s_on_the_same_examples(workdir, tmp_path):
   """Issue 76: `Ensemble.report` gives what `python -m ensemble.evaluate` gives (one implementation,
-  `scoring.score`): on the same test set and held-out slice, the same numbers, the same files."""
+  `Task.report`): on the same test set and held-out slice, the same numbers, the same files."""
   import ensemble  # pylint: disable=g-import-not-at-top
   cli = evaluation.evaluate(workdir, angles=[0, 90], output_dir=str(tmp_path / 'cli'))
   config = evaluation.load_run_config(workdir)
@@ -336,3 +336,21 @@ def test_evaluate_predicts_each_set_once_and_scores_what_it_is_asked(workdir, tm
 def ensemble_load(path):
   import ensemble  # pylint: disable=g-import-not-at-top
   return ensemble.load(path)
+
+
+def test_a_report_from_python_never_takes_the_place_of_the_run_s_own(workdir, tmp_path):
+  """`python -m ensemble.evaluate` keeps the temperature `load` applies in WORKDIR/eval; `Ensemble.report` written
+  there took its place, and `load` dropped the temperature (a regression's variance scale alike). Refused in one
+  line, and `load` returns what it did."""
+  import ensemble  # pylint: disable=g-import-not-at-top
+  run = linked_workdir(workdir, str(tmp_path / 'run'))
+  evaluation.evaluate(run, angles=[], noise=False, ood_names=[])
+  before = ensemble.load(run)
+  assert before.temperature != 1.0
+  test = data.load(data_dir=evaluation.load_run_config(run).data_dir).test
+  with pytest.raises(ensemble.UsageError, match=r'output_dir=.*eval is the eval folder of the run in .*; write the '
+                                                'report to another folder') as refused:
+    before.report(test['image'][:20], test['label'][:20], angles=[], noise=False, ood={},
+                  output_dir=os.path.join(run, 'eval'))
+  assert '\n' not in str(refused.value)
+  assert ensemble.load(run).temperature == before.temperature

@@ -455,3 +455,15 @@ def test_an_empty_workdir_is_refused_and_a_saved_one_takes_the_umasks_mode(regre
   assert oct(os.stat(saved).st_mode & 0o777) == oct(0o755)
   assert repr(regression) == ("Ensemble(4 members of user_models:Regressor, regression of 1 target from 3 features, "
                               "epoch 2, in memory)")
+
+
+def test_a_class_below_one_8_bit_step_trains_from_float_images():
+  """Two classes 1/1000 apart in brightness, the same pixels once rounded to 8 bits (what every image was before):
+  float images keep their precision, so the members tell them apart."""
+  rng = np.random.default_rng(0)
+  y = rng.integers(0, 2, 256).astype(np.int32)
+  x = (0.501 + y[:, None, None, None] / 1000 + rng.normal(0, 1e-4, (256, 4, 4, 1))).astype(np.float32)
+  assert len(np.unique(np.rint(x * 255))) == 1
+  ens = ensemble.fit('mlp', (x[:192], y[:192]), test=(x[192:], y[192:]), ensemble_size=2, epochs=3, batch_size=32,
+                     progress=False, optimizer='adamw', learning_rate=0.01, augment='none')
+  assert ens.summary['test_accuracy'] > 0.95

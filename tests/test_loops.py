@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ensemble
-from ensemble import data
+from ensemble import data, tasks
 from ensemble.errors import UsageError
 from ensemble.loops import record as record_lib
 
@@ -242,7 +242,7 @@ def test_regression_improvement_is_over_the_best_target_labelled_so_far():
   rng = np.random.default_rng(0)
   means, variances = rng.normal(100.0, 3.0, (4, 50)), rng.uniform(0.5, 4.0, (4, 50))
   best = 104.0
-  chosen = loop.acquisition_program('ei', 'regression', 3)((means, variances), None, best)
+  chosen = loop.acquisition_program('ei', tasks.named('regression'), 3)((means, variances), None, best)
   want = np.argsort(-np.asarray(acquire.expected_improvement((means, variances), best)))[:3]
   np.testing.assert_array_equal(chosen, want)
   assert not np.array_equal(chosen, np.argsort(-np.asarray(acquire.expected_improvement((means, variances),

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ensemble import backends, calibration, data, evaluation, methods, models, optim, predictor
+from ensemble import backends, calibration, data, devices as devices_lib, evaluation, methods, models, optim, predictor
 from ensemble import recipe as recipe_lib
 from ensemble import steps, trainer
 from ensemble.errors import UsageError
@@ -192,7 +192,7 @@ def test_pmap_and_jit_train_every_method_alike(trained, method):
 def test_evaluate_scores_a_batchensemble_workdir_like_any_ensemble(trained):
   config, workdir, _, summary = trained('batchensemble')
   run_config = evaluation.load_run_config(workdir)
-  devices = predictor.evaluation_devices(K)
+  devices = devices_lib.evaluation_devices(K)
   member, state, _ = evaluation.restore(workdir, run_config, None, devices)
   log_probs = predictor.Predictor(member, state, devices, 64).log_probs(data.load(data_dir=config.data_dir).test)
   test = data.load(data_dir=config.data_dir).test

@@ -18,7 +18,7 @@ import user_models
 from conftest import timeless
 from ensemble import defaults, evaluation, export, predict, writers
 from ensemble.methods import batchensemble
-from ensemble.tasks import regression
+from ensemble.tasks import mixture, regression
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -35,48 +35,48 @@ def _two_members():
 
 def test_mixture_moments_split_into_aleatoric_and_epistemic_by_hand():
   # mean (0 + 2) / 2 = 1; aleatoric (1 + 1) / 2 = 1; epistemic ((0-1)^2 + (2-1)^2) / 2 = 1; total 2.
-  moments = regression.mixture_moments(*_two_members())
+  moments = mixture.mixture_moments(*_two_members())
   assert moments['mean'].item() == 1.0 and moments['aleatoric'].item() == 1.0
   assert moments['epistemic'].item() == 1.0 and moments['variance'].item() == 2.0
   # Unequal variances: N(1, 4) and N(3, 0.25): mean 2, aleatoric 2.125, epistemic 1.
-  moments = regression.mixture_moments(np.array([1.0, 3.0]).reshape(2, 1, 1), np.array([4.0, 0.25]).reshape(2, 1, 1))
+  moments = mixture.mixture_moments(np.array([1.0, 3.0]).reshape(2, 1, 1), np.array([4.0, 0.25]).reshape(2, 1, 1))
   np.testing.assert_allclose([moments['mean'].item(), moments['aleatoric'].item(), moments['epistemic'].item()],
                              [2.0, 2.125, 1.0])
 
 
 def test_mixture_quantiles_are_exact():
   # One component: the Gaussian's own quantiles.
-  low, high = regression.mixture_interval(np.zeros((1, 1, 1)), np.full((1, 1, 1), 4.0), 0.9)
+  low, high = mixture.mixture_interval(np.zeros((1, 1, 1)), np.full((1, 1, 1), 4.0), 0.9)
   np.testing.assert_allclose([low.item(), high.item()], [-2 * 1.6448536269514722, 2 * 1.6448536269514722], atol=1e-9)
   # Two symmetric components: the median is the centre, and the bounds hold the mixture's CDF at the levels.
   means, variances = _two_members()
-  assert regression.mixture_quantile(means, variances, 0.5).item() == pytest.approx(1.0, abs=1e-9)
+  assert mixture.mixture_quantile(means, variances, 0.5).item() == pytest.approx(1.0, abs=1e-9)
   for level in regression.LEVELS:
-    low, high = regression.mixture_interval(means, variances, level)
+    low, high = mixture.mixture_interval(means, variances, level)
     cdf = lambda x: 0.5 * (scipy.stats.norm.cdf(x, 0, 1) + scipy.stats.norm.cdf(x, 2, 1))
     assert cdf(low.item()) == pytest.approx((1 - level) / 2, abs=1e-10)
     assert cdf(high.item()) == pytest.approx((1 + level) / 2, abs=1e-10)
   # Traced in float32 (what ensemble.export runs), the same bounds to float32's resolution.
-  traced = jax.jit(lambda m, v: regression.predictive(m, v, xp=jax.numpy))(means.astype(np.float32),
+  traced = jax.jit(lambda m, v: mixture.predictive(m, v, xp=jax.numpy))(means.astype(np.float32),
                                                                          variances.astype(np.float32))
-  for key, value in regression.predictive(means, variances).items():
+  for key, value in mixture.predictive(means, variances).items():
     np.testing.assert_allclose(traced[key], value, rtol=1e-6, atol=1e-6, err_msg=key)
 
 
 def test_mixture_nll_and_crps_against_numerical_integration():
   means, variances = np.array([-1.0, 0.5, 3.0]).reshape(3, 1, 1), np.array([0.3, 1.0, 2.5]).reshape(3, 1, 1)
   pdf = lambda x: np.mean([scipy.stats.norm.pdf(x, m, np.sqrt(v)) for m, v in zip(means.ravel(), variances.ravel())])
-  cdf = lambda x: regression.mixture_cdf(means, variances, np.array([[x]])).item()
+  cdf = lambda x: mixture.mixture_cdf(means, variances, np.array([[x]])).item()
   assert scipy.integrate.quad(pdf, -np.inf, np.inf)[0] == pytest.approx(1.0, abs=1e-8)
   for y in (-2.0, 0.7, 4.0):
-    log_density = regression.mixture_log_density(means, variances, np.array([[y]])).item()
+    log_density = mixture.mixture_log_density(means, variances, np.array([[y]])).item()
     assert log_density == pytest.approx(np.log(pdf(y)), abs=1e-10)
     # CRPS = integral of (F(x) - 1{x >= y})^2 dx.
     crps = (scipy.integrate.quad(lambda x: cdf(x) ** 2, -40, y, limit=200)[0]
             + scipy.integrate.quad(lambda x: (1 - cdf(x)) ** 2, y, 40, limit=200)[0])
-    assert regression.mixture_crps(means, variances, np.array([[y]])).item() == pytest.approx(crps, abs=1e-7)
+    assert mixture.mixture_crps(means, variances, np.array([[y]])).item() == pytest.approx(crps, abs=1e-7)
   # A point forecast's CRPS is its absolute error.
-  assert regression.mixture_crps(np.full((1, 1, 1), 2.0), np.full((1, 1, 1), 1e-12),
+  assert mixture.mixture_crps(np.full((1, 1, 1), 2.0), np.full((1, 1, 1), 1e-12),
                                  np.array([[5.0]])).item() == pytest.approx(3.0, abs=1e-5)
 
 
@@ -86,7 +86,7 @@ def test_a_two_dimensional_mixture_density_is_the_product_per_component():
   y = np.array([[0.5, 0.0]])
   expected = np.log(np.mean([np.prod(scipy.stats.norm.pdf(y[0], means[m, 0], np.sqrt(variances[m, 0])))
                              for m in range(2)]))
-  assert regression.mixture_log_density(means, variances, y).item() == pytest.approx(expected, abs=1e-12)
+  assert mixture.mixture_log_density(means, variances, y).item() == pytest.approx(expected, abs=1e-12)
 
 
 # --- fit ----------------------------------------------------------------------------------------------------------
@@ -303,17 +303,17 @@ def test_normalised_conformal_intervals_hold_their_coverage_over_many_seeds():
     x = rng.uniform(-1, 1, (n + 50, 1))
     y = np.sin(3 * x) + rng.normal(0, 0.2 + 0.3 * np.abs(x))
     mean, std = np.sin(3 * x), 0.3 * np.exp(x)  # a right mean, a misshapen std
-    q = regression.conformal_quantile(mean[:n], std[:n], y[:n], alpha)
+    q = mixture.conformal_quantile(mean[:n], std[:n], y[:n], alpha)
     covered.append(np.mean(np.abs(y[n:] - mean[n:]) <= q * std[n:]))
   # Each draw's test coverage averages to the marginal coverage; 400 draws of 50 points: std about 0.003.
   assert 1 - alpha - 0.01 <= np.mean(covered) <= 1 - alpha + 1 / (n + 1) + 0.01
-  assert np.isinf(regression.conformal_quantile(mean[:5], std[:5], y[:5], alpha)).all()  # 5 < 1 / 0.1 - 1
+  assert np.isinf(mixture.conformal_quantile(mean[:5], std[:5], y[:5], alpha)).all()  # 5 < 1 / 0.1 - 1
 
 
 def test_a_variance_scale_recovers_a_known_misscaling():
   rng = np.random.default_rng(0)
   y = rng.normal(0, 2.0, (5000, 1))
-  scale = regression.scale_variances(np.zeros((1, 5000, 1)), np.ones((1, 5000, 1)), y)
+  scale = mixture.scale_variances(np.zeros((1, 5000, 1)), np.ones((1, 5000, 1)), y)
   assert scale == pytest.approx(4.0, rel=0.05)  # the NLL's minimum is at the sample variance
 
 

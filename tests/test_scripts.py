@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,7 +101,8 @@ def test_compare_methods_scores_runs_in_the_background_and_distils_in_a_process_
 
 def test_backbone_prints_its_table(tmp_path):
   """scripts/backbone.py on a few rows: a row per ensemble, every figure a number."""
-  result = _run('scripts/backbone.py', '--rows=256', '--epochs=1', '--ensemble_size=2', '--sections=memory,quality')
+  result = _run('scripts/backbone.py', '--rows=256', '--test_rows=500', '--epochs=1', '--ensemble_size=2',
+                '--sections=memory,quality')
   assert result.returncode == 0, result.stderr[-3000:]
   rows = [line for line in result.stdout.splitlines() if line.startswith('| ') and not line.startswith('| ensemble')]
   assert [row.split(' | ')[0] for row in rows] == ['| deep ensemble', '| heads (frozen)', '| heads (tuned)',
@@ -134,6 +136,25 @@ def test_a_task_benchmark_prints_its_table(script, disagreement):
         assert float(figure) == float(figure), (name, key, figure)  # a number, not NaN
   refused = _run(script, '--ensemble_size=1')
   assert refused.returncode == 2 and 'error: --ensemble_size=1' in refused.stderr, refused.stderr[-3000:]
+
+
+def test_the_quantile_benchmark_prints_both_ensembles_rows(tmp_path):
+  """scripts/quantile_uci.py on a small generated table: a row per ensemble, every figure a number; a table it
+  cannot read refused in one line."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(120, 3))
+  y = x[:, 0] * 3 + rng.normal(size=120) * (1 + np.abs(x[:, 1]))
+  (tmp_path / 't.csv').write_text('a,b,c,y\n' + ''.join(f'{a},{b},{c},{t}\n' for (a, b, c), t in zip(x, y)))
+  result = _run('scripts/quantile_uci.py', f'--csv={tmp_path / "t.csv"}:y', '--splits=2', '--epochs=2',
+                f'--json={tmp_path / "out.json"}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = [line for line in result.stdout.splitlines() if line.startswith('| ') and '---' not in line][1:]
+  assert [row.split(' | ')[0] for row in rows] == ['| Gaussian', '| quantile + CQR'], result.stdout
+  for row in rows:
+    assert all(float(cell.split()[0]) == float(cell.split()[0]) for cell in row.strip('|').split('|')[1:]), row
+  assert set(json.loads((tmp_path / 'out.json').read_text())['t'][0]) == {'regression', 'quantile'}
+  refused = _run('scripts/quantile_uci.py', f'--csv={tmp_path / "t.csv"}:z')
+  assert refused.returncode == 2 and "error: --csv=" in refused.stderr and "no column 'z'" in refused.stderr
 
 
 # What a GPU machine's image lacks once scripts/gpu_check.sh has installed its wheels: TensorFlow and TFDS. PyTorch is

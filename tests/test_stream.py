@@ -89,14 +89,14 @@ def test_fit_trains_on_a_random_access_source_as_on_its_arrays(fields):
 
 
 def test_a_source_of_float_images_trains_on_their_pixels_as_arrays_do():
-  """Float images in [0, 1] are read as uint8 pixels, as `fit`'s arrays become; out of that range, one line."""
+  """Float images in [0, 1] are read as float32 pixels, as `fit`'s arrays become; out of that range, one line."""
   rng = np.random.default_rng(1)
   x, y = rng.random((48, 6, 6, 1), dtype=np.float32), rng.integers(0, 3, 48).astype(np.int32)
   common = dict(ensemble_size=2, epochs=1, batch_size=16, progress=False)
   arrays = ensemble.fit(_Tiny(), (x, y), **common)
   streamed = ensemble.fit(_Tiny(), [(x[i], y[i]) for i in range(len(x))], **common)
   _assert_same_state(streamed.state, arrays.state)
-  with pytest.raises(data.DataError, match=r'train= source: float images must lie in \[0, 1\] but span \[0'):
+  with pytest.raises(data.DataError, match=r'train= source: float images must lie in \[0, 1\] but span \['):
     ensemble.fit(_Tiny(), [(x[i] * 255, y[i]) for i in range(len(x))], **common)
 
 

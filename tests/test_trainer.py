@@ -237,12 +237,12 @@ def test_the_fast_path_writes_the_plain_paths_metrics(make_config, tmp_path):
   assert timeless(fast) == timeless(plain)
 
 
-def test_survives_a_thousand_steps_on_eight_devices(make_config, tmp_path):
+def test_survives_hundreds_of_steps_on_eight_devices(make_config, tmp_path):
   """docs/backends-and-devices.md, "Many devices on a CPU": on 2 cores, unbounded async dispatch over 8 devices
-  aborts within 300 steps."""
-  config = make_config(backend='jit', num_epochs=8, batch_size=2, eval_batch_size=100)
+  aborts within 300 steps; 384 (3 epochs of 128) pass it."""
+  config = make_config(backend='jit', num_epochs=3, batch_size=2, eval_batch_size=100)
   state, summary = trainer.train_and_evaluate(config, str(tmp_path / 'run'))
-  assert int(np.asarray(state.step)[0]) == 8 * 128
+  assert int(np.asarray(state.step)[0]) == 3 * 128
   assert np.isfinite(summary['train_loss'])
 
 

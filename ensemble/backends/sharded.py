@@ -27,8 +27,8 @@ from absl import logging
 from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ensemble import steps
-from ensemble.backends import ENSEMBLE_AXIS, jit, train_program
+from ensemble import steps, tasks
+from ensemble.backends import ENSEMBLE_AXIS, MESH_MODELS, jit, train_program
 from ensemble.errors import UsageError
 from ensemble.keys import seed_key
 from ensemble.parallel import DATA_AXIS, MESH_AXES, fsdp, logical
@@ -239,3 +239,53 @@ BACKENDS = {
     'dp': functools.partial(ShardMapBackend, shard_params=False),
     'fsdp': functools.partial(ShardMapBackend, shard_params=True),
 }
+
+
+def resolved(r, devices: Sequence[jax.Device]) -> dict[str, Any]:
+  """A mesh backend splits one model over all the devices: an ensemble of one, the model its placement is written
+  for, on plain batches; its mesh's shape resolved (ensemble/recipe.py asks, with the other rules)."""
+  backend, model = r.backend, MESH_MODELS[r.backend]
+  example = f"configs/{'mlp' if backend == 'sharded' else backend}.py"
+  plain = f'backend {backend!r} trains one model on plain batches: set'
+  n = len(devices)
+  fix = f'set --config.mesh_shape to a (data, model) pair whose product is {n}, e.g. ({n}, 1) or (-1, 1)'
+  refusals = [
+      (not (r.mesh_shape and r.num_layers),
+       f'backend {backend!r} needs the mesh fields (mesh_shape, ...) of {example}: run with --config={example}'),
+      (r.model != model, f'backend {backend!r} trains model {model!r}, not {r.model!r}: set --config.model={model}'),
+      (r.ensemble_size not in (0, 1), f'backend {backend!r} trains one model, not an ensemble: set '
+                                      '--config.ensemble_size=1, or use backend pmap or jit for ensembles'),
+      (r.method != 'independent', f'backend {backend!r} trains one model, not an ensemble: leave --config.method at '
+                                  'independent, or use backend pmap or jit for the ensembling methods'),
+      (r.member_data != 'shared', f'backend {backend!r} trains one model: set --config.member_data=shared'),
+      (r.task != tasks.DEFAULT,
+       f'backend {backend!r} trains one classifier: use backend pmap or jit for --config.task={r.task}'),
+      (r.augment != 'none', f'{plain} --config.augment=none, or use backend pmap or jit for augmented training'),
+      (r.adversarial_epsilon, f'{plain} --config.adversarial_epsilon=0, or use backend pmap or jit for adversarial '
+                              'training'),
+      (jax.process_count() != 1,
+       f'backend {backend!r} runs in a single process; use backend pmap or jit across processes')]
+  shape = r.mesh_shape
+  if not any(refused for refused, _ in refusals) and -1 in shape:
+    known = max(shape)
+    refusals.append((n % known, f'mesh_shape={shape!r}: {known} does not divide the {n} devices in use; {fix}'))
+    shape = tuple(n // known if s == -1 else s for s in shape)
+  for refused, message in refusals:
+    if refused:
+      raise UsageError(message)
+  if math.prod(shape) != n:
+    raise UsageError(f'mesh_shape={r.mesh_shape} has {math.prod(shape)} devices but {n} are in use; {fix}, or use '
+                     '--config.num_devices')
+  for name in ('batch_size', 'eval_batch_size'):
+    if getattr(r, name) % shape[0]:
+      raise UsageError(f'{name}={getattr(r, name)} cannot be split over the {shape[0]} devices of the data axis; set '
+                       f'--config.{name} to a multiple of {shape[0]}')
+  if backend in ('dp', 'fsdp'):
+    if shape != (n, 1):
+      raise UsageError(f'mesh_shape={r.mesh_shape}: dp and fsdp split over the data axis only; set '
+                       f'--config.mesh_shape=({n}, 1)')
+    per_device = r.batch_size // n
+    if per_device % r.num_minibatches:
+      raise UsageError(f'num_minibatches={r.num_minibatches} does not divide the {per_device} examples each device '
+                       f'gets per step; set --config.num_minibatches to a divisor of {per_device}')
+  return {'ensemble_size': 1, 'mesh_shape': shape}

@@ -11,13 +11,14 @@ from typing import Callable
 
 import numpy as np
 
+from ensemble import tasks
 from ensemble.data import array_record, arrays, bundled, csv, idx, npz, stream, tfds
 from ensemble.data.base import IGNORED, DataError, Dataset, Split
 from ensemble.data.batches import (bucket_rows, epoch_indices, eval_batches, heldout_count, hold_out, steps_per_epoch,
                                    train_batch_indices, train_batches)
 
-__all__ = ['DataError', 'Dataset', 'Split', 'SOURCES', 'bucket_rows', 'channel_stats', 'load', 'epoch_indices',
-           'eval_batches', 'heldout_count', 'hold_out', 'input_stats', 'steps_per_epoch', 'train_batch_indices',
+__all__ = ['DataError', 'Dataset', 'Split', 'SOURCES', 'arrays', 'stream', 'bucket_rows', 'channel_stats', 'load',
+           'epoch_indices', 'eval_batches', 'heldout_count', 'hold_out', 'steps_per_epoch', 'train_batch_indices',
            'train_batches']
 
 _STATS_CHUNK_BYTES = 1 << 24
@@ -50,19 +51,19 @@ SOURCES = {
 
 
 def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
-         test_split: str = 'test', *, task: str = 'classification', target: str = '',
+         test_split: str = 'test', *, task: str = tasks.DEFAULT, target: str = '',
          streaming: str = 'never', ignore: int = IGNORED) -> Dataset:
   """Loads a dataset: the bundled or tensorflow-datasets' `dataset` when `data_dir` is empty, else what it names.
 
-  Regression (`task`) reads an .npz file with float targets, a .csv file whose `target` columns are the
-  targets, or a converted folder of regression data; multi-label the same with 0/1 labels (N, L) (a .csv's
-  `target` columns the labels); dense classification an .npz file of classes per position (`ignore` where a
-  position has none) or a converted folder of them. `streaming` (config.streaming, `stream.wanted`) leaves a
-  converted folder or a tfds dataset prepared as ArrayRecord on disk, its splits read as training asks.
+  A task whose labels image datasets do not hold (ensemble/tasks/: regression, multi-label, dense, quantile)
+  reads an .npz file of its labels, a converted folder of them, or (a task that reads tables) a .csv file whose
+  `target` columns are its targets (labels); a dense task's `ignore` marks a position without a label.
+  `streaming` (config.streaming, `stream.wanted`) leaves a converted folder or a tfds dataset prepared as
+  ArrayRecord on disk, its splits read as training asks.
   """
   data_dir = os.path.expanduser(data_dir or '')
   stream.check_mode(streaming)
-  if task in ('regression', 'multilabel', 'dense'):
+  if not tasks.named(task).image_datasets:
     return _load_rows(task, dataset, data_dir, target, streaming, ignore)
   if dataset == ARRAYS and not data_dir:
     raise DataError('the run was trained on arrays in memory (ensemble.fit), which no file holds: give --data_dir '
@@ -84,7 +85,7 @@ def load(dataset: str = 'mnist', data_dir: str = '', train_split: str = 'train',
 
 def _load_rows(task: str, dataset: str, data_dir: str, target: str, streaming: str,
                ignore: int = IGNORED) -> Dataset:
-  """A regression's, a multi-label or a dense task's data: targets (labels) per example, from a file."""
+  """The data of a task that image datasets do not hold: its labels per example, from a file."""
   if dataset == ARRAYS and not data_dir:
     raise DataError('the run was trained on arrays in memory (ensemble.fit), which no file holds: give --data_dir '
                     'an .npz or .csv file of the same data, or score it from Python with '
@@ -95,50 +96,46 @@ def _load_rows(task: str, dataset: str, data_dir: str, target: str, streaming: s
     raise stream.cannot_stream(data_dir or 'an empty data_dir')
   if data_dir.endswith('.npz'):
     return npz.load(data_dir, task, ignore)
-  if task == 'dense':
-    raise DataError(f'{data_dir or "an empty data_dir"}: dense classification reads an .npz file (x_train, y_train '
-                    'of classes per position (N, *positions), x_test, y_test) or a folder from ensemble.data.convert; '
-                    'set --config.data_dir to one')
-  if data_dir.endswith('.csv'):
+  reads_tables = tasks.named(task).tables
+  if data_dir.endswith('.csv') and reads_tables:
     return csv.load(data_dir, target, task)
-  labels = 'float y_train' if task == 'regression' else 'y_train of 0/1 labels (N, L)'
-  raise DataError(f'{data_dir or "an empty data_dir"}: {task} reads an .npz file (x_train, {labels}, '
-                  'x_test, y_test), a .csv file with --config.target or a folder from ensemble.data.convert; set '
-                  '--config.data_dir to one')
-
-
-def input_stats(inputs: np.ndarray, kind: str,
-                standardize_features: bool = False) -> tuple[tuple[float, ...], tuple[float, ...]]:
-  """(mean, std) that `steps.Member.prepare` standardises with: per channel for images, per feature for features
-  when asked, and (0,), (1,), which leave them as they are, otherwise."""
-  if kind == 'images':
-    return channel_stats(inputs)
-  if kind == 'features' and standardize_features:
-    return arrays.feature_stats(inputs)
-  return (0.0,), (1.0,)
+  raise DataError(f'{data_dir or "an empty data_dir"}: task={task} reads an .npz file (x_train, y_train of its '
+                  'labels, x_test, y_test)' + (', a .csv file with --config.target' if reads_tables else '') +
+                  ' or a folder from ensemble.data.convert; set --config.data_dir to one')
 
 
 def channel_stats(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
-  """Per-channel mean and standard deviation of uint8 images, in [0, 1] units (x / 255).
+  """Per-channel mean and standard deviation of uint8 images in [0, 1] units (x / 255), or of float32 images in
+  [0, 1] as they are.
 
   The device normalises every batch with them. Counting each channel's 256
-  values chunk by chunk makes both exact (float64 on 256 counts only) and
+  values chunk by chunk makes both exact for uint8 (float64 on 256 counts only) and
   never copies a whole split to float: CIFAR-10's training split would be
-  1.2 GB as float64.
+  1.2 GB as float64. Float images are summed chunk by chunk in float64.
   """
-  if images.dtype != np.uint8 or images.ndim != 4 or not len(images):
-    raise ValueError(f'channel_stats needs uint8 images (N, H, W, C) with N > 0, got {images.dtype} {images.shape}')
+  if images.dtype not in (np.uint8, np.float32) or images.ndim != 4 or not len(images):
+    raise ValueError(f'channel_stats needs uint8 or float32 images (N, H, W, C) with N > 0, got {images.dtype} '
+                     f'{images.shape}')
   channels = images.shape[-1]
-  counts = np.zeros((channels, 256), np.int64)
   rows = max(1, _STATS_CHUNK_BYTES // images[:1].nbytes)
-  for start in range(0, len(images), rows):
-    chunk = images[start:start + rows]
-    for c in range(channels):
-      counts[c] += np.bincount(chunk[..., c].ravel(), minlength=256)
-  values = np.arange(256, dtype=np.float64) / 255.0
-  total = counts.sum(axis=1)
-  mean = counts @ values / total
-  var = (counts * (values[None, :] - mean[:, None]) ** 2).sum(axis=1) / total
+  if images.dtype == np.uint8:
+    counts = np.zeros((channels, 256), np.int64)
+    for start in range(0, len(images), rows):
+      chunk = images[start:start + rows]
+      for c in range(channels):
+        counts[c] += np.bincount(chunk[..., c].ravel(), minlength=256)
+    values = np.arange(256, dtype=np.float64) / 255.0
+    total = counts.sum(axis=1)
+    mean = counts @ values / total
+    var = (counts * (values[None, :] - mean[:, None]) ** 2).sum(axis=1) / total
+  else:
+    sums, squares = np.zeros(channels), np.zeros(channels)
+    for start in range(0, len(images), rows):
+      chunk = images[start:start + rows].reshape(-1, channels).astype(np.float64)
+      sums, squares = sums + chunk.sum(0), squares + (chunk ** 2).sum(0)
+    count = images.size // channels
+    mean = sums / count
+    var = np.maximum(squares / count - mean ** 2, 0.0)
   # A channel with one value throughout (blank images, a constant border channel) has nothing to scale: 1, as a
   # constant feature's or target's, where 0 made every prediction NaN and the run "diverge".
   return tuple(float(m) for m in mean), tuple(float(s) if s > 0 else 1.0 for s in np.sqrt(var))

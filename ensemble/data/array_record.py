@@ -18,14 +18,13 @@ from typing import Any
 
 import numpy as np
 
+from ensemble import tasks
 from ensemble.data import arrays, base, stream
 
 INFO = 'dataset.json'
 FORMAT = 'ensemble.array_record'
 VERSION = 1
 SPLITS = ('train', 'test')
-TASKS = ('classification', 'regression', 'multilabel', 'dense')
-CLASSES = ('classification', 'dense')  # the tasks whose labels are classes (dense: per position, -1 for none)
 INPUTS = ('images', 'features')
 # group_size:1 puts each record in its own chunk: a later streaming reader reads any one without its neighbours.
 WRITER_OPTIONS = 'group_size:1'
@@ -71,14 +70,14 @@ def _check_info(info: Any):
     raise ValueError(f'not an {FORMAT} description')
   if info['version'] != VERSION:
     raise ValueError(f'format version {info["version"]}, this package reads {VERSION} (upgrade it if newer)')
-  if info['task'] not in TASKS or info['inputs'] not in INPUTS:
-    raise ValueError(f'task {info["task"]!r} / inputs {info["inputs"]!r}, expected one of {TASKS} / {INPUTS}')
+  if info['task'] not in tasks.NAMES or info['inputs'] not in INPUTS:
+    raise ValueError(f'task {info["task"]!r} / inputs {info["inputs"]!r}, expected one of {tasks.NAMES} / {INPUTS}')
   for part, dtypes in _DTYPES.items():
     shape = info[part]['shape']
     if info[part]['dtype'] not in dtypes or not all(isinstance(d, int) and d > 0 for d in shape):
       raise ValueError(f'{part}: shape {shape} of dtype {info[part]["dtype"]!r}, expected positive sizes of one '
                        f'of {dtypes}')
-  if info['task'] in CLASSES and not (isinstance(info['num_classes'], int) and info['num_classes'] > 0):
+  if tasks.named(info['task']).has_classes and not (isinstance(info['num_classes'], int) and info['num_classes'] > 0):
     raise ValueError(f'num_classes {info["num_classes"]!r}, expected a positive count')
   for split in SPLITS:
     files = info['splits'][split]['files']
@@ -128,8 +127,9 @@ def decode(records: list[bytes], info: dict[str, Any], name: str) -> tuple[np.nd
     dtype, shape = np.dtype(info[part]['dtype']), info[part]['shape']
     parts.append(np.ascontiguousarray(rows[:, start:stop]).view(dtype).reshape(len(rows), *shape))
   labels = parts[1]
-  labelled = labels[labels != base.IGNORED] if info['task'] == 'dense' else labels  # a dense label's positions
-  if info['task'] in CLASSES and len(labelled) and not 0 <= labelled.min() <= labelled.max() < info['num_classes']:
+  kind = tasks.named(info['task'])
+  labelled = kind.labelled(labels)  # a dense label's positions that carry one
+  if kind.has_classes and len(labelled) and not 0 <= labelled.min() <= labelled.max() < info['num_classes']:
     labels = labelled
     raise base.DataError(f'{name}: labels reach [{labels.min()}, {labels.max()}] but dataset.json gives '
                          f'{info["num_classes"]} classes; {FIX}')
@@ -202,7 +202,7 @@ class FolderSource(stream.Source):
     return images, labels
 
 
-def load(folder: str, task: str = 'classification', streaming: str = 'never') -> base.Dataset:
+def load(folder: str, task: str = tasks.DEFAULT, streaming: str = 'never') -> base.Dataset:
   """Reads every record of both splits; the splits are checked as the other sources' are (`base.make_split`,
   `arrays.from_arrays`), so a converted folder is refused for what its source would have been. Streamed
   (`stream.wanted`), reads nothing yet: the splits are `stream.Records`, read a batch at a time as training asks,
@@ -215,11 +215,11 @@ def load(folder: str, task: str = 'classification', streaming: str = 'never') ->
   train_bytes = info['splits']['train']['examples'] * (record_bytes(info, 'image') + record_bytes(info, 'label'))
   if stream.wanted(streaming, train_bytes):
     splits = {split: stream.Records(FolderSource(folder, info, split)) for split in SPLITS}
-    outputs = info['num_classes'] if task in CLASSES else math.prod(info['label']['shape'])
+    outputs = info['num_classes'] if tasks.named(task).has_classes else math.prod(info['label']['shape'])
     return base.Dataset(splits['train'], splits['test'], f'{source}, streamed', outputs, inputs=info['inputs'],
                         task=task)
   loaded = {split: read_split(folder, info, split) for split in SPLITS}
-  if task == 'classification' and info['inputs'] == 'images':
+  if tasks.named(task).image_datasets and info['inputs'] == 'images':
     names = {split: (f'{folder}: {split} images', f'{folder}: {split} labels') for split in SPLITS}
     splits = {split: base.make_split(*loaded[split], *names[split]) for split in SPLITS}
     return base.make_dataset(splits['train'], splits['test'], source, names, num_classes=info['num_classes'])

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ensemble import tasks
 from ensemble.data import base
 
 
@@ -54,47 +55,9 @@ def inputs(values: Any, kind: str, role: str, shape: tuple[int, ...], trained_on
   return as_inputs(values, kind, role)
 
 
-def labels(values: Any, task: str, role: str, count: int, outputs: int, ignore: int = base.IGNORED,
-           positions: tuple[int, ...] = ()) -> np.ndarray:
-  """Labels for `count` inputs of `role`: int32 class indices within the `outputs` classes the members predict, a
-  regression's (N, D) float targets, D = `outputs`, a multi-label ensemble's (N, L) int32 0s and 1s, or a dense
-  ensemble's (N, *positions) classes, `base.IGNORED` where they hold `ignore`."""
-  values = as_array(values, role, 'labels')
-  if task == 'dense':
-    checked = base.as_dense_labels(values, role, ignore)
-    if checked.shape != (count, *positions):
-      raise base.DataError(f'{role}: labels of shape {checked.shape}, but the ensemble predicts a class at each of '
-                           f'the ({", ".join(map(str, positions))}) positions of {count} inputs; give labels of '
-                           f'shape {(count, *positions)}')
-    return within_classes(checked, outputs, role)
-  if task in ('regression', 'multilabel'):
-    what = 'targets' if task == 'regression' else 'labels'
-    if values.shape[:1] != (count,):
-      raise base.DataError(f'{role}: {what} of shape {values.shape}; give {count} rows of {what}, one per input')
-    checked = base.as_targets(values, role) if task == 'regression' else base.as_multilabels(values, role)
-    if checked.shape[1] != outputs:
-      raise base.DataError(f'{role}: {checked.shape[1]} {what} per input, but the ensemble predicts {outputs}')
-    return checked
-  if values.shape[:1] != (count,) or not np.issubdtype(values.dtype, np.integer):
-    raise base.DataError(f'{role}: labels of shape {values.shape} and dtype {values.dtype}; give {count} integer '
-                         'class indices, one per input')
-  return within_classes(base.as_labels(values, role), outputs, role)
-
-
-def within_classes(labels: np.ndarray, outputs: int, role: str) -> np.ndarray:
-  """Class labels that the `outputs` classes hold; a label beyond them (which would score NaN, or nothing) is one
-  line naming `role`."""
-  labelled = labels[labels != base.IGNORED] if labels.ndim > 1 else labels  # a dense task's labelled positions
-  if labelled.size and not 0 <= labelled.min() <= labelled.max() < outputs:
-    labels = labelled
-    raise base.DataError(f'{role}: labels span [{labels.min()}, {labels.max()}], outside the {outputs} classes '
-                         f'0..{outputs - 1} the members predict; give labels of those classes')
-  return labels
-
-
 def as_inputs(inputs: np.ndarray, kind: str, name: str) -> np.ndarray:
   """Features (float32, or float64 where float32 would round them: `base.host_float`) or int32 token ids (N, ...);
-  images go through `base.make_split`."""
+  images go through `base.as_images`."""
   if inputs.ndim < 2:
     raise base.DataError(f'{name}: inputs of shape {inputs.shape}; give one row per example, (N, ...) with at least '
                          'one value each (a single feature as x[:, None])')
@@ -116,89 +79,57 @@ def as_inputs(inputs: np.ndarray, kind: str, name: str) -> np.ndarray:
   return features
 
 
-def split(split_: Any, kind: str, name: str, task: str = 'classification', source: str = 'arrays',
+def split(split_: Any, kind: str, name: str, task: str = tasks.DEFAULT, source: str = 'arrays',
           outputs: int | None = None, ignore: int = base.IGNORED) -> base.Split:
   """One (inputs, labels) pair of `fit` as a Split, checked for its role `name` ('train', 'test', 'validation');
-  with `outputs`, class labels must lie within those classes (a validation split's, the training data's)."""
+  with `outputs`, class labels must lie within those classes, and rows of labels be as wide (a validation split's,
+  the training data's)."""
   checked = _split(split_, kind, name, task, source, ignore)
-  if outputs is not None and task in ('classification', 'dense'):
-    within_classes(checked['label'], outputs, name)
-  elif outputs is not None and task == 'multilabel' and checked['label'].shape[1] != outputs:
-    raise base.DataError(f"{name}: {checked['label'].shape[1]} labels per example, but the training data has "
-                         f'{outputs}; give every split the same labels')
+  task_ = tasks.named(task)
+  if outputs is not None and task_.has_classes:
+    task_.within_classes(checked['label'], outputs, name)
+  elif outputs is not None and checked['label'].shape[1] != outputs:
+    raise base.DataError(f"{name}: {checked['label'].shape[1]} {task_.noun[1]} per example, but the training data "
+                         f'has {outputs}; give every split the same {task_.noun[1]}')
   return checked
 
 
-def _split(split: Any, kind: str, name: str, task: str = 'classification', source: str = 'arrays',
+def _split(split: Any, kind: str, name: str, task: str = tasks.DEFAULT, source: str = 'arrays',
            ignore: int = base.IGNORED) -> base.Split:
+  """One pair's inputs checked for `kind` and its labels read by `task` beside them (`Task.split_labels`)."""
   inputs, labels = pair(split, name)
   if source != 'arrays':
     name = f'{source}: {name}'
   if len(inputs) != len(labels):
     raise base.DataError(f'{name}: {len(inputs)} inputs but {len(labels)} labels; give one label per example')
   base.check_examples(len(inputs), f'{name} inputs')
-  if task == 'dense':
-    return _dense_split(inputs, labels, kind, name, ignore)
-  if task in ('regression', 'multilabel'):
-    what = 'targets' if task == 'regression' else 'labels'
-    checked = (base.as_targets(labels, f'{name} targets') if task == 'regression'
-               else base.as_multilabels(labels, f'{name} labels'))
-    if kind == 'images':
-      return {**base.make_split(inputs, np.zeros(len(inputs), np.int32), f'{name} images', f'{name} {what}'),
-              'label': checked}
-    return {'image': as_inputs(inputs, kind, name), 'label': checked}
-  if not np.issubdtype(labels.dtype, np.integer):
-    whole = np.issubdtype(labels.dtype, np.number) and np.all(np.mod(labels, 1) == 0)
-    if not whole or labels.ndim > 1 and labels.shape[-1] > 1 and not np.all(np.isin(labels, (0, 1))):
-      raise base.DataError(f"{name}: real-valued targets (dtype {labels.dtype}) with task='classification': pass "
-                           "task='regression' to predict them, or integer class indices 0..C-1 to classify")
-    raise base.DataError(f"{name}: labels of dtype {labels.dtype}; give integer class indices 0..C-1 "
-                         "(y.astype(np.int32), or y.argmax(-1) for one-hot labels), or task='regression' for "
-                         'real-valued targets')
   if kind == 'images':
     if np.issubdtype(inputs.dtype, np.floating) and not np.isfinite(inputs).all():
       raise base.DataError(f'{name}: images hold NaN or infinite values; give uint8 pixels or floats in [0, 1]')
-    return base.make_split(inputs, labels, f'{name} images', f'{name} labels')
-  return {'image': as_inputs(inputs, kind, name), 'label': base.as_labels(labels, f'{name} labels')}
+    return base.make_split(inputs, labels, f'{name} images', f'{name} labels', task, ignore)
+  inputs = as_inputs(inputs, kind, name)
+  return {'image': inputs, 'label': tasks.named(task).split_labels(labels, inputs, f'{name} labels', ignore)}
 
 
-def _dense_split(inputs: np.ndarray, labels: np.ndarray, kind: str, name: str, ignore: int) -> base.Split:
-  """A dense task's split: a class per position of its inputs, (N, *positions) labels of (N, *positions, ...)
-  inputs (an image's (H, W) of its (H, W, C), a sequence's (T) of its (T, F))."""
-  labels = base.as_dense_labels(labels, f'{name} labels', ignore)
-  if kind == 'images':
-    checked = base.make_split(inputs, np.zeros(len(inputs), np.int32), f'{name} images', f'{name} labels')
-  else:
-    checked = {'image': as_inputs(inputs, kind, name)}
-  positions, shape = labels.shape[1:], checked['image'].shape[1:]
-  if shape[:len(positions)] != positions or len(shape) == len(positions) and kind != 'tokens':
-    raise base.DataError(f'{name}: labels of shape {labels.shape} for {kind} of shape {checked["image"].shape}; '
-                         "task='dense' takes a label per position of the inputs: labels (N, *positions) for inputs "
-                         '(N, *positions, channels)')
-  return {**checked, 'label': labels}
-
-
-def from_arrays(train: Any, test: Any | None, inputs: str = 'auto', task: str = 'classification',
+def from_arrays(train: Any, test: Any | None, inputs: str = 'auto', task: str = tasks.DEFAULT,
                 source: str = 'arrays', ignore: int = base.IGNORED) -> base.Dataset:
-  """(x, y) pairs -> a Dataset of `inputs` ('auto': `kind_of` the training inputs) from `source`.
-
-  For task 'regression', y holds float targets (N,) or (N, D); for 'multilabel', 0s and 1s (N, L); for 'dense',
-  classes per position (N, *positions), `ignore` where a position has none.
-  """
+  """(x, y) pairs -> a Dataset of `inputs` ('auto': `kind_of` the training inputs) from `source`, its labels
+  those of `task` (ensemble/tasks/: class indices, per position for a dense task, `ignore` where a position has
+  none; float targets (N,) or (N, D); 0s and 1s (N, L))."""
   kind = kind_of(pair(train, 'train')[0]) if inputs == 'auto' else inputs
   splits = {name: None if split is None else _split(split, kind, name, task, source, ignore)
             for name, split in (('train', train), ('test', test))}
   names = {name: (f'{name} inputs', f'{name} labels') for name in splits}
-  if task in ('regression', 'multilabel'):
-    return labelled_rows(splits['train'], splits['test'], source, names, kind, task)
-  return base.make_dataset(splits['train'], splits['test'], source, names, inputs=kind)
+  if tasks.named(task).has_classes:
+    return base.make_dataset(splits['train'], splits['test'], source, names, inputs=kind, task=task)
+  return labelled_rows(splits['train'], splits['test'], source, names, kind, task)
 
 
 def labelled_rows(train: base.Split, test: base.Split, source: str, names: dict[str, tuple[str, str]],
-                  inputs: str, task: str = 'regression') -> base.Dataset:
-  """A regression's or a multi-label task's Dataset, a row of labels per example: checks that the splits agree in
-  input shape and in number of targets (labels)."""
-  for index, what in ((0, inputs), (1, 'targets' if task == 'regression' else 'labels')):
+                  inputs: str, task: str) -> base.Dataset:
+  """A Dataset of a row of labels per example (targets, 0/1 labels): checks that the splits agree in input shape
+  and in the number of targets (labels)."""
+  for index, what in ((0, inputs), (1, tasks.named(task).noun[1])):
     key = 'image' if index == 0 else 'label'
     if test is not None and train[key].shape[1:] != test[key].shape[1:]:
       raise base.DataError(f'{names["test"][index]}: {what} of shape {test[key].shape[1:]} per example, but the '

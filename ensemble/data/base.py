@@ -11,9 +11,9 @@ from typing import BinaryIO
 
 import numpy as np
 
-from ensemble import errors
-from ensemble.errors import UsageError
-from ensemble.tasks.dense import IGNORED  # a dense label's position without a label, as the programs take it
+from ensemble import errors, tasks
+from ensemble.tasks import IGNORED  # noqa: F401  # a dense label's position without a label, as programs take it
+from ensemble.tasks.base import host_float  # noqa: F401  # features and targets on the host, as the sources read them
 
 # {'image': the inputs, 'label': int32 (N,)}. The inputs are uint8 images (N, H, W, C) for every source on disk;
 # arrays given to `ensemble.fit` may also be float32 features or int32 token ids of any shape (N, ...).
@@ -21,15 +21,15 @@ Split = dict[str, np.ndarray]
 
 # The most absent classes a warning lists by number.
 _LISTED_CLASSES = 10
-# Float images are converted this many bytes of input at a time, so a large split never needs a second float copy.
-_CHUNK_BYTES = 1 << 24
 
 
-class DataError(UsageError):
-  """A data file or dataset that is missing or malformed."""
+DataError = errors.DataError  # a data file or dataset that is missing or malformed
 
 
 HOST_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))  # what features and targets may be on the host
+# What images are on the host: 8-bit pixels, or float32 in [0, 1] where they came as floats (a 16-bit scan rescaled,
+# a render), kept at their precision: rounded to 8 bits, a class that lives below one 8-bit step is lost.
+IMAGE_DTYPES = (np.dtype(np.uint8), np.dtype(np.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,17 +43,16 @@ class Dataset:
   train: Split
   test: Split | None  # None: no test set (`ensemble.fit` without one)
   source: str  # what it came from, for logs and reports
-  num_classes: int  # for regression: the number of targets D; for multi-label: the number of labels L
+  num_classes: int  # what the task's labels count (`Task.noun`): classes, targets D, labels L
   inputs: str = 'images'  # what the inputs are: steps.INPUTS
-  # 'regression': labels are float targets (N, D); 'multilabel': 0/1 labels (N, L); 'dense': classes (N, *positions)
-  task: str = 'classification'
+  task: str = tasks.DEFAULT  # the labels' task (ensemble/tasks/), which reads and checks them
 
   def __post_init__(self):
     # A loader that breaks the layout would otherwise fail far away, inside a jitted step.
     # Features and targets may stay float64 until the loop standardises them (ensemble/loop.py): cast first, a
     # target of 1.7e9 +- 30 would keep one distinct value in 512.
-    layouts = {'images': ((np.uint8,), 'uint8 (N, H, W, C)'), 'features': (HOST_FLOATS, 'float32/64 (N, ...)'),
-               'tokens': ((np.int32,), 'int32 (N, ...)')}
+    layouts = {'images': (IMAGE_DTYPES, 'uint8 or float32 (N, H, W, C)'),
+               'features': (HOST_FLOATS, 'float32/64 (N, ...)'), 'tokens': ((np.int32,), 'int32 (N, ...)')}
     dtypes, layout = layouts[self.inputs]
     for name, split in (('train', self.train), ('test', self.test)):
       if split is None:
@@ -61,30 +60,17 @@ class Dataset:
       images, labels = split['image'], split['label']
       if images.dtype not in dtypes or images.ndim < 2 or (self.inputs == 'images' and images.ndim != 4):
         raise ValueError(f'Dataset.{name}: {self.inputs} must be {layout}, got {images.dtype} {images.shape}')
-      if self.task == 'regression':
-        if labels.dtype not in HOST_FLOATS or labels.ndim != 2 or labels.shape[0] != len(images):
-          raise ValueError(f'Dataset.{name}: targets must be float32/64 ({len(images)}, D), got {labels.dtype} '
-                           f'{labels.shape}')
-      elif self.task == 'multilabel':
-        if labels.dtype not in (np.dtype(np.int32), np.dtype(np.float32)) or labels.shape != (len(images),
-                                                                                            self.num_classes):
-          raise ValueError(f'Dataset.{name}: labels must be int32 0/1 or float32 probabilities ({len(images)}, '
-                           f'{self.num_classes}), got {labels.dtype} {labels.shape}')
-      elif self.task == 'dense':
-        positions = labels.shape[1:] if labels.dtype == np.int32 else labels.shape[1:-1]
-        if (labels.dtype not in (np.dtype(np.int32), np.dtype(np.float32)) or labels.shape[:1] != images.shape[:1]
-            or not positions or images.shape[1:1 + len(positions)] != positions):
-          raise ValueError(f'Dataset.{name}: dense labels must be int32 (N, *positions) classes or float32 '
-                           f'(N, *positions, C) probabilities of inputs (N, *positions, ...), got {labels.dtype} '
-                           f'{labels.shape} for inputs {images.shape}')
-      elif not ((labels.dtype == np.int32 and labels.shape == images.shape[:1])
-                or (labels.dtype == np.float32 and labels.ndim == 2 and labels.shape[0] == len(images))):
-        # float32 (N, C): a teacher's probabilities, what ensemble.distill trains a student on
-        raise ValueError(f'Dataset.{name}: labels must be int32 ({len(images)},) classes or float32 '
-                         f'({len(images)}, C) probabilities, got {labels.dtype} {labels.shape}')
+      problem = self.kind.layout_error(labels, images, self.num_classes)
+      if problem or labels.shape[:1] != images.shape[:1]:
+        raise ValueError(f'Dataset.{name}: {problem or f"{len(labels)} labels for {len(images)} inputs"}')
     if self.test is not None and self.train['image'].shape[1:] != self.test['image'].shape[1:]:
       raise ValueError(f'Dataset: train images {self.train["image"].shape[1:]} but test images '
                        f'{self.test["image"].shape[1:]}')
+
+  @property
+  def kind(self) -> tasks.Task:
+    """The task whose labels these are: what reads, checks and counts them."""
+    return tasks.named(self.task)
 
   @property
   def image_shape(self) -> tuple[int, ...]:
@@ -94,12 +80,7 @@ class Dataset:
   def describe(self) -> str:
     """'10 classes, images 28x28x1' or '1 target, features 3': the start of a run names what the members predict,
     and a regression run has targets, not classes."""
-    if self.task in ('regression', 'multilabel'):
-      what = 'target' if self.task == 'regression' else 'label'
-      predicted = f'{self.num_classes} {what}{"" if self.num_classes == 1 else "s"}'
-    else:
-      predicted = f'{self.num_classes} classes'
-    return f'{predicted}, {self.inputs} {"x".join(map(str, self.image_shape))}'
+    return f'{self.kind.describe(self.num_classes)}, {self.inputs} {"x".join(map(str, self.image_shape))}'
 
 
 def first_line(error: BaseException) -> str:
@@ -146,104 +127,28 @@ def _check_image_layout(images: np.ndarray, name: str):
                     'e.g. x.transpose(0, 2, 3, 1)')
 
 
-def float_to_uint8(images: np.ndarray, name: str) -> np.ndarray:
-  """Rounds x*255 chunk by chunk: floats are accepted in [0, 1] only, where this is lossless for 8-bit sources."""
+def float_images(images: np.ndarray, name: str) -> np.ndarray:
+  """Float images as float32, checked chunk by chunk to lie in [0, 1] (what the device takes as the pixel range)."""
   if not images.size:
-    return images.astype(np.uint8)
+    return images.astype(np.float32)
   low, high = float(images.min()), float(images.max())  # NaN propagates into both
   if np.isnan(low) or np.isnan(high):
     raise DataError(f'{name}: float images contain NaN; store uint8 (0..255) or float in [0, 1]')
   if low < 0.0 or high > 1.0:
-    raise DataError(f'{name}: float images must lie in [0, 1] but span [{low:g}, {high:g}]; '
-                    'scale them to [0, 1] (x / 255 for 0..255 values) or store uint8')
-  out = np.empty(images.shape, np.uint8)
-  rows = max(1, _CHUNK_BYTES // max(1, images[:1].nbytes))
-  for start in range(0, len(images), rows):
-    out[start:start + rows] = np.rint(images[start:start + rows] * 255)
-  return out
+    raise DataError(f'{name}: float images must lie in [0, 1] but span [{low:g}, {high:g}]; scale them to [0, 1] '
+                    "(x / 255 for 0..255 values), or give standardised values as features (inputs='features')")
+  return images.astype(np.float32, copy=False)
 
 
 def as_images(images: np.ndarray, name: str) -> np.ndarray:
-  """uint8 (N, H, W, C): (N, H, W) gains C=1 (a view), uint8 is kept as is, [0, 1] floats are rounded (for
-  training and prediction alike: the members see the same pixels)."""
+  """(N, H, W, C) uint8 or float32 in [0, 1]: (N, H, W) gains C=1 (a view), uint8 is kept as is, floats keep
+  their precision as float32 (for training and prediction alike: the members see the same pixels)."""
   images = images[..., None] if images.ndim == 3 else images
   if images.dtype == np.uint8:
     return images
   if np.issubdtype(images.dtype, np.floating):
-    return float_to_uint8(images, name)
+    return float_images(images, name)
   raise DataError(f'{name}: images of dtype {images.dtype}; store them as uint8 (0..255) or as float in [0, 1]')
-
-
-def as_labels(labels: np.ndarray, name: str) -> np.ndarray:
-  """int32 (N,) class indices; (N, 1), as Keras's CIFAR arrays come, is flattened."""
-  if labels.ndim == 2 and labels.shape[1] == 1:
-    labels = labels[:, 0]
-  if labels.ndim != 1:
-    raise DataError(f'{name}: labels of shape {labels.shape}, expected (N,) integer class indices '
-                    '(for one-hot labels store y.argmax(-1))')
-  if not np.issubdtype(labels.dtype, np.integer):
-    raise DataError(f'{name}: labels of dtype {labels.dtype}, expected integers 0..C-1; '
-                    'store class indices, e.g. y.astype(np.int32)')
-  if len(labels) and labels.min() < 0:
-    raise DataError(f'{name}: negative label {labels.min()}; labels must be class indices 0..C-1')
-  if len(labels) and labels.max() > np.iinfo(np.int32).max:
-    raise DataError(f'{name}: label {labels.max()} does not fit int32; labels must be class indices 0..C-1')
-  return labels.astype(np.int32, copy=False)
-
-
-def as_multilabels(labels: np.ndarray, name: str) -> np.ndarray:
-  """(N, L) int32 multi-label labels from (N,) (one label: binary classification) or (N, L) 0s and 1s, of any
-  number type or bool."""
-  if labels.dtype == bool:
-    labels = labels.astype(np.int32)
-  if not np.issubdtype(labels.dtype, np.number) or labels.ndim not in (1, 2):
-    raise DataError(f"{name}: labels of shape {labels.shape} and dtype {labels.dtype}; task='multilabel' takes (N, L) "
-                    'labels of 0 and 1, one column per label')
-  labels = labels.reshape(len(labels), -1)
-  if labels.size and not np.isin(labels, (0, 1)).all():
-    bad = labels[~np.isin(labels, (0, 1))].flat[0]
-    raise DataError(f"{name}: a label of {bad:g}; task='multilabel' takes 0 or 1 per label (class indices: "
-                    "task='classification'; a teacher's probabilities: ensemble.distill)")
-  return labels.astype(np.int32)
-
-
-
-
-def as_dense_labels(labels: np.ndarray, name: str, ignore: int = IGNORED) -> np.ndarray:
-  """int32 (N, *positions) class indices of a dense task, `IGNORED` where a position has the label `ignore`."""
-  if labels.ndim < 2 or not np.issubdtype(labels.dtype, np.integer):
-    raise DataError(f"{name}: labels of shape {labels.shape} and dtype {labels.dtype}; task='dense' takes integer "
-                    'class indices per position, (N, *positions): (N, H, W) for images (N, H, W, C), (N, T) for '
-                    'sequences (N, T, F)')
-  unlabelled = labels == ignore
-  if labels.size and (labels[~unlabelled] < 0).any():
-    raise DataError(f'{name}: a label of {labels[~unlabelled].min()}, neither a class 0..C-1 nor the ignored label '
-                    f'{ignore}; set ignore_label={labels[~unlabelled].min()} if it marks positions without a label')
-  if labels.size and labels.max() > np.iinfo(np.int32).max:
-    raise DataError(f'{name}: label {labels.max()} does not fit int32; labels must be class indices 0..C-1')
-  return np.where(unlabelled, IGNORED, labels).astype(np.int32)
-
-
-def host_float(values: np.ndarray) -> np.ndarray:
-  """`values` as float32, or float64 where float32 would round them (float64, 32- and 64-bit integers): the host
-  keeps their precision until the loop has standardised them."""
-  exact = values.dtype.itemsize <= 2 or values.dtype == np.float32
-  return values.astype(np.float32 if exact else np.float64, copy=False)
-
-
-def as_targets(targets: np.ndarray, name: str) -> np.ndarray:
-  """(N, D) regression targets from (N,) or (N, D) finite floats, float64 kept (`host_float`)."""
-  if not np.issubdtype(targets.dtype, np.floating):
-    raise DataError(f'{name}: targets of dtype {targets.dtype}; regression needs float targets (y.astype(np.float32)), '
-                    "or task='classification' for class indices")
-  if targets.ndim not in (1, 2):
-    raise DataError(f'{name}: targets of shape {targets.shape}; give (N,) or (N, D) float targets')
-  targets = targets.reshape(len(targets), -1)
-  finite = np.isfinite(targets).all(1)
-  if not finite.all():
-    raise DataError(f'{name}: targets hold NaN or infinite values (first at example {int(np.argmin(finite))}); '
-                    'drop those examples first')
-  return host_float(targets)
 
 
 def check_examples(count: int, name: str):
@@ -253,8 +158,9 @@ def check_examples(count: int, name: str):
     raise DataError(f'{name}: no examples, the split is empty; give it at least one example')
 
 
-def make_split(images: np.ndarray, labels: np.ndarray, images_name: str, labels_name: str) -> Split:
-  """Checks one split's arrays and brings them to the Split layout.
+def make_split(images: np.ndarray, labels: np.ndarray, images_name: str, labels_name: str,
+               task: str = tasks.DEFAULT, ignore: int = IGNORED) -> Split:
+  """Checks one split's images and their labels (as `task` reads them) and brings them to the Split layout.
 
   `images_name` and `labels_name` say where the arrays came from (a file, or a
   file and a field): every error names them.
@@ -264,13 +170,14 @@ def make_split(images: np.ndarray, labels: np.ndarray, images_name: str, labels_
     raise DataError(f'{images_name} / {labels_name}: {len(images)} images but {len(labels)} labels; '
                     'images and labels must come from the same split, in the same order')
   check_examples(len(images), images_name)
-  labels = as_labels(labels, labels_name)
-  return {'image': as_images(images, images_name), 'label': labels}
+  images = as_images(images, images_name)
+  return {'image': images, 'label': tasks.named(task).split_labels(labels, images, labels_name, ignore)}
 
 
 def make_dataset(train: Split, test: Split, source: str, names: dict[str, tuple[str, str]],
-                 num_classes: int | None = None, inputs: str = 'images') -> Dataset:
-  """Checks that the splits agree; without `num_classes`, it is the largest training label + 1.
+                 num_classes: int | None = None, inputs: str = 'images', task: str = tasks.DEFAULT) -> Dataset:
+  """Checks that the splits of class labels (of `task`: a class per input, or per position) agree; without
+  `num_classes`, it is the largest training label + 1.
 
   `names` maps 'train' and 'test' to their (images, labels) names, for the errors.
   """
@@ -282,7 +189,8 @@ def make_dataset(train: Split, test: Split, source: str, names: dict[str, tuple[
   if num_classes is None:
     # The user's class ids are kept: C is the largest training label + 1, so a class may be absent from training
     # (warned below), but none may lie above the largest one trained on, which no output would stand for.
-    num_classes = int(train['label'].max()) + 1
+    kind = tasks.named(task)
+    num_classes = kind.num_outputs(train['label'])
     if num_classes <= 0:  # dense labels, every position ignored
       raise DataError(f'{names["train"][1]}: no position carries a label (every one is the ignored label); give '
                       'labelled positions to train on')
@@ -293,20 +201,17 @@ def make_dataset(train: Split, test: Split, source: str, names: dict[str, tuple[
   for split_name, split in (('train', train), ('test', test)):
     if split is None:
       continue
-    largest = int(split['label'].max())
+    largest = int(tasks.named(task).labelled(split['label']).max(initial=-1))
     if largest >= num_classes:
       raise DataError(f'{names[split_name][1]}: label {largest} is outside 0..{num_classes - 1} ({where}); '
                       f'labels must be class indices 0..C-1{rule}')
-  _warn_absent_classes(train['label'], num_classes, absent_fix)
-  dense = train['label'].ndim > 1 and np.issubdtype(train['label'].dtype, np.integer)  # a class per position
-  return Dataset(train=train, test=test, source=source, num_classes=num_classes, inputs=inputs,
-                 task='dense' if dense else 'classification')
+  _warn_absent_classes(tasks.named(task).labelled(train['label']), num_classes, absent_fix)
+  return Dataset(train=train, test=test, source=source, num_classes=num_classes, inputs=inputs, task=task)
 
 
 def _warn_absent_classes(labels: np.ndarray, num_classes: int, fix: str):
   """Training goes on without some classes (labels {1, 2, 3} train 4 outputs), but says so (`errors.hint`): the
   members learn to give an absent class no probability, which is rarely what was meant."""
-  labels = labels[labels != IGNORED]  # dense labels' positions without one
   absent = np.flatnonzero(np.bincount(labels, minlength=num_classes) == 0)
   if not len(absent):
     return

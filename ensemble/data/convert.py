@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from absl import flags, logging
 import numpy as np
 
-from ensemble import cli, console, files
+from ensemble import cli, console, files, tasks
 from ensemble.data import array_record, base, csv, idx, inputs, npz, stream
 from ensemble.errors import UsageError
 
@@ -45,21 +45,23 @@ def load_source(path: str, task: str | None = None, target: str = '',
   if target and not path.endswith('.csv'):
     raise UsageError(f'--target={target}: names the target columns of a .csv input, not of {path}; drop it')
   if path.endswith('.csv'):
-    if task in ('classification', 'dense'):
-      raise UsageError(f'{path}: a .csv input is regression or multi-label data; drop --task={task}')
+    if task and not tasks.named(task).tables:
+      readers = [name for name in tasks.NAMES if tasks.named(name).tables]
+      raise UsageError(f'{path}: a .csv input is {", ".join(readers[:-1])} or {readers[-1]} data; drop --task={task}')
     if not target:
       raise UsageError(f'{path}: name its target column(s) with --target=COL[,COL]; every other column is a feature')
     targets = [name.strip() for name in target.split(',') if name.strip()]
-    return csv.load(path, target, task or 'regression'), {'targets': targets}
+    return csv.load(path, target, task or tasks.DEFAULT_FOR_TARGETS), {'targets': targets}
   if path.endswith('.npz'):
-    return npz.load(path, task or ('regression' if _float_targets(path) else 'classification'), ignore), {}
+    task = task or (tasks.DEFAULT_FOR_TARGETS if _float_targets(path) else tasks.DEFAULT)
+    return npz.load(path, task, ignore), {}
   if array_record.is_folder(path):  # converted before: written again, e.g. with other file sizes
     info = array_record.read_info(path)
     extra = {key: info[key] for key in ('class_names', 'targets') if info.get(key)}
     return array_record.load(path, task or info['task'], streaming='always'), extra
-  if task in ('regression', 'multilabel', 'dense'):
-    raise UsageError(f'{path}: --task={task} reads an .npz{"" if task == "dense" else " or a .csv"} input; a '
-                     'folder holds classes')
+  if task and not tasks.named(task).image_datasets:
+    raise UsageError(f'{path}: --task={task} reads an .npz{" or a .csv" if tasks.named(task).tables else ""} input; '
+                     'a folder holds classes')
   if os.path.isdir(os.path.join(path, 'train')):
     return image_folder(path)
   if os.path.isdir(path):
@@ -192,7 +194,7 @@ def write(dataset: base.Dataset, output: str, examples_per_file: int = 0, **extr
   info = {'format': array_record.FORMAT, 'version': array_record.VERSION, 'task': dataset.task,
           'inputs': dataset.inputs, 'image': array_record.describe(dataset.train['image']),
           'label': array_record.describe(dataset.train['label'])}
-  if dataset.task in array_record.CLASSES:
+  if dataset.kind.has_classes:
     info.update(num_classes=dataset.num_classes, class_names=extra.get('class_names'))
   else:
     info.update(num_targets=dataset.num_classes, targets=extra.get('targets'))
@@ -225,7 +227,7 @@ def convert(source: str, output: str, task: str | None = None, target: str = '',
   logging.info('Wrote %s: %s examples (%s), %.1f MB in %d files; train on it with --config.data_dir=%s%s.',
                output, counts, dataset.describe(), total / 1e6,
                sum(len(s['files']) for s in info['splits'].values()), output,
-               '' if dataset.task == 'classification' else f' --config.task={dataset.task}')
+               '' if dataset.task == tasks.DEFAULT else f' --config.task={dataset.task}')
   return info
 
 
@@ -247,7 +249,7 @@ def define_flags():
   flags.DEFINE_string('input', None, f'What to convert: {_KINDS}.', allow_override=True)
   flags.DEFINE_string('output', None, 'The folder to write; it must not exist yet.', allow_override=True)
   flags.DEFINE_string('target', '', 'A .csv input\'s target column(s), comma-separated.', allow_override=True)
-  flags.DEFINE_enum('task', None, list(array_record.TASKS),
+  flags.DEFINE_enum('task', None, list(tasks.NAMES),
                     'Default: regression for a .csv or an .npz with float y_train, else classification.',
                     allow_override=True)
   flags.DEFINE_integer('ignore_label', base.IGNORED, 'Task dense: the label of the positions without one.',

@@ -36,9 +36,9 @@ def _read(path: str) -> tuple[list[str], list[list[str]]]:
   return header, rows[1:]
 
 
-def load(path: str, target: str, task: str = 'regression') -> base.Dataset:
-  """The file's rows as a regression Dataset of float features and float targets (the columns `target` names,
-  comma-separated)."""
+def load(path: str, target: str, task: str) -> base.Dataset:
+  """The file's rows as a Dataset of float features and the `task`'s labels (float targets, 0/1 labels): the
+  columns `target` names, comma-separated."""
   if not os.path.isfile(path):
     raise base.DataError(f'{path}: no such file; data_dir must name a .csv file with a header row')
   header, rows = _read(path)

@@ -5,17 +5,18 @@ import zipfile
 
 import numpy as np
 
+from ensemble import tasks
 from ensemble.data import arrays, base
 
 KEYS = ('x_train', 'y_train', 'x_test', 'y_test')
 _FIX = 'save one with np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)'
 
 
-def load(path: str, task: str = 'classification', ignore: int = base.IGNORED) -> base.Dataset:
+def load(path: str, task: str = tasks.DEFAULT, ignore: int = base.IGNORED) -> base.Dataset:
   """Reads the four arrays; images HxW or HxWxC, uint8 or float in [0, 1]; labels integer class indices.
 
-  For regression, x may also be float features and y holds float targets (N,) or (N, D); for multi-label, y holds
-  0s and 1s (N, L); for a dense task, classes per position (N, *positions), `ignore` where a position has none.
+  For another task (ensemble/tasks/), x may also be features or token ids and y holds its labels: float targets
+  (N,) or (N, D), 0s and 1s (N, L), classes per position (N, *positions), `ignore` where a position has none.
   """
   if not os.path.isfile(path):
     raise base.DataError(f'{path}: no such file; data_dir must name a .npz file with {", ".join(KEYS)}')
@@ -32,7 +33,7 @@ def load(path: str, task: str = 'classification', ignore: int = base.IGNORED) ->
     raise
   except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
     raise base.DataError(f'{path}: cannot be read as .npz ({base.first_line(e)}); {_FIX}') from e
-  if task in ('regression', 'multilabel', 'dense'):
+  if not tasks.named(task).image_datasets:
     return arrays.from_arrays((loaded['x_train'], loaded['y_train']), (loaded['x_test'], loaded['y_test']),
                               task=task, source=path, ignore=ignore)
   names = {split: (f'{path}: x_{split}', f'{path}: y_{split}') for split in ('train', 'test')}

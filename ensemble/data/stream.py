@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from ensemble import tasks
 from ensemble.data import base
 
 # grain threads that read batches, and how many batches they may read ahead of the devices.
@@ -279,10 +280,10 @@ class RandomAccessSource(Source):
   train. `inputs` is what the examples are ('auto': told from the first, as for arrays).
   """
 
-  def __init__(self, source: Any, name: str, task: str = 'classification', inputs: str = 'auto',
+  def __init__(self, source: Any, name: str, task: str = tasks.DEFAULT, inputs: str = 'auto',
                ignore: int = base.IGNORED):
     from ensemble.data import arrays  # pylint: disable=g-import-not-at-top  # arrays imports what imports this
-    self._source, self.name, self._task, self._ignore = source, name, task, ignore
+    self._source, self.name, self._task, self._ignore = source, name, tasks.named(task), ignore
     if not len(source):
       raise base.DataError(f'{name}: no examples; give a source that holds some')
     image, label = self._pair(source[0])
@@ -292,22 +293,18 @@ class RandomAccessSource(Source):
       shape = (*image.shape, 1) if image.ndim == 2 else image.shape
       if len(shape) != 3:
         raise base.DataError(f'{name}: example 0 is an image of shape {image.shape}; give (H, W) or (H, W, C) images')
-      self.image = Spec(shape, np.dtype(np.uint8))
+      self.image = Spec(shape, base.as_images(image[None], name).dtype)
     else:
       dtype = np.int32 if self.inputs == 'tokens' else base.host_float(np.empty(0, image.dtype)).dtype
       self.image = Spec(image.shape, np.dtype(dtype))
-    # What every other source gives: int32 classes; float targets (D,) per example; int32 0/1 labels (L,).
-    if task == 'regression':
-      self.label = Spec(label.shape or (1,), base.host_float(label).dtype)
-    elif task == 'multilabel':
-      self.label = Spec(base.as_multilabels(label.reshape(1, -1), f'{name}: example 0').shape[1:], np.dtype(np.int32))
-    elif task == 'dense':  # a class per position
-      self.label = Spec(base.as_dense_labels(label[None], f'{name}: example 0', ignore).shape[1:], np.dtype(np.int32))
-    else:
-      if not np.issubdtype(label.dtype, np.integer) or label.shape:
-        raise base.DataError(f'{name}: example 0 has a label of dtype {label.dtype} and shape {label.shape}; give '
-                             'one integer class per example')
-      self.label = Spec((), np.dtype(np.int32))
+    # What every other source gives, as the task reads it: int32 classes (a dense task's per position), float
+    # targets (D,) per example, int32 0/1 labels (L,).
+    if self._task.has_classes and not self._task.per_position and (
+        not np.issubdtype(label.dtype, np.integer) or label.shape):
+      raise base.DataError(f'{name}: example 0 has a label of dtype {label.dtype} and shape {label.shape}; give '
+                           'one integer class per example')
+    first = self._task.read_labels(label[None], f'{name}: example 0', ignore)
+    self.label = Spec(first.shape[1:], first.dtype)
 
   def __len__(self) -> int:
     return len(self._source)
@@ -339,10 +336,4 @@ class RandomAccessSource(Source):
       images = base.as_images(images, self.name)
     else:
       images = arrays.as_inputs(images, self.inputs, self.name)
-    if self._task == 'regression':
-      return images, base.as_targets(labels, self.name).astype(self.label.dtype, copy=False)
-    if self._task == 'multilabel':
-      return images, base.as_multilabels(labels, self.name)
-    if self._task == 'dense':
-      return images, base.as_dense_labels(labels, self.name, self._ignore)
-    return images, base.as_labels(labels, self.name)
+    return images, self._task.read_labels(labels, self.name, self._ignore).astype(self.label.dtype, copy=False)

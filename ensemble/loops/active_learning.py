@@ -24,15 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ensemble import acquire, data, scoring, standardise
+from ensemble import acquire, data, host_memory, sigterm, standardise, tasks
 from ensemble.loops import record as record_lib
-from ensemble import host_memory
 from ensemble.errors import UsageError
-from ensemble.tasks import regression
 
 __all__ = ['Result', 'active_learning']
 
-TASKS = ('classification', 'regression')
+# The tasks the loop takes: those with acquisitions (`Task.acquisitions`).
+TASKS = tuple(name for name in tasks.NAMES if tasks.TASKS[name].acquisitions)
 _LOOP_KEYWORDS = ('init', 'workdir', 'test', 'validation', 'early_stopping')
 
 
@@ -86,14 +85,15 @@ class Pool:
 
 
 
-def checked_labels(labels: Any, count: int, task: str, num_classes: int, target_shape: tuple[int, ...]) -> np.ndarray:
-  """What `label` returned for `count` inputs, refused in one line where it is not one label per input of the
-  seed labels' kind."""
+def checked_labels(labels: Any, count: int, task: Any, num_classes: int, target_shape: tuple[int, ...]) -> np.ndarray:
+  """What `label` returned for `count` inputs, read as the task reads labels (`Task.labels`), refused in one line
+  where it is not one label per input of the seed labels' kind: classes the ensemble has outputs for, or numbers
+  of the seed targets' shape."""
   array = np.asarray(labels)
   if len(array.shape) == 0 or array.shape[0] != count:
     raise UsageError(f'label= returned {array.shape[0] if array.ndim else "a scalar"} labels for {count} inputs: '
                      'return one label per index it is given')
-  if task == 'classification':
+  if task.has_classes:
     if not np.issubdtype(array.dtype, np.integer) or array.ndim != 1:
       raise UsageError(f'label= returned labels of dtype {array.dtype} and shape {array.shape}; a classification '
                        f'loop takes one integer class per input, shape ({count},)')
@@ -111,36 +111,22 @@ def checked_labels(labels: Any, count: int, task: str, num_classes: int, target_
   return array.astype(np.float64)
 
 
-def test_scores(ens: Any, test: tuple[np.ndarray, np.ndarray]) -> dict[str, float]:
-  """The curve's test figures: classification accuracy, NLL, Brier and ECE of the members' mean; regression
-  RMSE, NLL and CRPS of the mixture (in the targets' units)."""
-  inputs, labels = test
-  if ens.task.name == 'regression':
-    means, variances = ens.components(inputs)
-    y = np.asarray(labels, np.float64).reshape(len(labels), -1)
-    return regression.score(means, variances, y, levels=())
-  return {key: float(value) for key, value in scoring.ensemble_scores(ens.member_outputs(inputs),
-                                                                      np.asarray(labels)).items()}
-
-
-def acquisition_program(name: Any, task: str, size: int) -> Callable[..., np.ndarray]:
+def acquisition_program(name: Any, task: Any, size: int) -> Callable[..., np.ndarray]:
   """f(outputs, key, best) -> the `size` indices acquired among the candidates whose member outputs are `outputs`:
   a batch acquisition's own choice, or the top of a per-input score (a callable `name` is a score of the user's,
   g(outputs, key) -> (N,) scores); `best`, the highest target labelled so far, is what regression's 'ei' and 'pi'
   improve on. Compiled once for each power of two of candidates: the outputs are padded to
   it, and the padding is never chosen."""
   if callable(name):
-    score = name
+    score = functools.partial(lambda outputs, key, best, f: f(outputs, key), f=name)
   else:
     name = acquire.named(name, task)
-    score = acquire.REGRESSION[name] if task == 'regression' else acquire.CLASSIFICATION.get(name)
-  if callable(name) or task != 'regression':
-    score = functools.partial(lambda outputs, key, best, f: f(outputs, key), f=score)
+    score = task.acquisitions.get(name)
 
   @jax.jit
   def choose(outputs, valid, key, best):
-    if name in acquire.BATCHES:
-      return acquire.BATCHES[name](outputs, size, key, valid=valid)
+    if name in task.batch_acquisitions:
+      return task.batch_acquisitions[name](outputs, size, key, valid=valid)
     return acquire.top(jnp.where(valid, score(outputs, key, best), -jnp.inf), size)
 
   def chosen(outputs, key, best=0.0):
@@ -178,9 +164,10 @@ def active_learning(model: Any, train: Any, pool: Any, test: Any = None, *, acqu
     if key in fit_fields:
       raise UsageError(f'{key}= is set by the loop for each round\'s fit (warm=True starts each from the last); '
                        'leave it out')
-  task = fit_fields.get('task', 'classification')
+  task = fit_fields.get('task', tasks.DEFAULT)
   if task not in TASKS:
-    raise UsageError(f'task={task!r}: the active-learning loop takes a classification or regression ensemble')
+    raise UsageError(f'task={task!r}: the active-learning loop takes a {" or ".join(TASKS)} ensemble')
+  task = tasks.named(task)
   whole = record_lib.whole_number
   batch, rounds, seed = whole('batch', batch, 1), whole('rounds', rounds, 0), whole('seed', seed, 0)
   check_flag('warm', warm)
@@ -211,7 +198,7 @@ def active_learning(model: Any, train: Any, pool: Any, test: Any = None, *, acqu
   labels = [y for entry in record.rounds for y in entry['acquired_labels']]
   ens = record.last_ensemble(None if isinstance(model, str) else model) if record.rounds else None
   program, key = acquisition_program(acquisition, task, batch), jax.random.key(seed)
-  with record_lib.stopped_by_sigterm(), _fixed_image_stats(x_seed, pool, seed):
+  with sigterm.interrupting(), _fixed_image_stats(x_seed, pool, seed):
     for r in range(len(record.rounds), rounds + 1):
       clock = record_lib.Clock()
       with clock.part('read'):
@@ -224,7 +211,7 @@ def active_learning(model: Any, train: Any, pool: Any, test: Any = None, *, acqu
       entry = {'round': r, 'labels': len(y_train)}
       if test is not None:
         with clock.part('test'):
-          entry.update(test_scores(ens, test))
+          entry.update(ens.task.curve_scores(ens, *test))
       picked, picked_labels = [], []
       if r < rounds:
         round_key = jax.random.fold_in(key, r)
@@ -233,11 +220,9 @@ def active_learning(model: Any, train: Any, pool: Any, test: Any = None, *, acqu
           unlabelled = np.sort(np.random.default_rng([seed, r]).choice(unlabelled, candidates, replace=False))
         with clock.part('pool'):
           x_candidates, y_candidates = pool.read(unlabelled)
-          outputs = ens.member_outputs(x_candidates)
-          if task == 'regression':
-            outputs = ens.task.components(outputs)
+          outputs = ens.task.acquisition_outputs(ens, ens.member_outputs(x_candidates))
         with clock.part('acquire'):
-          chosen = program(outputs, round_key, float(y_train.max()) if task == 'regression' else 0.0)
+          chosen = program(outputs, round_key, task.best(y_train))
         picked = unlabelled[chosen]
         with clock.part('label'):
           given = y_candidates[chosen] if label is None else label(picked.copy(), x_candidates[chosen])
@@ -262,9 +247,7 @@ def _fixed_image_stats(x_seed: np.ndarray, pool: Pool, seed: int):
     return contextlib.nullcontext()
   sample = np.random.default_rng(seed).choice(pool.size, min(pool.size, 2000), replace=False)
   images = np.concatenate([x_seed, pool.read(np.sort(sample))[0].astype(x_seed.dtype)])
-  if images.dtype != np.uint8:
-    images = np.clip(np.round(images * 255.0), 0, 255).astype(np.uint8)
-  return standardise.image_stats(*data.channel_stats(images))
+  return standardise.image_stats(*data.channel_stats(data.base.as_images(images, 'the seed rows and the pool')))
 
 
 def _seed_rows(train: Any) -> tuple[np.ndarray, np.ndarray]:

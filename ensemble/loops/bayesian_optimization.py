@@ -23,9 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ensemble import acquire
+from ensemble import acquire, host_memory, sigterm, tasks
 from ensemble.loops import record as record_lib
-from ensemble import host_memory
 from ensemble.errors import UsageError
 
 __all__ = ['Result', 'bayesian_optimization']
@@ -148,14 +147,14 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
               'steps': steps, 'maximize': maximize, 'warm': warm, 'seed': seed,
               'fit': record_lib.recorded(fit_fields)}
   record = record_lib.Record(workdir, settings)
-  fields = record_lib.fit_fields({**fit_fields, 'task': 'regression'}, initial)
+  fields = record_lib.fit_fields({**fit_fields, 'task': tasks.DEFAULT_FOR_TARGETS}, initial)
   xs = [np.asarray(entry['x'], np.float64) for entry in record.rounds]
   ys = [entry['y'] for entry in record.rounds]
   sign = 1.0 if maximize else -1.0
   ens = record.last_ensemble(None if isinstance(model, str) else model) if warm and record.rounds else None
   key = jax.random.key(seed)
   uniform = np.random.default_rng(seed).uniform(low, high, (initial, len(low)))
-  with record_lib.stopped_by_sigterm():
+  with sigterm.interrupting():
     for n in range(len(record.rounds), evaluations):
       clock, entry = record_lib.Clock(), {'evaluation': n + 1}
       if n < initial or acquisition == 'random':

@@ -18,8 +18,6 @@ import json
 import numbers
 import os
 import shutil
-import signal
-import threading
 import time
 from typing import Any, Iterator
 
@@ -85,24 +83,6 @@ class Record:
       os.replace(path, old)
     os.replace(fresh, path)
     shutil.rmtree(old, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def stopped_by_sigterm() -> Iterator[None]:
-  """While a loop runs: SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so that either stops the loop where it
-  is, with every round the record holds kept and no file half-written (each is renamed into place whole). Only the
-  main thread takes signals: elsewhere nothing changes."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-
-  def interrupt(*_):
-    raise KeyboardInterrupt('SIGTERM: the loop stopped; run it again with the same workdir to go on')
-  previous = signal.signal(signal.SIGTERM, interrupt)
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGTERM, previous)
 
 
 def whole_number(name: str, value: Any, low: int) -> int:

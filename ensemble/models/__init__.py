@@ -11,6 +11,7 @@ from typing import Callable
 
 import flax.linen as nn
 
+from ensemble import tasks
 from ensemble.errors import UsageError
 from ensemble.models import classifier, cnn, mimo, mlp, packed, resnet, segmenter, user
 
@@ -46,7 +47,7 @@ def _mlp(config, num_classes: int) -> nn.Module:
   'model'; else the plain one, which is what a config without them (the default, on feature vectors) means."""
   if not config.num_layers:
     return mlp.Plain(num_classes=num_classes, rank1=_rank1(config), dropout_rate=_dropout_rate(config),
-                     per_position=config.task == 'dense', **_packed(config, mlp.Plain.widths))
+                     per_position=tasks.named(config.task).per_position, **_packed(config, mlp.Plain.widths))
   return mlp.MLP(config.num_layers, config.depth, use_scan=config.use_scan, logical=config.logical,
                  num_classes=num_classes)
 
@@ -62,7 +63,7 @@ MODELS = {
         **_packed(config, tuple(filters * config.resnet_width for filters in resnet.STAGE_FILTERS))),
                     min_image_size=1),
     'mlp': Entry(_mlp),
-    # A class per pixel (task='dense').
+    # A class per pixel (a dense task's default on images: tasks/dense.py).
     'segmenter': Entry(lambda config, num_classes: segmenter.Segmenter(
         num_classes=num_classes, rank1=_rank1(config), dropout_rate=_dropout_rate(config),
         **_packed(config, segmenter.WIDTHS)), min_image_size=4, why='it halves the image twice'),
@@ -73,8 +74,6 @@ MODELS = {
 
 # What the default config's CNN gives way to on feature vectors (`recipe.resolve`, once the data is known).
 FEATURES_MODEL = 'mlp'
-# ... and on images with a class per pixel (task='dense').
-DENSE_IMAGES_MODEL = 'segmenter'
 
 
 def _imported(config):

@@ -1,5 +1,6 @@
-"""Tasks: what a member's outputs mean. A task says how a member is trained (its loss), how the members' outputs
-combine into the ensemble's prediction, and what the trainer reports per epoch.
+"""Tasks: what a member's outputs mean, a registry of one object each (ensemble/tasks/base.py says what a task
+decides). Steps, the trainer, the data layer, evaluation, prediction, the post-hoc steps and the loops ask the task;
+they do not compare its name.
 
   classification  logits -> cross-entropy; the ensemble is the mean of the members' probabilities
   regression      a mean and a variance per target -> Gaussian NLL (or beta-NLL, MSE); the ensemble is the
@@ -8,29 +9,36 @@ combine into the ensemble's prediction, and what the trainer reports per epoch.
                   probabilities, label by label
   dense           logits per position (a pixel, a token) -> cross-entropy over the labelled positions; the
                   ensemble is the mean of the members' probabilities, position by position
-
-Steps, the trainer, evaluation and prediction ask the task; they do not look at the outputs themselves.
+  quantile        the quantiles of each target at given levels -> pinball loss; the ensemble's quantiles are the
+                  mean of the members' (Vincentisation), its intervals conformalised by CQR (Romano et al. 2019)
 """
 
+import functools
 from typing import Any
 
-from ensemble.tasks import classification, dense, multilabel, regression
+from ensemble.tasks import classification, dense, multilabel, quantile, regression
+from ensemble.tasks.base import IGNORED, Task
 
-NAMES = ('classification', 'regression', 'multilabel', 'dense')
+__all__ = ['DEFAULT', 'DEFAULT_FOR_TARGETS', 'IGNORED', 'NAMES', 'TASKS', 'Task', 'create', 'named', 'with_score']
+
+TASKS: dict[str, type[Task]] = {task.name: task for task in (
+    classification.Classification, regression.Regression, multilabel.Multilabel, dense.Dense, quantile.Quantile)}
+NAMES = tuple(TASKS)
+DEFAULT = NAMES[0]  # what the programs, the data sources and the recipe take when no task is named
+DEFAULT_FOR_TARGETS = regression.Regression.name  # what float targets are, where no task is named (convert)
 
 
-def create(config, data_info: dict[str, Any] | None = None):
-  """The task a recipe names, for data described by `data_info`: a regression's targets in their units (its
-  `target_mean` and `target_std`), or, where `data_info` leaves them out (what the programs are built for, so that
-  they do not change when the data does), in standardised units, D = num_classes / 2 of them."""
-  if config.task == 'classification':
-    return classification.Classification(temperature=config.distill_temperature)
-  if config.task == 'dense':
-    return dense.Dense(temperature=config.distill_temperature)
-  if config.task == 'multilabel':
-    return multilabel.Multilabel(pos_weight=tuple(float(w) for w in config.pos_weight))
-  info = data_info or {}
-  targets = len(info['target_std']) if 'target_std' in info else max(info.get('num_classes', 2) // 2, 1)
-  return regression.Regression(loss_name=config.loss, beta=config.beta,
-                               target_mean=tuple(info.get('target_mean', (0.0,) * targets)),
-                               target_std=tuple(info.get('target_std', (1.0,) * targets)))
+@functools.lru_cache(maxsize=None)
+def named(name: str) -> Task:
+  """The task `name` with its default settings: what the host's decisions ask before a recipe is resolved."""
+  return TASKS[name]()
+
+
+def create(config, data_info: dict[str, Any] | None = None) -> Task:
+  """The task a recipe names, for data described by `data_info` (`Task.of`)."""
+  return TASKS[config.task].of(config, data_info)
+
+
+def with_score(score: str) -> Task:
+  """A task whose conformal step has this score: how a chain's conformal step is applied (ensemble/posthoc.py)."""
+  return next(named(name) for name in NAMES if score in TASKS[name].conformal_scores)

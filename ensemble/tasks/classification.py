@@ -1,11 +1,17 @@
 """Classification: each member gives logits; the ensemble predicts the mean of the members' probabilities."""
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+
+from ensemble import acquire, calibration
+from ensemble.errors import DataError
+from ensemble.tasks import base
+from ensemble.uncertainty import conformal, decomposition
 
 AxisName = str | Sequence[str]
 Metrics = dict[str, jnp.ndarray]
@@ -54,12 +60,47 @@ def eval_outputs(logits: jnp.ndarray, labels: jnp.ndarray, *, axis_name: AxisNam
   }
 
 
+def as_labels(labels: np.ndarray, name: str) -> np.ndarray:
+  """int32 (N,) class indices; (N, 1), as Keras's CIFAR arrays come, is flattened."""
+  if labels.ndim == 2 and labels.shape[1] == 1:
+    labels = labels[:, 0]
+  if labels.ndim != 1:
+    raise DataError(f'{name}: labels of shape {labels.shape}, expected (N,) integer class indices '
+                    "(for one-hot labels store y.argmax(-1); for a class per position, task='dense')")
+  if not np.issubdtype(labels.dtype, np.integer):
+    if not (np.issubdtype(labels.dtype, np.number) and np.all(np.mod(labels, 1) == 0)):
+      raise DataError(f"{name}: real-valued targets (dtype {labels.dtype}) with task='classification': pass "
+                      "task='regression' to predict them, or integer class indices 0..C-1 to classify")
+    raise DataError(f'{name}: labels of dtype {labels.dtype}, expected integers: give class indices 0..C-1 '
+                    "(y.astype(np.int32)), or task='regression' for real-valued targets")
+  if len(labels) and labels.min() < 0:
+    raise DataError(f'{name}: negative label {labels.min()}; labels must be class indices 0..C-1')
+  if len(labels) and labels.max() > np.iinfo(np.int32).max:
+    raise DataError(f'{name}: label {labels.max()} does not fit int32; labels must be class indices 0..C-1')
+  return labels.astype(np.int32, copy=False)
+
+
 @dataclasses.dataclass(frozen=True)
-class Classification:
+class Classification(base.Task):
   """Logits, one per class; trained by cross-entropy against integer labels, or, against a teacher's probabilities
   (N, C) as labels (`ensemble.distill`), by `distillation_loss` at `temperature`."""
-  name: str = 'classification'
+  name = 'classification'
   temperature: float = 1.0
+  has_classes = True
+  image_datasets = True
+  fields = ('distill_temperature',)
+  calibration = 'temperature'
+  conformal_scores = tuple(conformal.SCORES)
+  flags = True
+  shifts = True
+  detects_ood = True
+  chance_hint = True
+  acquisitions = acquire.CLASSIFICATION
+  batch_acquisitions = acquire.BATCHES
+
+  @classmethod
+  def of(cls, config, data_info=None):
+    return cls(temperature=config.distill_temperature)
 
   def member_output(self, logits: jnp.ndarray) -> jnp.ndarray:
     """What prediction takes from a member: its log-probabilities."""
@@ -100,10 +141,116 @@ class Classification:
     """The task's part of metrics.jsonl's line for an epoch: the training metrics, and the test set's scores when
     it was scored (`train` None: the test set's alone)."""
     summary = {} if train is None else {'train_loss': train['loss'], 'train_accuracy': train['accuracy']}
-    if test is None:
-      return summary
-    summary.update(test_loss=test['loss'], test_accuracy=test['accuracy'])
-    for i, (loss, accuracy) in enumerate(zip(test['member_loss'], test['member_accuracy'])):
-      summary[f'member_test_loss/{i}'] = loss
-      summary[f'member_test_accuracy/{i}'] = accuracy
-    return summary
+    same = lambda value: value
+    return base.with_test_scores(summary, test, {'loss': ('loss', same), 'accuracy': ('accuracy', same)})
+
+  # --- labels ------------------------------------------------------------------------------------------------------
+
+  def read_labels(self, labels, name, ignore=base.IGNORED):
+    return as_labels(labels, name)
+
+  def split_labels(self, labels, inputs, name, ignore=base.IGNORED):
+    if (labels.ndim >= 2 and np.issubdtype(labels.dtype, np.integer) and labels.shape[1:] != (1,)
+        and labels.shape[1:] == inputs.shape[1:labels.ndim]):
+      raise DataError(f'{name}: labels of shape {labels.shape}, a label at each position of inputs '
+                      f"{inputs.shape}: a class per position is task='dense'; give it (one integer class per input "
+                      'is classification)')
+    return self.read_labels(labels, name, ignore)
+
+  def layout_error(self, labels, images, num_classes):
+    # float32 (N, C): a teacher's probabilities, what ensemble.distill trains a student on
+    if not ((labels.dtype == np.int32 and labels.shape == images.shape[:1])
+            or (labels.dtype == np.float32 and labels.ndim == 2 and labels.shape[0] == len(images))):
+      return (f'labels must be int32 ({len(images)},) classes or float32 ({len(images)}, C) probabilities, got '
+              f'{labels.dtype} {labels.shape}')
+    return None
+
+  def num_outputs(self, labels):
+    return int(self.labelled(labels).max(initial=-1)) + 1
+
+  def labels(self, values, role, count, outputs, positions=(), ignore=base.IGNORED):
+    values = base._as_array(values, role)  # pylint: disable=protected-access
+    if values.shape[:1] != (count,) or not np.issubdtype(values.dtype, np.integer):
+      raise DataError(f'{role}: labels of shape {values.shape} and dtype {values.dtype}; give {count} integer '
+                      'class indices, one per input')
+    return self.within_classes(self.read_labels(values, role, ignore), outputs, role)
+
+  def within_classes(self, labels: np.ndarray, outputs: int, role: str) -> np.ndarray:
+    """Class labels that the `outputs` classes hold; a label beyond them (which would score NaN, or nothing) is one
+    line naming `role`."""
+    labelled = self.labelled(labels)
+    if labelled.size and not 0 <= labelled.min() <= labelled.max() < outputs:
+      raise DataError(f'{role}: labels span [{labelled.min()}, {labelled.max()}], outside the {outputs} classes '
+                      f'0..{outputs - 1} the members predict; give labels of those classes')
+    return labels
+
+  def output_error(self, shape, width, positions):
+    if shape is None or len(shape) != 2 or shape[0] != 1 or shape[1] < width:
+      return (f'not to (batch, {width}) logits, one per class; give its last layer {width} outputs (the labels run '
+              f'0..{width - 1})')
+    return None
+
+  # --- what an ensemble answers ------------------------------------------------------------------------------------
+
+  def member_probs(self, outputs):
+    return np.exp(outputs)
+
+  def view(self, outputs, xp=np):
+    member_probs = xp.exp(outputs)
+    return {'member_probs': member_probs, 'probs': member_probs.mean(0)}
+
+  def predict(self, outputs, *, members, levels, threshold):
+    member_probs, probs = outputs['member_probs'], outputs['probs']
+    result = {'probs': probs, 'class': np.argmax(probs, -1), **decomposition.decompose(member_probs)}
+    result.update({key: outputs[key] for key in ('set', 'flag') if key in outputs})
+    if members:
+      result['member_probs'] = member_probs
+    return result
+
+  def _scaled(self, chain, view) -> Any:
+    """The chain's probabilities where it has a temperature, for the 'temperature_scaled' scores; else None."""
+    from ensemble import posthoc  # pylint: disable=g-import-not-at-top
+    if not any(step.kind == self.calibration for step in chain):
+      return None
+    return posthoc.apply(chain, view)['probs']
+
+  def evaluate(self, outputs, labels, chain, size):
+    from ensemble import scoring  # pylint: disable=g-import-not-at-top
+    scores = scoring.score_test_set(outputs, labels)
+    scaled = self._scaled(chain, self.view(outputs))
+    if scaled is not None:
+      scores['temperature_scaled'] = calibration.scores(scaled, labels)
+    return scores
+
+  def report(self, forward, test, heldout, seen_in_training, *, size, angles, noise, ood_sets, alphas):
+    from ensemble import scoring  # pylint: disable=g-import-not-at-top
+    held = None if heldout is None else (forward.log_probs(heldout), forward.labels(heldout))
+    return scoring.score_classes(forward, test, forward.log_probs(test), test['label'], held, seen_in_training,
+                                 angles=angles, noise=noise, ood_sets=ood_sets, alphas=alphas, flags=self.flags)
+
+  def exported(self, outputs, chain, xp):
+    from ensemble import posthoc  # pylint: disable=g-import-not-at-top
+    chained = posthoc.apply(chain, self.view(outputs, xp), xp=xp)
+    return {'member_log_probs': outputs, 'probs': chained['probs'],
+            **{key: chained[key] for key in ('set', 'flag') if key in chained}}
+
+  def fitted_scale(self, view, labels, **settings):
+    return {'value': calibration.fit_temperature(view['probs'], labels)}
+
+  def fit_conformal(self, view, labels, alpha, score):
+    return {'alpha': float(alpha), 'score': score,
+            'quantile': conformal.calibrated_quantile(view['probs'], labels, alpha, score)}
+
+  def apply_conformal(self, step, view, xp):
+    return {**view, 'set': conformal.prediction_sets(view['probs'], step['quantile'], step['score'], xp=xp)}
+
+  def covered(self, result, labels):
+    return np.take_along_axis(result['set'], labels[..., None], -1)[..., 0]
+
+  # --- distillation and the loops ------------------------------------------------------------------------------------
+
+  def curve_scores(self, ens, inputs, labels):
+    from ensemble import scoring  # pylint: disable=g-import-not-at-top
+    labels = self.labels(labels, 'test', len(inputs), ens.num_classes)
+    return {key: float(value) for key, value in scoring.ensemble_scores(ens.member_outputs(inputs, role='test'),
+                                                                        labels).items()}

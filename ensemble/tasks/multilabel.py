@@ -9,11 +9,15 @@ on MNIST mosaics (mAP 0.74 against 0.95; docs/benchmarks.md). Prediction takes t
 temperature divides them, and the members' probabilities are their sigmoids."""
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ensemble.tasks import classification
+from ensemble.errors import DataError, UsageError
+from ensemble.tasks import base, classification
+from ensemble.uncertainty import multilabel
 
 AxisName = classification.AxisName
 Metrics = classification.Metrics
@@ -35,13 +39,40 @@ def combine(outputs: jnp.ndarray, count: jnp.ndarray) -> jnp.ndarray:
   return side(outputs) - side(-outputs)
 
 
+def as_multilabels(labels: np.ndarray, name: str) -> np.ndarray:
+  """(N, L) int32 multi-label labels from (N,) (one label: binary classification) or (N, L) 0s and 1s, of any
+  number type or bool."""
+  if labels.dtype == bool:
+    labels = labels.astype(np.int32)
+  if not np.issubdtype(labels.dtype, np.number) or labels.ndim not in (1, 2):
+    raise DataError(f"{name}: labels of shape {labels.shape} and dtype {labels.dtype}; task='multilabel' takes (N, L) "
+                    'labels of 0 and 1, one column per label')
+  labels = labels.reshape(len(labels), -1)
+  if labels.size and not np.isin(labels, (0, 1)).all():
+    bad = labels[~np.isin(labels, (0, 1))].flat[0]
+    raise DataError(f"{name}: a label of {bad:g}; task='multilabel' takes 0 or 1 per label (class indices: "
+                    "task='classification'; a teacher's probabilities: ensemble.distill)")
+  return labels.astype(np.int32)
+
+
 @dataclasses.dataclass(frozen=True)
-class Multilabel:
+class Multilabel(base.Task):
   """L logits, one per label; trained by the per-label binary cross-entropy against labels (N, L) of 0 and 1, or a
   teacher's probabilities (N, L) (`ensemble.distill`). The summary's accuracy is the fraction of labels right
   (1 - the Hamming loss), its loss the mean per-label NLL."""
-  name: str = 'multilabel'
+  name = 'multilabel'
   pos_weight: tuple[float, ...] = ()  # per label, the weight of its positive term; () for 1 each
+  noun = ('label', 'labels')
+  tables = True
+  fields = ('pos_weight',)
+  calibration = 'label_temperature'
+  conformal_scores = ('label',)
+  detects_ood = True
+  report_writer = 'ensemble.multilabel_report'
+
+  @classmethod
+  def of(cls, config, data_info=None):
+    return cls(pos_weight=tuple(float(w) for w in config.pos_weight))
 
   def member_output(self, logits: jnp.ndarray) -> jnp.ndarray:
     """What prediction takes from a member: its logits (their sigmoids are its probabilities)."""
@@ -80,3 +111,100 @@ class Multilabel:
     return outputs
 
   summary = classification.Classification.summary
+
+  # --- labels ------------------------------------------------------------------------------------------------------
+
+  def read_labels(self, labels, name, ignore=base.IGNORED):
+    return as_multilabels(labels, name)
+
+  def layout_error(self, labels, images, num_classes):
+    if labels.dtype not in (np.dtype(np.int32), np.dtype(np.float32)) or labels.shape != (len(images), num_classes):
+      return (f'labels must be int32 0/1 or float32 probabilities ({len(images)}, {num_classes}), got '
+              f'{labels.dtype} {labels.shape}')
+    return None
+
+  def output_error(self, shape, width, positions):
+    if shape is None or len(shape) != 2 or shape[1] != width:
+      return f'not to (batch, {width}) logits, one per label: give its last layer {width} outputs'
+    return None
+
+  # --- what an ensemble answers ------------------------------------------------------------------------------------
+
+  def member_probs(self, outputs):
+    return multilabel.sigmoid(outputs)
+
+  def view(self, outputs, xp=np):
+    member_probs = multilabel.sigmoid(outputs) if xp is np else jax.nn.sigmoid(outputs)
+    return {'member_label_probs': member_probs, 'label_probs': member_probs.mean(0)}
+
+  def check_predict_options(self, levels, threshold):
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 < threshold < 1:
+      raise UsageError(f'threshold={threshold!r} must be in (0, 1): a label is predicted where its probability '
+                       'exceeds it')
+
+  def predict(self, outputs, *, members, levels, threshold):
+    """Per label: the chain's probabilities, the decisions at `threshold` and the members' own probabilities' split
+    of the uncertainty (`uncertainty.multilabel.decompose`)."""
+    member_probs, probs = outputs['member_label_probs'], outputs['label_probs']
+    result = {'probs': probs, 'labels': (probs > threshold).astype(np.int32), **multilabel.decompose(member_probs)}
+    if 'set' in outputs:
+      result['set'] = outputs['set']
+    if members:
+      result['member_probs'] = member_probs
+    return result
+
+  def evaluate(self, outputs, labels, chain, size):
+    from ensemble import posthoc, scoring  # pylint: disable=g-import-not-at-top
+    scaled = (posthoc.apply(chain, self.view(outputs))['label_probs']
+              if any(step.kind == self.calibration for step in chain) else None)
+    return scoring.score_labels(outputs, labels, scaled)
+
+  def report(self, forward, test, heldout, seen_in_training, *, size, angles, noise, ood_sets, alphas):
+    from ensemble import scoring  # pylint: disable=g-import-not-at-top
+    ood_logits = {name: forward.log_probs({'image': x, 'label': np.zeros(len(x), np.int32)})
+                  for name, x in (ood_sets or {}).items()}
+    held_outputs = held_labels = None
+    if heldout is not None:
+      held_outputs, held_labels = forward.log_probs(heldout), forward.labels(heldout)
+    return {'test_examples': len(test['label']),
+            **scoring.score_multilabel(forward.log_probs(test), test['label'], held_outputs, held_labels,
+                                       seen_in_training, alphas, ood_logits)}
+
+  def exported(self, outputs, chain, xp):
+    """'member_logits' (K, N, L), 'probs' (N, L) after the chain (its temperature), and its conformal step's 'set'
+    (N, L, 2)."""
+    from ensemble import posthoc  # pylint: disable=g-import-not-at-top
+    chained = posthoc.apply(chain, self.view(outputs, xp), xp=xp)
+    return {'member_logits': outputs, 'probs': chained['label_probs'],
+            **{key: chained[key] for key in ('set',) if key in chained}}
+
+  def fitted_scale(self, view, labels, per_label=False):
+    value = multilabel.fit_temperature(view['label_probs'], labels, per_label=per_label)
+    return {'value': [float(v) for v in value] if per_label else float(value)}
+
+  def fit_conformal(self, view, labels, alpha, score):
+    """A quantile per label, of 1 - p(the label's value)."""
+    q = multilabel.calibrated_quantiles(view['label_probs'], labels, alpha)
+    return {'alpha': float(alpha), 'score': score, 'quantile': [float(v) for v in q]}
+
+  def apply_conformal(self, step, view, xp):
+    return {**view, 'set': multilabel.prediction_sets(view['label_probs'], xp.asarray(step['quantile']), xp=xp)}
+
+  def covered(self, result, labels):
+    return np.take_along_axis(result['set'], labels[..., None], -1)[..., 0]
+
+  def table(self, names, result):
+    """(columns, rows): the labels predicted (their indices, by spaces), and per label l its probability and the
+    members' mutual information ('probability_l', 'mutual_information_l')."""
+    figure = lambda x: float(f'{x:.6g}')
+    count = result['probs'].shape[1]
+    parts = ('probability', 'mutual_information')
+    columns = ['name', 'labels', *(f'{part}_{label}' for part in parts for label in range(count))]
+
+    def rows():
+      for i, name in enumerate(names):
+        row = {'name': name, 'labels': ' '.join(map(str, np.flatnonzero(result['labels'][i])))}
+        for part, values in zip(parts, (result['probs'], result['mutual_information'])):
+          row.update({f'{part}_{label}': figure(values[i, label]) for label in range(count)})
+        yield row
+    return columns, rows()

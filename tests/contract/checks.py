@@ -39,18 +39,23 @@ def same_members_as_in_memory(cell: Cell, lab: Lab):
 
 
 def summary_is_finite_in_one_unit(cell: Cell, lab: Lab):
-  """Every figure of the summary is finite; a regression's losses are all in the targets' units: with the targets
-  in a unit 1000 times smaller (the same members, standardised), every NLL grows by D log 1000, train and test."""
-  summary = lab.ensemble(cell).summary
+  """Every figure of the summary is finite; the losses of real-valued targets are all in the targets' units: with
+  the targets in a unit 1000 times smaller (the same members, standardised), every NLL grows by D log 1000, train
+  and test, and every pinball loss 1000 times."""
+  ens = lab.ensemble(cell)
+  summary = ens.summary
   assert summary and all(math.isfinite(v) for v in summary.values()), summary
-  if cell.task != 'regression':
+  if not ens.task.standardises_targets:
     return
   scaled = lab.ensemble(cell, scale=1000.0).summary
-  shift = len(TARGET_SCALES) * math.log(1000.0)
   losses = [key for key in summary if key.endswith('_loss') or '_loss/' in key]
   assert 'train_loss' in losses and 'test_loss' in losses, sorted(summary)
   for key in losses:
-    np.testing.assert_allclose(scaled[key] - summary[key], shift, rtol=1e-3, err_msg=key)
+    if hasattr(ens.task, 'log_jacobian'):  # a density's NLL
+      np.testing.assert_allclose(scaled[key] - summary[key], len(TARGET_SCALES) * math.log(1000.0), rtol=1e-3,
+                                 err_msg=key)
+    else:  # a loss in the targets' own units
+      np.testing.assert_allclose(scaled[key] / summary[key], 1000.0, rtol=1e-3, err_msg=key)
 
 
 def apply_is_a_function_of_params(cell: Cell, lab: Lab):
@@ -63,15 +68,18 @@ def apply_is_a_function_of_params(cell: Cell, lab: Lab):
     outputs = ens.apply(params, x)
     return sum(jnp.sum(leaf) for leaf in jax.tree.leaves(outputs)), outputs
   (value, outputs), grads = jax.jit(jax.value_and_grad(total, has_aux=True))(ens.params)
-  if cell.task == 'regression':
-    means, variances = ens.components(x)
-    np.testing.assert_allclose(np.asarray(outputs[0]), means, rtol=1e-4, atol=1e-3)
-    np.testing.assert_allclose(np.asarray(outputs[1]), variances, rtol=1e-4, atol=1e-3)
-  elif cell.task == 'multilabel':  # logits, whose sigmoids are the members' probabilities
-    np.testing.assert_allclose(jax.nn.sigmoid(np.asarray(outputs)), ens.predict(x, members=True)['member_probs'],
-                               rtol=1e-4, atol=1e-6)
-  else:
-    np.testing.assert_allclose(np.exp(np.asarray(outputs)), ens.member_probs(x), rtol=1e-4, atol=1e-6)
+  # What the host computes predict from, the same members' outputs (a regression's components in the targets' units,
+  # a quantile ensemble's quantiles), to float32's precision.
+  host = ens.task.apply_outputs(ens.member_outputs(x))
+  jax.tree.map(lambda traced, want: np.testing.assert_allclose(np.asarray(traced), want, rtol=1e-4,
+                                                               atol=1e-6 * max(np.abs(want).max(), 1.0)),
+               outputs, host)
+  try:  # where the members give probabilities: those of `apply`'s outputs are `member_probs`
+    probs = ens.member_probs(x)
+  except ensemble.UsageError:
+    probs = None
+  if probs is not None:
+    np.testing.assert_allclose(ens.task.member_probs(np.asarray(outputs, np.float64)), probs, rtol=1e-4, atol=1e-6)
   assert any(np.abs(leaf).max() > 0 for leaf in leaves(grads)), 'the gradient with respect to params is zero'
   nudged = jax.tree.map(lambda p: p * 1.05 + 0.01 if jnp.issubdtype(p.dtype, jnp.floating) else p, ens.params)
   (nudged_value, _), _ = jax.jit(jax.value_and_grad(total, has_aux=True))(nudged)
@@ -87,12 +95,15 @@ def warm_start_continues(cell: Cell, lab: Lab):
   fit's do, and the training loss goes on from where the first fit left it."""
   ens = lab.ensemble(cell)
   train, test = problem(cell.task)
+  # The loss's own unit: nats (an NLL), or a loss in the targets' units (a pinball loss) in their standardised ones.
+  unit = 1.0 if hasattr(ens.task, 'log_jacobian') or not ens.task.standardises_targets else np.mean(
+      ens.task.target_std)
   for keep in (False, True):
     again = ensemble.fit('mlp', train, test=test, init=ens, keep_optimizer=keep, progress=False, **cell.fields())
     moved = _moved(ens.params, again.params)
     assert moved > 1e-4, f'keep_optimizer={keep}: the parameters moved by {moved:.2g}'
     assert math.isfinite(again.summary['train_loss'])
-    assert again.summary['train_loss'] < ens.summary['train_loss'] + 0.5, (keep, again.summary, ens.summary)
+    assert (again.summary['train_loss'] - ens.summary['train_loss']) / unit < 0.5, (keep, again.summary, ens.summary)
 
 
 def warm_start_under_every_schedule(cell: Cell, lab: Lab):
@@ -200,17 +211,23 @@ def calibration_is_kept(cell: Cell, lab: Lab):
   same predictions and the same calibration."""
   ens = lab.ensemble(cell)
   (x_cal, y_cal), (x, _) = problem(cell.task, seed=5)
-  calibrated = ens.calibrate(x_cal, y_cal).conformal(x_cal, y_cal, alpha=0.25)
+  if ens.task.calibration is None:  # refused in one line that names the task, and conformal alone
+    with pytest.raises(ensemble.UsageError, match=f'a {cell.task} ensemble has no temperature or scale to fit'):
+      ens.calibrate(x_cal, y_cal)
+    calibrated = ens.conformal(x_cal, y_cal, alpha=0.25)
+  else:
+    calibrated = ens.calibrate(x_cal, y_cal).conformal(x_cal, y_cal, alpha=0.25)
+    name = 'variance_scale' if ens.task.calibration == 'variance_scale' else 'temperature'
+    assert 0 < calibrated.summary[name] < math.inf, calibrated.summary
+    assert f'{name} ' in repr(calibrated), repr(calibrated)
   assert ens.temperature == 1.0 and ens.conformal_calibration is None, 'calibrate changed the original'
-  name = 'variance_scale' if cell.task == 'regression' else 'temperature'
-  assert 0 < calibrated.summary[name] < math.inf and calibrated.summary['conformal_alpha'] == 0.25, calibrated.summary
-  assert f'{name} ' in repr(calibrated), repr(calibrated)
+  assert calibrated.summary['conformal_alpha'] == 0.25, calibrated.summary
   got = calibrated.predict(x)
-  if cell.task == 'regression':
+  if 'conformal_lower' in got:  # intervals: finite, around the mean (the quantile pair's middle)
     assert np.isfinite(got['conformal_lower']).all() and np.isfinite(got['conformal_upper']).all()
-    assert (got['conformal_lower'] <= got['mean']).all() and (got['mean'] <= got['conformal_upper']).all()
-  elif cell.task == 'multilabel':  # per label, a set that holds a value holds the more probable one
-    assert got['set'].shape == (*got['probs'].shape, 2)
+    middle = got['mean'] if 'mean' in got else (got['lower'] + got['upper']) / 2
+    assert (got['conformal_lower'] <= middle).all() and (middle <= got['conformal_upper']).all()
+  elif got['set'].shape == (*got['probs'].shape, 2):  # per label, a set that holds a value holds the more probable
     held = got['set'].any(-1)
     assert np.take_along_axis(got['set'], got['labels'][..., None], -1)[..., 0][held].all(), got['set']
   else:  # a set may be empty (no class scores within the threshold); one that is not holds the most probable (at
@@ -269,7 +286,7 @@ def early_stopping_keeps_the_best_epoch(cell: Cell, lab: Lab):
   summary = ens.summary
   assert 1 <= summary['best_epoch'] <= summary['epochs_trained'] <= 4 and summary['epoch'] == summary['best_epoch']
   assert math.isfinite(summary['validation_loss']) and 'test_loss' in summary, summary
-  scored = ens.evaluate(*validation)['ensemble']['nll']
+  scored = ens.evaluate(*validation)['ensemble'][ens.task.loss_score]
   np.testing.assert_allclose(scored, summary['validation_loss'], rtol=1e-4, atol=1e-5)
 
 
@@ -374,17 +391,8 @@ def conformal_covers_fresh_data(cell: Cell, lab: Lab, chain: str):
   low, high = conformal.coverage_bounds(CALIBRATION_ROWS['conformal'][0], len(y), CONFORMAL_ALPHA,
                                         probability=1 - 1e-6)
   for ens in (lab.chained(lab.ensemble(cell), steps), lab.chained(lab.earlier(cell), steps)):
-    got = ens.predict(x)
-    if cell.task == 'regression':
-      coverage = ((got['conformal_lower'] <= y) & (y <= got['conformal_upper'])).mean(0)
-    elif cell.task == 'multilabel':  # each label's
-      coverage = np.take_along_axis(got['set'], y[..., None], -1)[..., 0].mean(0)
-    elif cell.task == 'dense':  # marginal over the labelled positions
-      labelled = y != -1
-      coverage = np.atleast_1d(np.take_along_axis(got['set'], np.where(labelled, y, 0)[..., None], -1)[..., 0][
-          labelled].mean())
-    else:
-      coverage = np.atleast_1d(got['set'][np.arange(len(y)), y].mean())
+    # Each target's, each label's, or marginal over the examples (a dense task's labelled positions).
+    coverage = np.atleast_1d(ens.task.covered(ens.predict(x), y).mean(0))
     assert ((low <= coverage) & (coverage <= high)).all(), (repr(ens), coverage, (low, high))
 
 

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 import ensemble
-from ensemble import data
+from ensemble import data, tasks
 from ensemble.data import arrays as data_arrays, convert
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,20 +79,20 @@ class Cell(NamedTuple):
 
 
 def rows(task: str, count: int, seed: int = 0, scale: float = 1.0, features: int = 3):
-  """(x, y): `count` rows of the tiny problem, drawn from `seed`; `scale` multiplies the regression targets (their
-  unit). A dense task's row is a sequence of `POSITIONS` such rows, a class each, or none (`IGNORED`: a share of
-  them)."""
-  rng = np.random.default_rng(seed)
-  positions = (POSITIONS,) if task == 'dense' else ()
+  """(x, y): `count` rows of the tiny problem, drawn from `seed`, labelled as the task's labels are (ensemble/tasks/:
+  classes, real-valued targets, 0/1 labels); `scale` multiplies the targets (their unit). A row of a task with a
+  label per position is a sequence of `POSITIONS` such rows, a class each, or none (`IGNORED`: a share of them)."""
+  rng, kind = np.random.default_rng(seed), tasks.named(task)
+  positions = (POSITIONS,) if kind.per_position else ()
   x = rng.normal(size=(count, *positions, features)) * np.array([1.0, 100.0, 0.01][:features])
   signal = np.stack([np.sin(x[..., 0]) + x[..., -1] * 30, x[..., min(1, features - 1)] / 100 - x[..., 0]], -1)
-  if task == 'dense':
+  if kind.per_position:
     y = np.digitize(signal[..., 0], [-0.5, 0.5]).astype(np.int32)
     return x.astype(np.float32), np.where(rng.random(y.shape) < UNLABELLED, IGNORED, y)
-  if task == 'regression':
+  if kind.standardises_targets:
     y = (signal + 0.1 * rng.normal(size=signal.shape)) * TARGET_SCALES + TARGET_OFFSETS
     y = (y * scale).astype(np.float32)
-  elif task == 'multilabel':
+  elif not kind.has_classes:
     y = np.stack([signal[:, 0] > 0, signal[:, 1] > 0, signal[:, 0] > signal[:, 1]], 1).astype(np.int32)
   else:
     y = np.digitize(signal[:, 0], [-0.5, 0.5]).astype(np.int32)
