@@ -1,8 +1,8 @@
 """Acquisition functions: which inputs an ensemble should have labelled (or evaluated) next.
 
 Each is a pure function of the members' outputs, as `Ensemble.apply` returns
-them (or `Ensemble.member_outputs`), so it runs under `jax.jit` and
-`jax.grad`: classification takes the (K, N, C) log-probabilities and returns a
+them (or `Ensemble.member_outputs`, numpy arrays), so it runs under `jax.jit`
+and `jax.grad`: classification takes the (K, N, C) log-probabilities and returns a
 score per input, higher for an input more worth labelling; regression takes
 the mixture's components (means, variances), each (K, N) or (K, N, 1), and
 returns the score of each input as a point to evaluate a function being
@@ -39,6 +39,7 @@ def _entropy(log_probs: jax.Array) -> jax.Array:
 
 def _mean_log_probs(log_probs: jax.Array) -> jax.Array:
   """The ensemble's log-probabilities: the log of the members' mean probabilities."""
+  log_probs = jnp.asarray(log_probs)
   return special.logsumexp(log_probs, axis=0) - math.log(log_probs.shape[0])
 
 
@@ -51,6 +52,7 @@ def entropy(log_probs: jax.Array) -> jax.Array:
 def bald(log_probs: jax.Array) -> jax.Array:
   """(N,) nats: the mutual information between an input's label and the choice of member (BALD, Houlsby et al.
   2011): the predictive entropy less the members' mean entropy, high only where the members disagree."""
+  log_probs = jnp.asarray(log_probs)
   return jnp.maximum(entropy(log_probs) - _entropy(log_probs).mean(0), 0.0)
 
 
@@ -75,7 +77,7 @@ def random(outputs: Any, key: jax.Array) -> jax.Array:
 
 def top(scores: jax.Array, size: int) -> jax.Array:
   """The indices of the `size` highest scores, highest first."""
-  return jax.lax.top_k(scores, size)[1]
+  return jax.lax.top_k(jnp.asarray(scores), size)[1]
 
 
 def stochastic(scores: jax.Array, size: int, key: jax.Array, beta: float = 1.0,
@@ -85,6 +87,7 @@ def stochastic(scores: jax.Array, size: int, key: jax.Array, beta: float = 1.0,
   inputs most often but spreads where many score alike, at the cost of one score per input. Scores must be >= 0
   (BALD, entropy, ...). `valid` (N,) bool: the inputs that may be chosen (the others pad a batch of inputs to a
   size already compiled for)."""
+  scores = jnp.asarray(scores)
   gumbel = jax.random.gumbel(key, scores.shape)
   perturbed = beta * jnp.log(jnp.maximum(scores, 1e-30)) + gumbel
   return top(perturbed if valid is None else jnp.where(valid, perturbed, -jnp.inf), size)
@@ -100,8 +103,8 @@ def batch_bald(log_probs: jax.Array, size: int, key: jax.Array, samples: int = 1
   (a member, then a label per chosen input from it), in log space, so that it costs O(samples x N x C) a step
   whatever the batch. `valid` (N,) bool: the inputs that may be chosen.
   """
-  k, n, c = log_probs.shape
-  log_probs = log_probs.astype(jnp.float32)
+  log_probs = jnp.asarray(log_probs, jnp.float32)
+  k, n, _ = log_probs.shape
   conditional = _entropy(log_probs).mean(0)  # E_k H[y_x | member]
   member_of_sample = jax.random.randint(key, (samples,), 0, k)
 
@@ -133,7 +136,7 @@ def batch_bald(log_probs: jax.Array, size: int, key: jax.Array, samples: int = 1
 
 def _components(outputs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
   """Regression's (means, variances) as (K, N): one target's, its last axis of 1 dropped."""
-  means, variances = outputs
+  means, variances = jnp.asarray(outputs[0]), jnp.asarray(outputs[1])
   if means.ndim == 3:
     if means.shape[-1] != 1:
       raise UsageError(f'a regression acquisition scores one target, and these outputs have {means.shape[-1]}: '

@@ -121,9 +121,11 @@ def feature_transform(data_info: dict[str, Any], xp=np):
     return None
   dtype = np.float64 if xp is np else jnp.float32
   mean, std = xp.asarray(data_info['mean'], dtype), xp.asarray(data_info['std'], dtype)
-  count = len(data_info['mean'])
+  return lambda features: features_by(features, mean, std)
 
-  def transform(features):
-    flat = features.reshape(-1, count).astype(dtype)  # -1: a symbolic batch too (ensemble.export)
-    return ((flat - mean) / std).reshape(features.shape)
-  return transform
+
+def features_by(features: Any, mean: Any, std: Any) -> Any:
+  """(N, ...) features standardised per feature by `mean` and `std` (F,), in their dtype: on the host, or traced
+  where the statistics are arguments of a program (`Ensemble.apply_variables`)."""
+  flat = features.reshape(-1, mean.shape[-1]).astype(mean.dtype)  # -1: a symbolic batch too (ensemble.export)
+  return ((flat - mean) / std).reshape(features.shape)

@@ -7,6 +7,7 @@ post-hoc step); `save` writes exactly the value (ensemble/manifest.py), which `l
 changes an ensemble once made: a chain's step was fitted on what the steps before it give, and stays so.
 """
 
+import dataclasses
 import functools
 import numbers
 import os
@@ -276,12 +277,40 @@ class Ensemble:
     Classification: (K, N, C) log-probabilities. Multi-label: (K, N, L) logits. Regression: (means, variances),
     each (K M, N, D) in the targets' units (M = 1 component per member, or a snapshot member's snapshots); the
     mixture's mean is `means.mean(0)`.
-    The members' other state (BatchNorm's averages) is the trained one; no post-hoc step is applied.
+    The members' other state (BatchNorm's averages) is the trained one; no post-hoc step is applied. A program
+    of it holds this ensemble's other arrays as constants; `apply_variables` takes them as arguments.
     """
-    inputs = self.standardise(jax.numpy.asarray(inputs), xp=jax.numpy)
-    state = self.member.method.with_params(self.state, params)
+    return self.apply_variables(self.variables, params, inputs)
+
+  @property
+  def variables(self) -> dict[str, Any]:
+    """Every array `apply` reads besides the parameters: the members' state (its leaves) and the statistics that
+    inputs and targets are standardised by ('input_mean', 'input_std', 'target_mean', 'target_std', where they
+    are)."""
+    statistics = {}
+    if self._transform is not None:
+      statistics['input_mean'], statistics['input_std'] = (np.asarray(self._data_info[key], np.float32)
+                                                           for key in ('mean', 'std'))
+    if self.task.standardises_targets:
+      statistics['target_mean'], statistics['target_std'] = (np.asarray(getattr(self.task, key), np.float32)
+                                                             for key in ('target_mean', 'target_std'))
+    return {'state': jax.tree.leaves(self.state), 'statistics': statistics}
+
+  def apply_variables(self, variables: dict[str, Any], params: Any, inputs: jax.Array) -> Any:
+    """`apply` of any ensemble of this one's model, method, task and shapes, given its `variables` and `params`:
+    a program of it is a function of them, and compiles once for every such ensemble (a loop's fits, each on
+    other rows), where a program of `apply` compiles again for each."""
+    statistics = variables['statistics']
+    inputs = jax.numpy.asarray(inputs)
+    if 'input_mean' in statistics:
+      inputs = standardise.features_by(inputs, statistics['input_mean'], statistics['input_std'])
+    task = self.task
+    if 'target_mean' in statistics:
+      task = dataclasses.replace(task, target_mean=statistics['target_mean'], target_std=statistics['target_std'])
+    state = jax.tree.unflatten(jax.tree.structure(self.state), variables['state'])
+    state = self.member.method.with_params(state, params)
     member_output = lambda state: self.member.task.member_output(self.member.predict(state, inputs))
-    return self.task.apply_outputs(jax.vmap(member_output)(state), xp=jax.numpy)
+    return task.apply_outputs(jax.vmap(member_output)(state), xp=jax.numpy)
 
   @property
   def batch_size(self) -> int:

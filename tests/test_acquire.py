@@ -124,3 +124,24 @@ def test_an_unknown_name_is_one_line_that_lists_the_task_s_acquisitions():
     acquire.named('ei', tasks.named('classification'))
   with pytest.raises(UsageError, match='epistemic_std, ucb, ei, pi, thompson, random'):
     acquire.named('bald', tasks.named('regression'))
+
+
+def test_every_function_takes_numpy_arrays_as_member_outputs_gives_them():
+  """`ens.member_outputs(x)` is numpy: each function answers for it as for the JAX array, batch_bald's scan too."""
+  log_probs = np.asarray(_duplicated_pool(), np.float64)
+  key = jax.random.key(3)
+  for name in ('bald', 'entropy', 'variation_ratios', 'margin'):
+    function = getattr(acquire, name)
+    np.testing.assert_allclose(function(log_probs), function(jnp.asarray(log_probs)), rtol=1e-6, err_msg=name)
+  np.testing.assert_array_equal(acquire.batch_bald(log_probs, 3, key), acquire.batch_bald(jnp.asarray(log_probs), 3,
+                                                                                          key))
+  scores = np.asarray(acquire.bald(log_probs))
+  np.testing.assert_array_equal(acquire.stochastic(scores, 2, key), acquire.stochastic(jnp.asarray(scores), 2, key))
+  np.testing.assert_array_equal(acquire.top(scores, 2), acquire.top(jnp.asarray(scores), 2))
+  mixture = _mixture()
+  traced = tuple(jnp.asarray(a, jnp.float32) for a in mixture)
+  for function in (acquire.epistemic_std, acquire.upper_confidence_bound, lambda o: acquire.thompson(o, key),
+                   lambda o: acquire.expected_improvement(o, 0.5),
+                   lambda o: acquire.probability_of_improvement(o, 0.5)):
+    np.testing.assert_allclose(function(mixture), function(traced), rtol=1e-5)
+  jax.jit(lambda o: acquire.thompson(o, key))(traced)  # and traced, under jit

@@ -1,6 +1,7 @@
 """The active-learning and Bayesian-optimisation loops: their rounds, their records, a stop and a resume that
 records the same curve, every pool path giving the same rounds, and each bad input in one line."""
 
+import contextlib
 import json
 import os
 import signal
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 import ensemble
-from ensemble import data, tasks
+from ensemble import data, errors, tasks
 from ensemble.errors import UsageError
 from ensemble.loops import record as record_lib
 
@@ -30,9 +31,9 @@ def _timeless(curve):
   return [{k: v for k, v in entry.items() if k != 'seconds'} for entry in curve]
 
 
-def _learn(pool=POOL, **kwargs):
+def _learn(pool=POOL, train=SEED, test=TEST, **kwargs):
   settings = {'acquisition': 'bald', 'batch': 4, 'rounds': 2, **FIT, **kwargs}
-  return ensemble.active_learning('mlp', SEED, pool, TEST, **settings)
+  return ensemble.active_learning('mlp', train, pool, test, **settings)
 
 
 @pytest.fixture(scope='module')
@@ -50,7 +51,8 @@ def test_each_round_labels_a_batch_of_the_pool_and_records_it(warm_run):
   assert result.curve[-1]['acquired'] == []  # the last round fits and scores only
   for entry in result.curve:
     assert set(entry['seconds']) >= {'fit', 'test', 'loop', 'round'} and entry['seconds']['loop'] >= 0
-  assert sorted(os.listdir(workdir)) == sorted([record_lib.LAST, record_lib.SETTINGS, record_lib.CURVE])
+  assert sorted(os.listdir(workdir)) == sorted([record_lib.LAST, record_lib.SETTINGS, record_lib.CURVE,
+                                                record_lib.ANSWERS, 'lock'])
   with open(os.path.join(workdir, record_lib.CURVE)) as f:
     assert _timeless([json.loads(line) for line in f]) == _timeless(result.curve)
   assert ensemble.load(os.path.join(workdir, record_lib.LAST)).summary['epoch'] == FIT['epochs']
@@ -109,10 +111,11 @@ def test_a_regression_loop_acquires_by_the_members_disagreement():
     ({'batch': 40}, r'batch=40 x rounds=2 acquires 80 labels, and the pool holds 60 inputs'),
     ({'pool': POOL[0]}, 'pool= holds inputs without labels and no label= is given'),
     ({'pool': POOL[0], 'label': lambda i, x: np.zeros(len(i), np.float32)},
-     r'label= returned labels of dtype float32 .* one integer class per input'),
-    ({'pool': POOL[0], 'label': lambda i, x: np.zeros(len(i) + 1, np.int32)}, 'label= returned 5 labels for 4 inputs'),
-    ({'pool': POOL[0], 'label': lambda i, x: np.full(len(i), 7)},
-     r'returned class 7, and the ensemble has classes 0..3'),
+     r'label= returned labels of dtype float32 .* one class index >= 0 per input'),
+    ({'pool': POOL[0], 'label': lambda i, x: np.zeros(len(i) + 1, np.int32)},
+     'label= returned 5 answers of dtype int32 for 4 inputs'),
+    ({'pool': POOL[0], 'label': lambda i, x: np.full(len(i), -1)}, r'shape \(4,\), below 0; a classification loop'),
+    ({'pool': POOL[0], 'label': lambda i, x: ['cat'] * len(i)}, r'label= returned labels of dtype <U3'),
     ({'acquisition': 'ei'}, "acquisition='ei' is not one for a classification ensemble"),
     ({'candidates': 2}, r'candidates=2 must be a whole number >= 4'),
     ({'init': None}, 'init= is set by the loop'),
@@ -247,3 +250,79 @@ def test_regression_improvement_is_over_the_best_target_labelled_so_far():
   np.testing.assert_array_equal(chosen, want)
   assert not np.array_equal(chosen, np.argsort(-np.asarray(acquire.expected_improvement((means, variances),
                                                                                         0.0)))[:3])
+
+
+# --- the round engine: answers kept, classes that arrive, data checked up front, programs kept ---------------------
+
+
+@pytest.mark.parametrize('warm', [False, True], ids=['cold', 'warm'])
+def test_a_class_the_seed_rows_lack_arrives_in_the_answers_and_the_members_grow_an_output(warm, tmp_path):
+  seed = (SEED[0][SEED[1] < 3][:6], SEED[1][SEED[1] < 3][:6])  # classes 0..2 (0..1 where the draw lacks one)
+  given = []
+
+  def label(indices, inputs):
+    given.extend(indices.tolist())
+    return np.full(len(indices), 3)  # a class no seed row has
+  with pytest.warns(errors.EnsembleWarning, match='fits afresh') if warm else contextlib.nullcontext():
+    result = ensemble.active_learning('mlp', seed, POOL[0], batch=4, rounds=1, label=label, warm=warm,
+                                      workdir=str(tmp_path / 'loop'), **FIT)
+  assert result.labels.tolist() == [3] * 4 and result.ensemble.num_classes == 4
+  with open(tmp_path / 'loop' / record_lib.ANSWERS) as f:
+    assert json.load(f) == {str(i): 3 for i in given}
+
+
+def test_answers_are_recorded_before_they_are_refused_and_the_refusal_says_where(tmp_path):
+  workdir = str(tmp_path / 'loop')
+  with pytest.raises(UsageError, match=r'dtype float64 .*the answers are kept in .*answers.json: correct them there'):
+    _learn(pool=POOL[0], label=lambda i, x: np.full(len(i), 0.5), workdir=workdir, rounds=1)
+  with open(os.path.join(workdir, record_lib.ANSWERS)) as f:
+    assert list(json.load(f).values()) == [0.5] * 4
+  os.remove(os.path.join(workdir, record_lib.ANSWERS))  # removed, they are asked again
+  asked = []
+  result = _learn(pool=POOL[0], label=lambda i, x: asked.extend(i.tolist()) or POOL[1][i], workdir=workdir, rounds=1)
+  assert len(asked) == 4 and result.labels.tolist() == POOL[1][asked].tolist()
+
+
+def test_a_test_class_the_seed_rows_lack_is_refused_before_the_first_fit(tmp_path, monkeypatch):
+  monkeypatch.setattr(ensemble.api, 'fit', lambda *a, **k: pytest.fail('fitted'))
+  seed = (SEED[0][SEED[1] < 2], SEED[1][SEED[1] < 2])
+  with pytest.raises(UsageError, match=r"test= holds class 3, and the seed rows' classes end at 1: .*seed the loop "
+                                       'with a row of class 3') as raised:
+    _learn(train=seed)
+  assert '\n' not in str(raised.value)
+  with pytest.raises(UsageError, match=r'test= holds inputs of shape \(5,\), and the seed rows \(6,\)'):
+    _learn(test=(TEST[0][:, :5], TEST[1]))
+
+
+def test_an_own_acquisition_gets_the_candidates_outputs_unpadded_and_may_be_numpy():
+  seen = []
+
+  def least_confident(log_probs, key):
+    seen.append((type(log_probs), log_probs.shape))
+    return 1.0 - np.exp(log_probs).mean(0).max(-1)  # numpy throughout
+  result = _learn(acquisition=least_confident, candidates=20, rounds=1)
+  assert seen == [(np.ndarray, (2, 20, 4))] and len(set(result.acquired.tolist())) == 4
+  def bad(outputs, key):
+    return np.zeros(3)
+  with pytest.raises(UsageError, match=r'acquisition=bad returned scores of shape \(3,\) for 20 candidates'):
+    _learn(acquisition=bad, candidates=20, rounds=1)
+
+
+def test_a_finished_optimisation_keeps_its_last_ensemble_and_returns_it_when_run_again(optimised):
+  workdir, result = optimised
+  assert os.path.isdir(os.path.join(workdir, record_lib.LAST))
+  again = _optimise(lambda x: pytest.fail('evaluated again'), workdir=workdir)
+  points = np.array([[0.0, 0.5], [1.5, 0.2]], np.float32)
+  np.testing.assert_allclose(again.ensemble.predict(points)['mean'], result.ensemble.predict(points)['mean'],
+                             rtol=1e-6)
+
+
+def test_an_optimisation_compiles_its_acquisition_once_for_all_its_fits():
+  """Each fit's parameters and statistics are arguments of the acquisition's program, not its constants: a loop of
+  three fits compiles it once (and its fits, of shapes compiled before, nothing)."""
+  from conftest import compiles  # pylint: disable=g-import-not-at-top
+  _optimise(evaluations=11)  # the fits' programs, and one loop's acquisition
+  with compiles() as counts:
+    result = _optimise(evaluations=11, seed=1)  # other points, other fits, other statistics
+  assert [entry['acquisition'] for entry in result.curve[8:]] == ['ei'] * 3
+  assert sum(counts.values()) == 1, f'{sum(counts.values())} programs compiled'

@@ -18,13 +18,14 @@ that reveals them.
 
 import contextlib
 import functools
+import os
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ensemble import acquire, data, host_memory, sigterm, standardise, tasks
+from ensemble import acquire, data, errors, host_memory, sigterm, standardise, tasks
 from ensemble.loops import record as record_lib
 from ensemble.errors import UsageError
 
@@ -69,6 +70,14 @@ class Pool:
       raise UsageError(f'pool= holds inputs of shape {tuple(shape)}, and the labelled ones are '
                        f'{tuple(input_shape)}: give pool inputs of the labelled inputs\' shape')
 
+  def fingerprint(self) -> str:
+    """What `loop.json` records of the pool: its inputs' hash, whole for arrays; a source's length and the hash of up
+    to 64 of its inputs spread over it (reading a source whole to resume would cost what the loop spares)."""
+    if self.source is None:
+      return record_lib.fingerprint(self.inputs)
+    sample = np.unique(np.linspace(0, self.size - 1, min(self.size, 64)).astype(np.int64))
+    return f'{self.size} inputs, {record_lib.fingerprint(self.read(sample)[0])} at {len(sample)} of them'
+
   def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """The inputs at `indices`, and their labels where the pool holds them."""
     if self.source is None:
@@ -85,22 +94,20 @@ class Pool:
 
 
 
-def checked_labels(labels: Any, count: int, task: Any, num_classes: int, target_shape: tuple[int, ...]) -> np.ndarray:
-  """What `label` returned for `count` inputs, read as the task reads labels (`Task.labels`), refused in one line
-  where it is not one label per input of the seed labels' kind: classes the ensemble has outputs for, or numbers
-  of the seed targets' shape."""
+def checked_labels(labels: Any, count: int, task: Any, target_shape: tuple[int, ...]) -> np.ndarray:
+  """What `label` returned for `count` inputs, refused in one line where it is not one label per input of the seed
+  labels' kind: class indices (a class the seed rows lack is a new output of the next round's members), or
+  numbers of the seed targets' shape."""
   array = np.asarray(labels)
   if len(array.shape) == 0 or array.shape[0] != count:
     raise UsageError(f'label= returned {array.shape[0] if array.ndim else "a scalar"} labels for {count} inputs: '
                      'return one label per index it is given')
   if task.has_classes:
-    if not np.issubdtype(array.dtype, np.integer) or array.ndim != 1:
-      raise UsageError(f'label= returned labels of dtype {array.dtype} and shape {array.shape}; a classification '
-                       f'loop takes one integer class per input, shape ({count},)')
-    if array.min() < 0 or array.max() >= num_classes:
-      raise UsageError(f'label= returned class {int(array.min() if array.min() < 0 else array.max())}, and the '
-                       f'ensemble has classes 0..{num_classes - 1} (an output each): seed the loop with a row of '
-                       'every class, or give a model with an output for every class')
+    below = np.issubdtype(array.dtype, np.integer) and array.size and array.min() < 0
+    if not np.issubdtype(array.dtype, np.integer) or array.ndim != 1 or below:
+      raise UsageError(f'label= returned labels of dtype {array.dtype} and shape {array.shape}'
+                       f'{", below 0" if below else ""}; a classification loop takes one class index >= 0 per input, '
+                       f'shape ({count},)')
     return array.astype(np.int64)
   if not np.issubdtype(array.dtype, np.number) or array.shape[1:] != target_shape:
     raise UsageError(f'label= returned targets of dtype {array.dtype} and shape {array.shape}; this loop takes '
@@ -113,15 +120,15 @@ def checked_labels(labels: Any, count: int, task: Any, num_classes: int, target_
 
 def acquisition_program(name: Any, task: Any, size: int) -> Callable[..., np.ndarray]:
   """f(outputs, key, best) -> the `size` indices acquired among the candidates whose member outputs are `outputs`:
-  a batch acquisition's own choice, or the top of a per-input score (a callable `name` is a score of the user's,
-  g(outputs, key) -> (N,) scores); `best`, the highest target labelled so far, is what regression's 'ei' and 'pi'
-  improve on. Compiled once for each power of two of candidates: the outputs are padded to
-  it, and the padding is never chosen."""
+  a batch acquisition's own choice, or the top of a per-input score; `best`, the highest target labelled so far,
+  is what regression's 'ei' and 'pi' improve on. The package's own are compiled once for each power of two of
+  candidates (the outputs padded to it, the padding never chosen). A callable `name` is a score of the user's,
+  g(outputs, key) -> (N,) scores, called as it is, outside any program, on the candidates' outputs as
+  `Ensemble.member_outputs` gives them (numpy arrays, unpadded): numpy or JAX, as it likes."""
   if callable(name):
-    score = functools.partial(lambda outputs, key, best, f: f(outputs, key), f=name)
-  else:
-    name = acquire.named(name, task)
-    score = task.acquisitions.get(name)
+    return functools.partial(_own_choice, name, size)
+  name = acquire.named(name, task)
+  score = task.acquisitions.get(name)
 
   @jax.jit
   def choose(outputs, valid, key, best):
@@ -135,6 +142,25 @@ def acquisition_program(name: Any, task: Any, size: int) -> Callable[..., np.nda
     pad = lambda a: np.pad(np.asarray(a, np.float32), [(0, 0), (0, padded - n)] + [(0, 0)] * (a.ndim - 2), 'edge')
     return np.asarray(choose(jax.tree.map(pad, outputs), np.arange(padded) < n, key, jnp.float32(best)))
   return chosen
+
+
+def _own_choice(function: Callable, size: int, outputs: Any, key: jax.Array, best: float = 0.0) -> np.ndarray:
+  """The `size` candidates `function`, a user's acquisition, scores highest (ties: the first)."""
+  del best
+  n = jax.tree.leaves(outputs)[0].shape[1]
+  name = getattr(function, '__name__', 'acquisition')
+  try:
+    scores = np.asarray(function(outputs, key), np.float64)
+  except (TypeError, ValueError) as error:
+    raise UsageError(f'acquisition={name} returned what is not an array of numbers ({error}): return (N,) scores, '
+                     'one per candidate') from None
+  if scores.shape != (n,):
+    raise UsageError(f'acquisition={name} returned scores of shape {scores.shape} for {n} candidates: return one '
+                     f'score per candidate, shape ({n},)')
+  if np.isnan(scores).any():
+    raise UsageError(f'acquisition={name} returned NaN for {int(np.isnan(scores).sum())} of {n} candidates: return '
+                     'a number for every candidate (-inf for one never to acquire)')
+  return np.argsort(-scores, kind='stable')[:size]
 
 
 def active_learning(model: Any, train: Any, pool: Any, test: Any = None, *, acquisition: Any = 'bald',
@@ -187,18 +213,19 @@ def active_learning(model: Any, train: Any, pool: Any, test: Any = None, *, acqu
   if batch * rounds > pool.size:
     raise UsageError(f'batch={batch} x rounds={rounds} acquires {batch * rounds} labels, and the pool holds '
                      f'{pool.size} inputs: give fewer rounds or a smaller batch')
-  test = None if test is None else tuple(np.asarray(a) for a in test)
+  test = _checked(model, x_seed, y_seed, test, task, fit_fields)
   settings = {'loop': 'active_learning', 'acquisition': getattr(acquisition, '__name__', acquisition),
               'batch': batch, 'rounds': rounds, 'candidates': candidates, 'warm': warm, 'seed': seed,
-              'pool': pool.size, 'seed_rows': len(y_seed),
               'fit': record_lib.recorded(fit_fields)}
-  record = record_lib.Record(workdir, settings)
+  fingerprints = {'seed rows': record_lib.fingerprint(x_seed, y_seed), 'pool inputs': pool.fingerprint(),
+                  'test rows': 'none' if test is None else record_lib.fingerprint(*test)}
   fields = record_lib.fit_fields(fit_fields, len(y_seed))
-  acquired = [i for entry in record.rounds for i in entry['acquired']]
-  labels = [y for entry in record.rounds for y in entry['acquired_labels']]
-  ens = record.last_ensemble(None if isinstance(model, str) else model) if record.rounds else None
   program, key = acquisition_program(acquisition, task, batch), jax.random.key(seed)
-  with sigterm.interrupting(), _fixed_image_stats(x_seed, pool, seed):
+  with record_lib.Record(workdir, settings, fingerprints) as record, sigterm.interrupting(), \
+       _fixed_image_stats(x_seed, pool, seed):
+    acquired = [i for entry in record.rounds for i in entry['acquired']]
+    labels = [y for entry in record.rounds for y in entry['acquired_labels']]
+    ens = record.last_ensemble(None if isinstance(model, str) else model) if warm and record.rounds else None
     for r in range(len(record.rounds), rounds + 1):
       clock = record_lib.Clock()
       with clock.part('read'):
@@ -206,13 +233,16 @@ def active_learning(model: Any, train: Any, pool: Any, test: Any = None, *, acqu
         x_train = np.concatenate([x_seed, x_new.astype(x_seed.dtype, copy=False)])
         y_train = np.concatenate([y_seed, np.asarray(labels, y_seed.dtype).reshape(-1, *target_shape)])
       with clock.part('fit'):
-        ens = api.fit(model, (x_train, y_train), init=ens if warm else None, seed=seed,
+        ens = api.fit(model, (x_train, y_train), init=_start(ens, warm, task, y_train), seed=seed,
                       **{'progress': False, **fields})
+      if warm or r == rounds:  # kept once the round is recorded: a warm loop's next fit starts from it
+        with clock.part('save'):
+          record.stage(ens)
       entry = {'round': r, 'labels': len(y_train)}
       if test is not None:
         with clock.part('test'):
           entry.update(ens.task.curve_scores(ens, *test))
-      picked, picked_labels = [], []
+      picked, picked_labels = np.zeros(0, np.int64), []
       if r < rounds:
         round_key = jax.random.fold_in(key, r)
         unlabelled = np.setdiff1d(np.arange(pool.size), np.asarray(acquired, np.int64), assume_unique=True)
@@ -225,18 +255,79 @@ def active_learning(model: Any, train: Any, pool: Any, test: Any = None, *, acqu
           chosen = program(outputs, round_key, task.best(y_train))
         picked = unlabelled[chosen]
         with clock.part('label'):
-          given = y_candidates[chosen] if label is None else label(picked.copy(), x_candidates[chosen])
-          picked_labels = checked_labels(given, batch, task, ens.num_classes, target_shape).tolist()
-      if warm or r == rounds:
-        with clock.part('save'):
-          record.keep(ens)
-      acquired += picked.tolist() if len(picked) else []
+          given = record.answers([str(int(i)) for i in picked],
+                                 _labeller(label, picked, x_candidates[chosen], y_candidates, chosen))
+          picked_labels = _recorded_labels(record, given, batch, task, target_shape).tolist()
+      acquired += picked.tolist()
       labels += picked_labels
       with clock.part('loop'):
         host_memory.release_compiled_programs_if_many()  # a loop of many rounds compiles many programs
       record.add({**entry, 'acquired': [int(i) for i in picked], 'acquired_labels': picked_labels,
                   'seconds': clock.seconds()})
+    if ens is None:  # a finished loop run again: the ensemble its last round kept
+      ens = record.last_ensemble(None if isinstance(model, str) else model)
   return Result(ens, record.rounds, np.asarray(acquired, np.int64), np.asarray(labels))
+
+
+def _labeller(label: Callable | None, picked: np.ndarray, inputs: np.ndarray, pool_labels: np.ndarray | None,
+              chosen: np.ndarray) -> Callable[[list[int]], Any]:
+  """f(positions) -> the labels of the picked inputs at those positions: `label`'s answer, or the pool's own."""
+  if label is None:
+    return lambda at: pool_labels[chosen][at]
+  return lambda at: label(picked[at].copy(), inputs[at])
+
+
+def _start(ens: Any, warm: bool, task: Any, labels: np.ndarray) -> Any:
+  """What a round's fit starts from: the last round's members where `warm`, unless the answers brought a class they
+  have no output for (the members grow one: a fresh start, said in a hint)."""
+  if not warm or ens is None:
+    return None
+  if task.has_classes and labels.size and labels.max() >= ens.num_classes:
+    errors.hint(f'the labels now hold class {int(labels.max())}, and the last round\'s members have outputs for '
+                f'0..{ens.num_classes - 1}: this round fits afresh, with an output per class')
+    return None
+  return ens
+
+
+def _recorded_labels(record: record_lib.Record, given: list[Any], count: int, task: Any,
+                     target_shape: tuple[int, ...]) -> np.ndarray:
+  """`checked_labels` of answers already recorded: a refusal says where they are kept, to correct."""
+  try:
+    return checked_labels(given, count, task, target_shape)
+  except UsageError as error:
+    if record.workdir is None:
+      raise
+    raise UsageError(f'{error} (the answers are kept in {os.path.join(record.workdir, record_lib.ANSWERS)}: correct '
+                     'them there, or remove them to be asked again)') from None
+
+
+def _checked(model: Any, x_seed: np.ndarray, y_seed: np.ndarray, test: Any, task: Any, fields: dict[str, Any]
+             ) -> Any:
+  """The seed rows and `test` through `fit`'s checker with their roles, before the first fit: a test class the
+  seed rows lack an output for (a built-in model has one for each class up to its rows' largest) refused in one
+  line."""
+  kind = fields.get('inputs', 'auto')
+  kind = data.arrays.kind_of(x_seed) if kind == 'auto' else kind
+  ignore = fields.get('ignore_label', data.base.IGNORED)
+  seed_split = data.arrays.split((x_seed, y_seed), kind, 'seed rows', task.name, ignore=ignore)
+  if test is None:
+    return None
+  test = data.arrays.pair(test, 'test')
+  test_split = data.arrays.split(test, kind, 'test', task.name, ignore=ignore)
+  if test_split['image'].shape[1:] != seed_split['image'].shape[1:]:
+    raise UsageError(f'test= holds inputs of shape {test_split["image"].shape[1:]}, and the seed rows '
+                     f'{seed_split["image"].shape[1:]}: give test inputs of the seed rows\' shape')
+  if task.has_classes and isinstance(model, str) and 'num_classes' not in (fields.get('model_kwargs') or {}):
+    tested, seeded = task.labelled(test_split['label']), task.labelled(seed_split['label'])
+    if tested.size and seeded.size and tested.max() > seeded.max():
+      top = int(tested.max())
+      raise UsageError(f'test= holds class {top}, and the seed rows\' classes end at {int(seeded.max())}: the first '
+                       'round\'s members have an output for each class up to the largest labelled one; seed the loop '
+                       f'with a row of class {top}')
+  elif not task.has_classes and test_split['label'].shape[1:] != seed_split['label'].shape[1:]:
+    raise UsageError(f'test= holds targets of shape {test_split["label"].shape[1:]}, and the seed rows '
+                     f'{seed_split["label"].shape[1:]}: give test targets of the seed rows\' shape')
+  return test
 
 
 def _fixed_image_stats(x_seed: np.ndarray, pool: Pool, seed: int):

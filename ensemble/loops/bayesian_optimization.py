@@ -16,6 +16,7 @@ taken. Every evaluation is recorded as the active-learning loop's rounds are
 evaluates a recorded point twice.
 """
 
+import json
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -71,26 +72,24 @@ def evaluated(function: Callable, x: np.ndarray) -> float:
   return result
 
 
-def proposer(ens: Any, name: str, low: np.ndarray, high: np.ndarray, candidates: int, starts: int,
-             steps: int, learning_rate: float = 0.05) -> Callable[[jax.Array, float], tuple[np.ndarray, float]]:
-  """f(key, best) -> (the point maximising the acquisition found, its value): `candidates` uniform points scored,
-  the best `starts` refined by `steps` steps of Adam on the acquisition's gradient in the unit box (clipped to it),
-  one compiled program."""
+def proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candidates: int, starts: int,
+             steps: int, learning_rate: float = 0.05) -> Callable[[Any, jax.Array, float], tuple[np.ndarray, float]]:
+  """f(ens, key, best) -> (the point maximising `ens`'s acquisition found, its value): `candidates` uniform points
+  scored, the best `starts` refined by `steps` steps of Adam on the acquisition's gradient in the unit box (clipped
+  to it). One program, compiled once for every ensemble of `template`'s shapes (a loop's fits): the ensemble's
+  parameters, state and statistics are its arguments (`Ensemble.apply_variables`), not its constants."""
   score = acquire.REGRESSION[name]
   low_j, width = jnp.asarray(low, jnp.float32), jnp.asarray(high - low, jnp.float32)
-  params = ens.params
-
-  def values(unit, key, best):
-    return score(ens.apply(params, low_j + unit * width), key, best)
 
   @jax.jit
-  def propose(key, best):
+  def propose(variables, params, key, best):
     draw, acquisition_key = jax.random.split(key)
+    values = lambda unit: score(template.apply_variables(variables, params, low_j + unit * width),
+                                acquisition_key, best)
     unit = jax.random.uniform(draw, (candidates, len(low)))
-    first = values(unit, acquisition_key, best)
-    unit = unit[acquire.top(first, starts)]
+    unit = unit[acquire.top(values(unit), starts)]
     optimizer = optax.adam(learning_rate)
-    gain = lambda u: -jnp.sum(values(u, acquisition_key, best))  # each start's own value: their gradients are apart
+    gain = lambda u: -jnp.sum(values(u))  # each start's own value: their gradients are apart
 
     def step(carry, _):
       u, state = carry
@@ -98,12 +97,12 @@ def proposer(ens: Any, name: str, low: np.ndarray, high: np.ndarray, candidates:
       updates, state = optimizer.update(grads, state, u)
       return (jnp.clip(optax.apply_updates(u, updates), 0.0, 1.0), state), None
     (unit, _), _ = jax.lax.scan(step, (unit, optimizer.init(unit)), None, length=steps)
-    refined = values(unit, acquisition_key, best)
+    refined = values(unit)
     best_index = jnp.argmax(refined)
     return low_j + unit[best_index] * width, refined[best_index]
 
-  def run(key, best):
-    point, value = propose(key, jnp.float32(best))
+  def run(ens, key, best):
+    point, value = propose(ens.variables, ens.params, key, jnp.float32(best))
     return np.clip(np.asarray(point, np.float64), low, high), float(value)
   return run
 
@@ -146,15 +145,15 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
               'evaluations': evaluations, 'initial': initial, 'candidates': candidates, 'starts': starts,
               'steps': steps, 'maximize': maximize, 'warm': warm, 'seed': seed,
               'fit': record_lib.recorded(fit_fields)}
-  record = record_lib.Record(workdir, settings)
   fields = record_lib.fit_fields({**fit_fields, 'task': tasks.DEFAULT_FOR_TARGETS}, initial)
-  xs = [np.asarray(entry['x'], np.float64) for entry in record.rounds]
-  ys = [entry['y'] for entry in record.rounds]
   sign = 1.0 if maximize else -1.0
-  ens = record.last_ensemble(None if isinstance(model, str) else model) if warm and record.rounds else None
   key = jax.random.key(seed)
   uniform = np.random.default_rng(seed).uniform(low, high, (initial, len(low)))
-  with sigterm.interrupting():
+  with record_lib.Record(workdir, settings) as record, sigterm.interrupting():
+    xs = [np.asarray(entry['x'], np.float64) for entry in record.rounds]
+    ys = [entry['y'] for entry in record.rounds]
+    ens = record.last_ensemble(None if isinstance(model, str) else model) if warm and record.rounds else None
+    propose = None  # built on the first fit, for all of them
     for n in range(len(record.rounds), evaluations):
       clock, entry = record_lib.Clock(), {'evaluation': n + 1}
       if n < initial or acquisition == 'random':
@@ -164,20 +163,22 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
         with clock.part('fit'):
           ens = api.fit(model, (np.stack(xs), sign * np.asarray(ys)), init=ens if warm else None, seed=seed,
                         **{'progress': False, **fields})
-        with clock.part('acquire'):
-          propose = proposer(ens, acquisition, low, high, candidates, starts, steps)
-          x, value = propose(jax.random.fold_in(key, n), max(sign * y for y in ys))
-        entry.update(acquisition=acquisition, acquisition_value=value)
-        if warm:
+        if warm or n == evaluations - 1:  # kept once the evaluation is recorded: the next warm fit starts from it
           with clock.part('save'):
-            record.keep(ens)
+            record.stage(ens)
+        with clock.part('acquire'):
+          propose = propose or proposer(ens, acquisition, low, high, candidates, starts, steps)
+          x, value = propose(ens, jax.random.fold_in(key, n), max(sign * y for y in ys))
+        entry.update(acquisition=acquisition, acquisition_value=value)
       with clock.part('function'):
-        y = evaluated(function, x)
+        y = float(record.answers([json.dumps(x.tolist())], lambda at, x=x: [evaluated(function, x)], 'function')[0])
       xs.append(x)
       ys.append(y)
       best = int(np.argmax(sign * np.asarray(ys)))
       with clock.part('loop'):
         host_memory.release_compiled_programs_if_many()  # a loop of many rounds compiles many programs
       record.add({**entry, 'x': x.tolist(), 'y': y, 'best': ys[best], 'seconds': clock.seconds()})
+    if ens is None and acquisition != 'random':  # a finished loop run again: the ensemble its last fit kept
+      ens = record.last_ensemble(None if isinstance(model, str) else model)
   best = int(np.argmax(sign * np.asarray(ys)))
   return Result(ens, record.rounds, np.stack(xs), np.asarray(ys), xs[best], float(ys[best]))
