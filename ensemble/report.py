@@ -103,6 +103,12 @@ def markdown(results: dict[str, Any]) -> str:
                     *(f'![{name[:-4]}]({name})' for name in plots if name in PLOTS), ''])
 
 
+def calibration_data(results: dict[str, Any]) -> str:
+  """What a post-hoc step was fitted on, in a few words: the rows given, or the held-out slice."""
+  return ('the calibration examples given' if results.get('calibration') == 'given'
+          else "the training split's held-out slice")
+
+
 def calibrated_on(results: dict[str, Any], count: int, seen: bool) -> str:
   """Which examples a temperature or the conformal sets were fitted on, in words."""
   if results.get('calibration') == 'given':
@@ -216,9 +222,9 @@ def uncertainty_markdown(results: dict[str, Any]) -> list[str]:
                'confident on them than on new examples, so the sets are too small and the guarantee does not '
                'hold.**'] if conformal['seen_in_training'] else []),
         *(['', f'**{len(outside)} of the {len(conformal["rows"])} rows measure a coverage outside their 99% bounds '
-               '(marked): the test examples are not drawn as the calibration examples were (the training split\'s '
-               'held-out slice and the test split differ), so the guarantee holds for examples like the calibration '
-               'ones, not for this test set.**'] if outside else []),
+               '(marked): the test examples are not drawn as the calibration examples were '
+               f'({calibration_data(results)} and the test set differ), so the guarantee holds for examples like the '
+               'calibration ones, not for this test set.**'] if outside else []),
         '',
         table(['alpha', 'score', 'expected coverage', '99% bounds on this test set', 'ensemble coverage',
                 'ensemble set size', 'member coverage', 'member set size'],

@@ -23,7 +23,13 @@ import numpy as np
 import pytest
 
 from configs import classic
-from ensemble import members, recipe as recipe_lib, steps
+from ensemble import devices, members, recipe as recipe_lib, steps
+
+# Every test process compiles into the persistent cache the command line uses ('auto': ~/.cache/ensemble/jax, or
+# ENSEMBLE_TEST_CACHE's folder; '' for none), as `python -m ensemble.train` does: a program that another test, the
+# other worker or an earlier run compiled is read instead of compiled again (the contract's fits of different
+# recipes compile some of the same programs). What is counted as compiled (`compiles`) counts a program read too.
+devices.compilation_cache(os.environ.get('ENSEMBLE_TEST_CACHE', 'auto'))
 
 # The tests' MNIST-shaped members: 28x28x1 pixels scaled to [0, 1] and not standardised (mean 0, std 1),
 # so a member's forward pass is its model's own.

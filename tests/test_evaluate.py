@@ -354,3 +354,17 @@ def test_a_report_from_python_never_takes_the_place_of_the_run_s_own(workdir, tm
                   output_dir=os.path.join(run, 'eval'))
   assert '\n' not in str(refused.value)
   assert ensemble.load(run).temperature == before.temperature
+
+
+@pytest.mark.parametrize('calibration, named', [('given', 'the calibration examples given and the test set differ'),
+                                                 ('heldout', "the training split's held-out slice and the test set")])
+def test_the_conformal_note_names_the_data_the_sets_were_calibrated_on(calibration, named):
+  """A coverage outside its bounds is blamed on the data the sets were calibrated on: the rows given with
+  `calibration=`, or the held-out slice (issue 89: it named the held-out slice for rows given)."""
+  from ensemble import report  # pylint: disable=g-import-not-at-top
+  row = {'alpha': 0.1, 'score': 'thr', 'guaranteed': [0.9, 0.91], 'bounds': [0.88, 0.92], 'within_bounds': False,
+         'ensemble': {'coverage': 0.81, 'mean_size': 1.1}, 'mean_member': {'coverage': 0.8, 'mean_size': 1.2}}
+  results = {'calibration': calibration, 'test_examples': 500,
+             'conformal': {'calibration_examples': 200, 'seen_in_training': False, 'rows': [row]}}
+  text = '\n'.join(report.uncertainty_markdown(results))
+  assert named in text and '1 of the 1 rows measure a coverage outside their 99% bounds' in text
