@@ -53,13 +53,15 @@ FLAGS = flags.FLAGS
 
 def rows(names: Sequence[str], result: dict[str, np.ndarray],
          flagged: np.ndarray | None) -> Iterator[dict[str, Any]]:
-  """The output's rows; without `flagged` (`posthoc.flagged`) there is no flag column. Figures keep 6 significant
-  digits."""
+  """The output's rows; without `flagged` (`posthoc.flagged`) there is no flag column; with the chain's conformal
+  step, its 'set' (the classes in it, by spaces). Figures keep 6 significant digits."""
   figure = lambda x: float(f'{x:.6g}')
   probability = np.take_along_axis(result['probs'], result['class'][:, None], axis=-1)[:, 0]
   for i, name in enumerate(names):
     row = {'name': name, 'class': int(result['class'][i]), 'probability': figure(probability[i]),
            'entropy': figure(result['entropy'][i]), 'mutual_information': figure(result['mutual_information'][i])}
+    if 'set' in result:
+      row['set'] = ' '.join(map(str, np.flatnonzero(result['set'][i])))
     if flagged is not None:
       row['flag'] = int(flagged[i])
     yield row
@@ -67,11 +69,14 @@ def rows(names: Sequence[str], result: dict[str, np.ndarray],
 
 def write_maps(names: Sequence[str], result: dict[str, np.ndarray], output: str):
   """A dense ensemble's prediction, a map per input, as one .npz file, whole or not at all: 'name' (N,), and per
-  position 'class' and its 'probability', 'entropy' and 'mutual_information' (N, *positions)."""
+  position 'class' and its 'probability', 'entropy' and 'mutual_information' (N, *positions); with the chain's
+  conformal step, its 'set' (N, *positions, C) booleans."""
   probability = np.take_along_axis(result['probs'], result['class'][..., None], -1)[..., 0]
   maps = {'name': np.asarray(names), 'class': result['class'].astype(np.int32),
           'probability': probability.astype(np.float32), 'entropy': result['entropy'].astype(np.float32),
           'mutual_information': result['mutual_information'].astype(np.float32)}
+  if 'set' in result:
+    maps['set'] = np.asarray(result['set'], bool)
   buffer = io.BytesIO()
   np.savez_compressed(buffer, **maps)
   files.write_atomically(output, buffer.getvalue())
@@ -171,7 +176,7 @@ def predict_files(workdir: str, input_path: str, output: str | None = None, *, s
                  fitted['ood_threshold'], 100 * flag_ood_rate)
   logging.info('Predicting %d images.', len(images))
   result = model.predict(images, progress=True)
-  columns = COLUMNS if flag else COLUMNS[:-1]
+  columns = [*COLUMNS[:-1], *(['set'] if 'set' in result else []), *(COLUMNS[-1:] if flag else [])]
   referred = posthoc.flagged(result, fitted) if flag else None
   write(rows(names, result, referred), output, columns)
   flagged = int(np.sum(referred)) if flag else None

@@ -202,3 +202,17 @@ def test_a_converted_folder_keeps_the_positions_and_reads_the_ignored_label(tmp_
   (tmp_path / 'table.csv').write_text('a,y\n1,0\n2,1\n')
   with pytest.raises(UsageError, match=r'a .csv input is regression, multilabel or quantile data; drop --task=dense'):
     convert.convert(str(tmp_path / 'table.csv'), str(tmp_path / 'again'), task='dense', target='y')
+
+
+def test_the_program_writes_the_chain_s_conformal_sets_per_position(fitted, tmp_path):
+  """A saved dense ensemble with a conformal step: `python -m ensemble.predict`'s maps hold its 'set' per position
+  (N, positions, C), as `predict` gives it."""
+  from ensemble import predict  # pylint: disable=g-import-not-at-top
+  saved = str(tmp_path / 'saved')
+  chained = fitted.conformal(*_rows(300, 5), alpha=0.1).save(saved)
+  x, _ = _rows(12, 6)
+  np.save(tmp_path / 'x.npy', x)
+  predict.predict_files(saved, str(tmp_path / 'x.npy'), str(tmp_path / 'maps.npz'))
+  with np.load(tmp_path / 'maps.npz') as maps:
+    np.testing.assert_array_equal(maps['set'], chained.predict(x)['set'])
+    assert maps['set'].shape == (12, POSITIONS, CLASSES)

@@ -483,3 +483,31 @@ def test_the_program_runs_on_one_device_and_flags(trained, tmp_path):
   np.testing.assert_allclose([row['mutual_information'] for row in rows], expected['mutual_information'],
                              rtol=1e-4, atol=1e-6)
   assert {row['flag'] for row in rows} <= {0, 1}
+
+
+@pytest.mark.parametrize('task', ['classification', 'regression', 'multilabel', 'quantile'])
+def test_the_program_writes_the_chain_s_conformal_sets_or_intervals(task, tmp_path):
+  """A saved ensemble whose chain ends in a conformal step: `python -m ensemble.predict`'s rows hold its sets (the
+  classes in each, by spaces; a multi-label one's values per label) or its intervals, as `predict` gives them."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(160, 4)).astype(np.float32)
+  targets = (x[:, 0] + 0.3 * rng.normal(size=160)).astype(np.float32)
+  y = {'classification': ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0)), 'regression': targets,
+       'quantile': targets, 'multilabel': (x[:, :3] > 0).astype(np.int32)}[task]
+  ens = ensemble.fit('mlp', (x[:100], y[:100]), task=task, ensemble_size=2, epochs=3, progress=False)
+  saved = str(tmp_path / 'saved')
+  ens = ens.conformal(x[100:140], y[100:140], alpha=0.2).save(saved)
+  np.save(tmp_path / 'x.npy', x[140:])
+  predict.predict_files(saved, str(tmp_path / 'x.npy'), str(tmp_path / 'rows.jsonl'), flag=False)
+  with open(tmp_path / 'rows.jsonl') as f:
+    rows = [json.loads(line) for line in f]
+  result = ens.predict(x[140:])
+  members_of = lambda held: ' '.join(map(str, np.flatnonzero(held)))
+  if task == 'classification':
+    assert [row['set'] for row in rows] == [members_of(held) for held in result['set']]
+  elif task == 'multilabel':
+    for label in range(3):
+      assert [row[f'set_{label}'] for row in rows] == [members_of(held) for held in result['set'][:, label]]
+  else:
+    for key in ('conformal_lower', 'conformal_upper'):
+      np.testing.assert_allclose([row[key] for row in rows], result[key], rtol=1e-5)

@@ -266,9 +266,12 @@ def with_test_scores(summary: dict[str, float], test: dict[str, Any] | None,
   return summary
 
 
-def target_table(names: Sequence[str], parts: dict[str, np.ndarray]) -> tuple[list[str], Any]:
-  """`python -m ensemble.predict`'s (columns, rows) of per-target figures (`parts`: name -> (N,) or (N, D)): a column
-  per figure, with a suffix _d per target when there are several; 6 significant digits."""
+def target_table(names: Sequence[str], parts: dict[str, np.ndarray], result: dict[str, np.ndarray]
+                 ) -> tuple[list[str], Any]:
+  """`python -m ensemble.predict`'s (columns, rows) of per-target figures (`parts`: name -> (N,) or (N, D)), and the
+  chain's conformal interval where `result` (what `predict` returned) has one: a column per figure, with a suffix _d
+  per target when there are several; 6 significant digits."""
+  parts = {**parts, **{key: result[key] for key in ('conformal_lower', 'conformal_upper') if key in result}}
   figure = lambda x: float(f'{x:.6g}')
   first = next(iter(parts.values()))
   targets = 1 if first.ndim == 1 else first.shape[1]

@@ -195,16 +195,21 @@ class Multilabel(base.Task):
 
   def table(self, names, result):
     """(columns, rows): the labels predicted (their indices, by spaces), and per label l its probability and the
-    members' mutual information ('probability_l', 'mutual_information_l')."""
+    members' mutual information ('probability_l', 'mutual_information_l'); with the chain's conformal step, the
+    values its set holds for each label ('set_l': '0', '1' or '0 1')."""
     figure = lambda x: float(f'{x:.6g}')
     count = result['probs'].shape[1]
     parts = ('probability', 'mutual_information')
-    columns = ['name', 'labels', *(f'{part}_{label}' for part in parts for label in range(count))]
+    sets = ['set'] if 'set' in result else []
+    columns = ['name', 'labels', *(f'{part}_{label}' for part in (*parts, *sets) for label in range(count))]
 
     def rows():
       for i, name in enumerate(names):
         row = {'name': name, 'labels': ' '.join(map(str, np.flatnonzero(result['labels'][i])))}
         for part, values in zip(parts, (result['probs'], result['mutual_information'])):
           row.update({f'{part}_{label}': figure(values[i, label]) for label in range(count)})
+        if sets:
+          row.update({f'set_{label}': ' '.join(map(str, np.flatnonzero(result['set'][i, label])))
+                      for label in range(count)})
         yield row
     return columns, rows()

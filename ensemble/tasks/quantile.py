@@ -283,10 +283,11 @@ class Quantile(base.Targets):
   covered = regression.Regression.covered
 
   def table(self, names, result):
-    """Per target each level's quantile ('q5', 'q50', 'q95') and the members' disagreement ('epistemic_std')."""
+    """Per target each level's quantile ('q5', 'q50', 'q95'), the members' disagreement ('epistemic_std'), and the
+    conformal (CQR) interval where the chain has one."""
     quantiles = result['quantiles']
     parts = {f'q{mixture.level_name(level)}': quantiles[..., i] for i, level in enumerate(self.levels)}
-    return base.target_table(names, {**parts, 'epistemic_std': result['epistemic_std']})
+    return base.target_table(names, {**parts, 'epistemic_std': result['epistemic_std']}, result)
 
   # --- distillation and the loops ----------------------------------------------------------------------------------
 

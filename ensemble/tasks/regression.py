@@ -267,11 +267,11 @@ class Regression(base.Targets):
 
   def table(self, names, result):
     """Per target the mixture's mean and std, its aleatoric and epistemic std, and the bounds of the 90% central
-    interval; a suffix _d per target when there are several."""
+    interval (and the conformal step's, where the chain has one); a suffix _d per target when there are several."""
     return base.target_table(names, {
         'mean': result['mean'], 'std': result['std'], 'aleatoric_std': np.sqrt(result['aleatoric']),
         'epistemic_std': np.sqrt(result['epistemic']), 'lower_90': result['lower_90'],
-        'upper_90': result['upper_90']})
+        'upper_90': result['upper_90']}, result)
 
   # --- distillation and the loops ----------------------------------------------------------------------------------
 
