@@ -16,7 +16,6 @@ message names `fit`'s keywords (`learning_rate=`), not the programs' flags.
 """
 
 import functools
-import hashlib
 import math
 import numbers
 import os
@@ -28,7 +27,7 @@ import numpy as np
 from absl import logging
 
 from ensemble import console, data, devices as devices_lib, errors, host_memory, loop, manifest, members, posthoc
-from ensemble import starts, tasks
+from ensemble import files, starts, tasks
 from ensemble import recipe as recipe_lib
 from ensemble.data import arrays
 from ensemble.errors import UsageError
@@ -334,16 +333,9 @@ def _batch_within_rows(settings: recipe_lib.Recipe, dataset: data.Dataset) -> re
 def _fingerprint(dataset: data.Dataset) -> str:
   """The arrays' shapes and dtypes and a hash of their bytes: what a workdir records to refuse other arrays. A
   source read as training asks is not read whole for it: its shapes and length."""
-  digest, shapes = hashlib.sha256(), []
-  for name, split in (('train', dataset.train), ('test', dataset.test)):
-    if split is None:
-      continue
-    for key in ('image', 'label'):
-      column = split[key]
-      shapes.append(f'{name} {"x".join(map(str, column.shape))} {column.dtype}')
-      if not data.stream.is_streamed(split):
-        digest.update(memoryview(np.ascontiguousarray(column)).cast('B'))
-  return f'{", ".join(shapes)}; sha256 {digest.hexdigest()[:16]}'
+  return files.fingerprint([(name, split[key], not data.stream.is_streamed(split))
+                            for name, split in (('train', dataset.train), ('test', dataset.test))
+                            if split is not None for key in ('image', 'label')])
 
 
 def _is_source(split: Any) -> bool:

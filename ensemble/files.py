@@ -6,8 +6,12 @@ model all go through `write_atomically`. It imports nothing heavy, so that
 the report and the trainer can share it.
 """
 
+import hashlib
 import os
 import secrets
+from typing import Any, Sequence
+
+import numpy as np
 
 from ensemble.errors import UsageError
 
@@ -85,3 +89,14 @@ def _sync_folder(folder: str):
     pass
   finally:
     os.close(fd)
+
+
+def fingerprint(columns: Sequence[tuple[str, Any, bool]]) -> str:
+  """(name, array, hashed) columns -> their names, shapes and dtypes, and a hash of the bytes of those `hashed`: what
+  a workdir records of the data it read (`fit`'s config.json, a loop's loop.json), to refuse other data."""
+  digest, shapes = hashlib.sha256(), []
+  for name, array, hashed in columns:
+    shapes.append(f'{name + " " if name else ""}{"x".join(map(str, array.shape))} {array.dtype}')
+    if hashed and array.size:
+      digest.update(memoryview(np.ascontiguousarray(array)).cast('B'))
+  return f'{", ".join(shapes)}; sha256 {digest.hexdigest()[:16]}'

@@ -111,11 +111,11 @@ def test_a_regression_loop_acquires_by_the_members_disagreement():
     ({'batch': 40}, r'batch=40 x rounds=2 acquires 80 labels, and the pool holds 60 inputs'),
     ({'pool': POOL[0]}, 'pool= holds inputs without labels and no label= is given'),
     ({'pool': POOL[0], 'label': lambda i, x: np.zeros(len(i), np.float32)},
-     r'label= returned labels of dtype float32 .* one class index >= 0 per input'),
+     r'the labels label= returned: labels of dtype float32, expected integers'),
     ({'pool': POOL[0], 'label': lambda i, x: np.zeros(len(i) + 1, np.int32)},
      'label= returned 5 answers of dtype int32 for 4 inputs'),
-    ({'pool': POOL[0], 'label': lambda i, x: np.full(len(i), -1)}, r'shape \(4,\), below 0; a classification loop'),
-    ({'pool': POOL[0], 'label': lambda i, x: ['cat'] * len(i)}, r'label= returned labels of dtype <U3'),
+    ({'pool': POOL[0], 'label': lambda i, x: np.full(len(i), -1)}, r'the labels label= returned: negative label -1'),
+    ({'pool': POOL[0], 'label': lambda i, x: ['cat'] * len(i)}, r'the labels label= returned: labels of dtype <U3'),
     ({'acquisition': 'ei'}, "acquisition='ei' is not one for a classification ensemble"),
     ({'candidates': 2}, r'candidates=2 must be a whole number >= 4'),
     ({'init': None}, 'init= is set by the loop'),
@@ -273,7 +273,8 @@ def test_a_class_the_seed_rows_lack_arrives_in_the_answers_and_the_members_grow_
 
 def test_answers_are_recorded_before_they_are_refused_and_the_refusal_says_where(tmp_path):
   workdir = str(tmp_path / 'loop')
-  with pytest.raises(UsageError, match=r'dtype float64 .*the answers are kept in .*answers.json: correct them there'):
+  with pytest.raises(UsageError, match=r'real-valued targets .*the answers are kept in .*answers.json: correct them '
+                                       'there'):
     _learn(pool=POOL[0], label=lambda i, x: np.full(len(i), 0.5), workdir=workdir, rounds=1)
   with open(os.path.join(workdir, record_lib.ANSWERS)) as f:
     assert list(json.load(f).values()) == [0.5] * 4

@@ -95,27 +95,19 @@ class Pool:
 
 
 def checked_labels(labels: Any, count: int, task: Any, target_shape: tuple[int, ...]) -> np.ndarray:
-  """What `label` returned for `count` inputs, refused in one line where it is not one label per input of the seed
-  labels' kind: class indices (a class the seed rows lack is a new output of the next round's members), or
-  numbers of the seed targets' shape."""
+  """What `label` returned for `count` inputs, read as the task reads labels (`Task.read_labels`: class indices, a
+  class the seed rows lack being a new output of the next round's members; finite targets), and refused in one line
+  where it is not one label per input of the seed labels' shape."""
   array = np.asarray(labels)
   if len(array.shape) == 0 or array.shape[0] != count:
     raise UsageError(f'label= returned {array.shape[0] if array.ndim else "a scalar"} labels for {count} inputs: '
                      'return one label per index it is given')
-  if task.has_classes:
-    below = np.issubdtype(array.dtype, np.integer) and array.size and array.min() < 0
-    if not np.issubdtype(array.dtype, np.integer) or array.ndim != 1 or below:
-      raise UsageError(f'label= returned labels of dtype {array.dtype} and shape {array.shape}'
-                       f'{", below 0" if below else ""}; a classification loop takes one class index >= 0 per input, '
-                       f'shape ({count},)')
-    return array.astype(np.int64)
-  if not np.issubdtype(array.dtype, np.number) or array.shape[1:] != target_shape:
-    raise UsageError(f'label= returned targets of dtype {array.dtype} and shape {array.shape}; this loop takes '
-                     f'numbers of shape {(count, *target_shape)}, as its seed targets are')
-  if not np.isfinite(array).all():
-    raise UsageError('label= returned a target that is not finite (NaN or infinity): return a number for every '
-                     'input')
-  return array.astype(np.float64)
+  read = task.read_labels(array, 'the labels label= returned')
+  width = int(np.prod(target_shape))
+  if read.size != count * width:
+    raise UsageError(f'label= returned labels of shape {array.shape}; this loop takes {(count, *target_shape)}, as '
+                     'its seed labels are')
+  return read.reshape(count, *target_shape)
 
 
 def acquisition_program(name: Any, task: Any, size: int) -> Callable[..., np.ndarray]:

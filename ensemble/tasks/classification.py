@@ -68,7 +68,7 @@ def as_labels(labels: np.ndarray, name: str) -> np.ndarray:
     raise DataError(f'{name}: labels of shape {labels.shape}, expected (N,) integer class indices '
                     "(for one-hot labels store y.argmax(-1); for a class per position, task='dense')")
   if not np.issubdtype(labels.dtype, np.integer):
-    if not (np.issubdtype(labels.dtype, np.number) and np.all(np.mod(labels, 1) == 0)):
+    if np.issubdtype(labels.dtype, np.number) and not np.all(np.mod(labels, 1) == 0):
       raise DataError(f"{name}: real-valued targets (dtype {labels.dtype}) with task='classification': pass "
                       "task='regression' to predict them, or integer class indices 0..C-1 to classify")
     raise DataError(f'{name}: labels of dtype {labels.dtype}, expected integers: give class indices 0..C-1 '

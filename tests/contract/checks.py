@@ -153,7 +153,8 @@ def save_load_predicts_the_same(cell: Cell, lab: Lab, cells: list[Cell]):
 def refit_compiles_nothing(cell: Cell, lab: Lab):
   """A loop of fits on other data of the same shapes and with another seed each, each with a test set and
   predictions: after the first, they compile nothing (the seed is an argument of the programs, for every method,
-  those whose members share weights drawn from it too)."""
+  those whose members share weights drawn from it too). A program of the first fit's `apply_variables` (what a
+  loop's acquisition is) answers for the second as its own `apply` does."""
   data_of = (lambda split: split) if cell.path == 'arrays' else (lambda split: [(a, b) for a, b in zip(*split)])
 
   def fit_and_predict(seed):
@@ -161,10 +162,15 @@ def refit_compiles_nothing(cell: Cell, lab: Lab):
     ens = ensemble.fit('mlp', data_of((x, y)), test=data_of((x_test, y_test)), progress=False,
                        **cell.fields(seed=seed))
     ens.predict(x_test)
-  fit_and_predict(1)
+    return ens, x_test[:8]
+  first, _ = fit_and_predict(1)
   with compiles() as counts:
-    fit_and_predict(2)
+    second, x = fit_and_predict(2)
   assert not counts, f'{sum(counts.values())} programs compiled'
+  apply = jax.jit(lambda variables, params, x: first.apply_variables(variables, params, x))
+  jax.tree.map(lambda got, want: np.testing.assert_allclose(  # a program's float32 rounding against eager's
+      got, want, rtol=1e-4, atol=1e-6 * max(float(np.abs(want).max()), 1.0)),
+               apply(second.variables, second.params, x), second.apply(second.params, x))
 
 
 def resume_equals_uninterrupted(cell: Cell, lab: Lab):
