@@ -36,6 +36,8 @@ import weakref
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
@@ -55,9 +57,29 @@ _MAX_FOUND_CHARS = 300  # what a warning quotes of the error that a damaged chec
 _TENSORSTORE_STATUS = re.compile(r'[A-Z]+(_[A-Z]+)*: ')  # how TensorStore's errors begin, e.g. 'DATA_LOSS: '
 
 
+# TrainState fields a run sets for itself (`loop.with_horizon`), never saved: a run of another length restores the
+# same members, and checkpoints written before a field existed restore as they were.
+UNSAVED = ('horizon',)
+
+
+def saved_dict(state: Any) -> dict[str, Any]:
+  """The state dict that checkpoints hold: the state's, without the `UNSAVED` fields."""
+  return {k: v for k, v in serialization.to_state_dict(state).items() if k not in UNSAVED}
+
+
+def _unsaved_filled(abstract: dict[str, Any], restored: dict[str, Any]) -> dict[str, Any]:
+  """`restored` with each `UNSAVED` field of `abstract` (its shapes and shardings) as zeros, placed as it is."""
+  def zeros(x):
+    values = np.zeros(x.shape, x.dtype)
+    if getattr(x, 'sharding', None) is None:
+      return jnp.asarray(values)
+    return jax.make_array_from_callback(x.shape, x.sharding, lambda index: values[index])
+  return {**restored, **{k: jax.tree.map(zeros, abstract[k]) for k in UNSAVED if k in abstract}}
+
+
 def signature(state: Any) -> dict[str, list]:
   """{'params/Conv_0/kernel': [shape, dtype], ...}: what must match for a restore to make sense."""
-  flat = traverse_util.flatten_dict(serialization.to_state_dict(state), sep='/')
+  flat = traverse_util.flatten_dict(saved_dict(state), sep='/')
   return {path: [list(leaf.shape), str(leaf.dtype)] for path, leaf in sorted(flat.items())}
 
 
@@ -342,13 +364,13 @@ class Checkpointer:
     saved = self._read_meta(epoch)
     on_disk = shared_once(self.method, abstract_state)
     self._check_compatible(epoch, saved, {**meta, 'signature': signature(on_disk)})
-    target = serialization.to_state_dict(on_disk)
+    target = saved_dict(on_disk)
 
     def read(path):
       fitted = _fit_to_disk(target, self._state_handler.metadata(path).tree)
       return _with_empty_fields(target, self._state_handler.restore(path, args=ocp.args.StandardRestore(fitted)))
-    return shared_repeated(self.method, serialization.from_state_dict(on_disk, self._read(epoch, 'state', read)),
-                           abstract_state)
+    restored = _unsaved_filled(serialization.to_state_dict(on_disk), self._read(epoch, 'state', read))
+    return shared_repeated(self.method, serialization.from_state_dict(on_disk, restored), abstract_state)
 
   def check_fits(self, abstract_state: Any, meta: dict[str, Any]):
     """Refuses a config that the workdir's checkpoints do not fit, from their small JSON records alone.
@@ -449,7 +471,7 @@ class Checkpointer:
       os.makedirs(self.directory, exist_ok=True)
       self._in_flight = epoch
       self._manager.save(epoch, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(serialization.to_state_dict(state)), meta=ocp.args.JsonSave(record)))
+          state=ocp.args.StandardSave(saved_dict(state)), meta=ocp.args.JsonSave(record)))
     if wait:
       self.wait()
 

@@ -32,6 +32,7 @@ import numpy as np
 from absl import logging
 
 from ensemble import backends, console, data, devices as devices_lib, distributed, divergence, errors, members
+from ensemble import methods, optim
 from ensemble import sigterm, standardise
 from ensemble import steps, tasks
 from ensemble import recipe as recipe_lib
@@ -121,9 +122,10 @@ _PROGRAMS: 'collections.OrderedDict[Any, Programs]' = collections.OrderedDict()
 def _program_key(recipe: Recipe, program_info: dict, model: Any, devices: Sequence[jax.Device],
                  steps_per_epoch: int) -> Any:
   """What the programs depend on: the recipe but what they do not read (`recipe.for_programs`), the data's shapes,
-  the model, the devices."""
+  the model, the devices, and the method, whose fields may count steps (snapshot's cycles). Not the run's length:
+  the schedule reads it from the members' state (`with_horizon`)."""
   return (recipe_lib.for_programs(recipe), json.dumps(program_info, sort_keys=True), user.key(model),
-          tuple(d.id for d in devices), steps_per_epoch)
+          tuple(d.id for d in devices), methods.create(recipe, steps_per_epoch))
 
 
 def _programs(recipe: Recipe, program_info: dict, model: Any, devices, steps_per_epoch: int) -> Programs:
@@ -293,6 +295,13 @@ def total_steps(config: Recipe, steps_per_epoch: int) -> int:
   return config.num_train_steps or config.num_epochs * steps_per_epoch
 
 
+def with_horizon(state: Any, horizon: np.ndarray) -> Any:
+  """`state` (any layout) with every member's horizon set to the run's (`optim.horizon`), placed as it was."""
+  like = state.horizon
+  full = np.broadcast_to(horizon, like.shape)
+  return state.replace(horizon=jax.make_array_from_callback(like.shape, like.sharding, lambda index: full[index]))
+
+
 def _save_points(config: Recipe, first: int, last: int, per_dispatch: int) -> list[int]:
   """The steps after `first` up to `last` (an epoch's end or the run's) where a dispatch ends: every
   `per_dispatch` steps of the epoch, and every `checkpoint_every_steps` steps of the run, where state is saved."""
@@ -331,6 +340,7 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
   them, none is made.
   """
   config, backend, per_epoch = run.recipe, run.backend, run.steps_per_epoch
+  state = with_horizon(state, optim.horizon(config, per_epoch))
   patience = config.early_stopping
   show = progress is not False and (progress or logging.level_info())
   if not patience and _at_once(run, start, hooks, show):
@@ -538,7 +548,8 @@ def _train_at_once(run: Run, state: Any) -> tuple[Any, dict[str, float]]:
   resident = backend.put_dataset(pad_rows(run.train))
   state, metrics, finite = backend.train_epochs(state, resident, config.seed, 1, config.num_epochs, run.num_train,
                                                 per_epoch, config.batch_size, config.member_data == 'bootstrap')
-  metrics, finite = backend.to_host((metrics, finite))  # (K, epochs, steps) per name; (K,)
+  metrics, finite = backend.to_host((metrics, finite))  # (K, epochs, most steps) per name; (K,)
+  metrics = {name: value[..., :per_epoch] for name, value in metrics.items()}  # the steps the epochs took
   losses = metrics['loss']
   bad = ~np.isfinite(losses).all(axis=(0, 2))
   if bad.any():

@@ -29,14 +29,15 @@ def member(config: Any, data_info: dict[str, Any], steps_per_epoch: int = 1,
   """The member that `config` describes, for data described by `data_info` (see `data_info`).
 
   The trainer, the evaluator and the benchmark all build their members here.
-  `steps_per_epoch` only sets the learning-rate schedule's length: a restore
-  target needs the optimizer state's structure, not its schedule. `model`, a
+  `steps_per_epoch` only sets what a method keeps by step (snapshot's cycles,
+  MultiSWAG's collections); the schedule reads the run's horizon (`optim.horizon`)
+  from each member's state. `model`, a
   user's model object, replaces the one `config.model` names.
   """
   image_shape = tuple(data_info['image_shape'])
   inputs = data_info.get('inputs', 'images')
   return steps.Member(model=models.create(config, data_info['num_classes'], image_shape, model),
-                      tx=optim.create(config, steps_per_epoch), image_shape=image_shape,
+                      tx=optim.create(config), image_shape=image_shape,
                       mean=tuple(data_info['mean']), std=tuple(data_info['std']),
                       augment=config.augment if inputs == 'images' else 'none',
                       method=methods.create(config, steps_per_epoch), inputs=inputs,

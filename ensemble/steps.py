@@ -16,7 +16,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from ensemble import keys, sharing
+from ensemble import keys, optim, sharing
 from ensemble.data import augment as augment_lib
 from ensemble.keys import member_keys  # also where the backends and tests find it
 from ensemble.methods import adversarial
@@ -49,6 +49,16 @@ class TrainState(train_state.TrainState):
   batch_stats: Any
   key: jax.Array
   snapshots: Any = struct.field(default_factory=dict)
+  # The run's `optim.horizon` (its steps, warmup, ...), which the schedule reads: data, not a constant of the
+  # programs, so that fits of other lengths share them. Each run sets it (`loop.with_horizon`); checkpoints do not
+  # keep it.
+  horizon: jax.Array = struct.field(default_factory=lambda: jnp.zeros(len(optim.HORIZON), jnp.int32))
+
+  def apply_gradients(self, *, grads, **kwargs):
+    """flax's, with the member's horizon passed to the optimizer (`optim.scale_by_rate`)."""
+    updates, opt_state = self.tx.update(grads, self.opt_state, self.params, horizon=self.horizon)
+    return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates), opt_state=opt_state,
+                        **kwargs)
 
 
 # What a member's inputs are, which decides how they are prepared on the device (`Member.prepare`).

@@ -204,6 +204,20 @@ def test_a_loop_of_fits_on_a_growing_training_set_compiles_nothing_new(pool, dat
   assert sum(compiled[101].values()) <= 1, compiled
 
 
+def test_fits_whose_epochs_gain_a_step_share_their_programs():
+  """The schedule's length and an epoch's number of steps are data of the programs, not their constants: a loop's
+  fits on 100, then 128 rows (3, then 4 steps an epoch of 32; one padded size) compile nothing after the first, and
+  the second trains the members that the epoch-by-epoch path trains."""
+  x, y = _features(128, 2)
+  fit = lambda rows, **more: ensemble.fit(_model(), (x[:rows], y[:rows]), **{**REGRESSION, 'schedule': 'cosine',
+                                                                              **more})
+  fit(100)
+  with compiles() as counts:
+    grown = fit(128)
+  assert not counts, dict(counts)
+  _assert_same_members(grown, fit(128, steps_per_dispatch=0), rtol=1e-5, atol=1e-6)
+
+
 def test_init_continues_from_the_members(regression, data):
   train, (x_test, _) = data
   params = _leaves(regression.params)

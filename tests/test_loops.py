@@ -208,7 +208,8 @@ def test_bad_optimisation_inputs_are_one_line(kwargs, message):
 
 def test_fits_on_growing_images_keep_their_programs_under_the_loops_image_statistics():
   """Images are normalised in the programs, by statistics a new set of images would change; the loop fixes them
-  (the seed rows' and the pool's), so a round compiles nothing that the last compiled."""
+  (the seed rows' and the pool's), so a round compiles nothing that the last compiled, even where its epochs gain a
+  step (the schedule's length is data)."""
   from conftest import compiles  # pylint: disable=g-import-not-at-top
   from ensemble import standardise  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
@@ -217,8 +218,10 @@ def test_fits_on_growing_images_keep_their_programs_under_the_loops_image_statis
   fit = {'ensemble_size': 2, 'epochs': 1, 'batch_size': 8, 'augment': 'none', 'progress': False}
   with standardise.image_stats((0.5,), (0.25,)):
     ensemble.fit('cnn', (images(16), labels(16)), **fit)
+    ensemble.fit('cnn', (images(20), labels(20)), **fit)  # padded to 32 rows: its draw of orders compiles once
     with compiles() as counts:
       ens = ensemble.fit('cnn', (images(16), labels(16)), **fit)
+      ensemble.fit('cnn', (images(24), labels(24)), **fit)  # a cosine schedule over epochs of 3 steps, not 2
   assert not counts, f'{sum(counts.values())} programs compiled'
   assert ens._data_info['mean'] == [0.5] and ens._data_info['std'] == [0.25]  # pylint: disable=protected-access
   seed, pool = images(8), images(20)
