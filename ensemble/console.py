@@ -14,6 +14,7 @@ first so that `quiet_libraries` runs before those libraries load.
 """
 
 import contextlib
+import contextvars
 import json
 import logging as py_logging
 import os
@@ -37,6 +38,10 @@ _STARTED = time.monotonic()
 # Python loggers whose INFO lines report nothing a person can act on; their warnings still show.
 # jax._src.xla_bridge: "Unable to initialize backend 'tpu'" (or 'cuda') on every machine without one.
 QUIET_LOGGERS = ('jax._src.xla_bridge',)
+
+# Whether a library call's stages are shown (`stages_shown`): None outside one (the CLIs: their log shows what it
+# shows), True or False as its `progress=` says.
+_STAGES_SHOWN: contextvars.ContextVar[bool | None] = contextvars.ContextVar('ensemble_stages_shown', default=None)
 
 # How often, in seconds, progress is drawn on a terminal and logged elsewhere (clu's ReportProgress logs every 60 s).
 BAR_EVERY_SECS = 0.5
@@ -247,7 +252,8 @@ class Progress:
     self._loss_key, self._loss_offset = loss
     self._items_per_step, self._items = items_per_step, items
     self._file = sys.stderr if file is None else file
-    self._show = _is_main_process() if show is None else show
+    shown = _STAGES_SHOWN.get()  # inside a library call (`stages_shown`), its `progress=` decides
+    self._show = (_is_main_process() and shown is not False) if show is None else show
     self._started = time.monotonic()
     self._n = 0
     self._pending_losses: list[Any] = []
@@ -256,8 +262,9 @@ class Progress:
     self._wrapped: list[tuple[py_logging.Handler, _AboveTheBar]] = []
     if not self._show:
       return
-    if bar is None:
-      bar = getattr(self._file, 'isatty', lambda: False)() and logging.level_info()
+    if bar is None:  # a library call's progress=True: on a terminal or in a notebook, as fit's bar
+      bar = (interactive(self._file) if shown
+             else getattr(self._file, 'isatty', lambda: False)() and logging.level_info())
     if bar:
       self._bar = _Bar(total=total, desc=desc, file=self._file, leave=False, dynamic_ncols=True,
                        mininterval=BAR_EVERY_SECS if every_secs is None else every_secs,
@@ -418,14 +425,41 @@ def log_epoch(summary: Mapping[str, Any], num_epochs: int, seconds: float, echo:
   if 'validation_loss' in summary:  # early stopping's
     figures += (f'validation {_loss_name(summary)} {_figure(summary["validation_loss"])} (best: epoch '
                 f'{int(summary["best_epoch"])}); ')
-  if echo and _is_main_process() and not logging.level_info():
-    tqdm.write(f'epoch {int(summary["epoch"])}/{num_epochs}: {figures}train loss '
-               f'{_figure(summary["train_loss"])}; {_duration(seconds)}', file=sys.stderr)
-  logging.info('epoch %d/%d: %strain loss %s; %s', summary['epoch'], num_epochs, figures,
-               _figure(summary['train_loss']), _duration(seconds))
+  _say(f'epoch {int(summary["epoch"])}/{num_epochs}: {figures}train loss {_figure(summary["train_loss"])}; '
+       f'{_duration(seconds)}', echo)
   warning = _near_chance_warning(summary, num_classes, method)
   if warning and _is_main_process():
     logging.warning('epoch %d/%d: %s.', summary['epoch'], num_epochs, warning)
+
+
+def _say(line: str, echo: bool):
+  """Logs `line`; with `echo`, also writes it to stderr (under any bar) where absl's INFO lines do not show: a
+  library caller's program (`ensemble.fit`, `Ensemble.report`), which has not set absl's verbosity."""
+  if echo and _is_main_process() and not logging.level_info():
+    tqdm.write(line, file=sys.stderr)
+  logging.info('%s', line)
+
+
+@contextlib.contextmanager
+def stages_shown(progress: bool):
+  """While a library call runs (`Ensemble.report`): its `progress=` says whether its `stage`s write their lines and
+  its passes (`Progress`, `track`) their bars, as `ensemble.fit(progress=)` does its epochs. Outside one (the CLIs)
+  no stage line is written: their log already says what each stage does."""
+  token = _STAGES_SHOWN.set(progress)
+  try:
+    yield
+  finally:
+    _STAGES_SHOWN.reset(token)
+
+
+@contextlib.contextmanager
+def stage(name: str):
+  """Times one stage of a library call ('report: test pass 1.234 s') and, where `stages_shown(True)`, says it when
+  it ends: a long call shows where it is, as fit's epoch lines do."""
+  started = time.monotonic()
+  yield
+  if _STAGES_SHOWN.get():
+    _say(f'report: {name} {_duration(time.monotonic() - started)}', echo=True)
 
 
 def _last_record(path: str) -> dict[str, Any] | None:

@@ -6,7 +6,7 @@ What `Ensemble.predict` and `ensemble.evaluate` run. Kept apart from
 """
 
 import functools
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -57,3 +57,21 @@ def _log_probs_program(member: steps.Member, devices: tuple[jax.Device, ...]):
   mapped = jax.shard_map(backends.predict_members(log_probs, member, devices),
                          mesh=backends.ensemble_mesh(devices), in_specs=(members, whole), out_specs=members)
   return jax.jit(mapped)
+
+
+class Forward:
+  """An `Ensemble`'s forward pass as `Task.report` asks for it (`Ensemble.report`), as `Predictor` gives it a
+  workdir's: a split's every member's outputs (its inputs checked already, images as uint8 or in [0, 1]), their
+  probabilities, its labels."""
+
+  def __init__(self, ens: Any):  # an `ensemble.trained.Ensemble`, which imports this module
+    self._ens = ens
+
+  def log_probs(self, split: data.Split) -> np.ndarray:
+    return self._ens._member_outputs(np.asarray(split['image']), role='report')  # pylint: disable=protected-access
+
+  def __call__(self, split: data.Split) -> np.ndarray:
+    return np.exp(self.log_probs(split))
+
+  def labels(self, split: data.Split) -> np.ndarray:
+    return split['label']

@@ -44,32 +44,46 @@ def score_classes(predict: Any, test: data.Split, test_outputs: np.ndarray, labe
   thresholds fitted on it. `angles` and `noise`: the image shifts of `test` to score; `ood_sets`: name -> inputs
   to detect against the test set; `iou`: the classes' intersection over union too."""
   member_probs = np.exp(test_outputs)
-  results = {'test_examples': len(test['label']), **score_test_set(test_outputs, labels, iou=iou)}
-  if iou:
-    results.update(labelled_positions=len(labels), iou=_iou_list(member_probs.mean(0), labels))
+  with console.stage('test scores'):
+    results = {'test_examples': len(test['label']), **score_test_set(test_outputs, labels, iou=iou)}
+    if iou:
+      results.update(labelled_positions=len(labels), iou=_iou_list(member_probs.mean(0), labels))
   logging.info('test: ensemble accuracy %.4f NLL %.4f ECE %.4f; mean member accuracy %.4f NLL %.4f ECE %.4f',
                *(results[who][name] for who in ('ensemble', 'mean_member') for name in ('accuracy', 'nll', 'ece')))
   if angles:
     logging.info('Rotating the test set by %s degrees.', list(angles))
-    results['rotation'] = score_rotations(predict, test, angles, test_outputs)
+    with console.stage(f'rotations ({len(angles)})'):
+      results['rotation'] = score_rotations(predict, test, angles, test_outputs)
   if noise:
     logging.info('Adding Gaussian noise to the test set at %d severities.', len(NOISE_STDS))
-    results['gaussian_noise'] = score_noise(predict, test)
+    with console.stage(f'gaussian noise ({len(NOISE_STDS)} severities)'):
+      results['gaussian_noise'] = score_noise(predict, test)
   if heldout is not None:
     heldout_probs, heldout_labels = np.exp(heldout[0]), heldout[1]
-    results['temperature_scaling'] = score_temperature(heldout_probs.mean(0), heldout_labels, seen_in_training,
-                                                       member_probs.mean(0), labels)
+    with console.stage('temperature'):
+      results['temperature_scaling'] = score_temperature(heldout_probs.mean(0), heldout_labels, seen_in_training,
+                                                         member_probs.mean(0), labels)
     logging.info('temperature %.3f: test NLL %.4f -> %.4f', results['temperature_scaling']['temperature'],
                  results['temperature_scaling']['before']['nll'], results['temperature_scaling']['after']['nll'])
-    results['conformal'] = score_conformal(heldout_probs, heldout_labels, seen_in_training, member_probs, labels,
-                                           alphas)
+    with console.stage('conformal'):
+      results['conformal'] = score_conformal(heldout_probs, heldout_labels, seen_in_training, member_probs, labels,
+                                             alphas)
     if flags:
-      results['flags'] = score_flags(heldout_probs, heldout_labels, seen_in_training)
-  results['selective'] = score_selective(member_probs, labels)
+      with console.stage('flags'):
+        results['flags'] = score_flags(heldout_probs, heldout_labels, seen_in_training)
+  with console.stage('selective'):
+    results['selective'] = score_selective(member_probs, labels)
   if ood_sets:
     logging.info('Detecting %d out-of-distribution sets: %s.', len(ood_sets), ', '.join(ood_sets))
-    results['ood'] = score_ood(predict, member_probs, ood_sets)
+    with console.stage(f'out-of-distribution sets ({len(ood_sets)})'):
+      results['ood'] = score_ood(predict, member_probs, ood_sets)
   return results
+
+
+def outputs(forward: Any, split: data.Split, name: str) -> np.ndarray:
+  """`forward.log_probs(split)`, a split's member outputs: the report's pass over it, one stage ('test pass')."""
+  with console.stage(f'{name} pass'):
+    return forward.log_probs(split)
 
 
 def score_flags(heldout_member_probs: np.ndarray, heldout_labels: np.ndarray, seen_in_training: bool,
@@ -229,7 +243,8 @@ def score_multilabel(test_logits: np.ndarray, labels: np.ndarray, heldout_logits
   coverage falls in where calibration and test examples are exchangeable); per set of `ood_logits`, the AUROC,
   AUPR and FPR95 of the members' disagreement (mutual information) and of the predictive entropy, each summed over
   the labels."""
-  results = score_labels(test_logits, labels)
+  with console.stage('test scores'):
+    results = score_labels(test_logits, labels)
   logging.info('test: ensemble mAP %.4f NLL %.4f Hamming loss %.4f; mean member mAP %.4f NLL %.4f',
                *(results['ensemble'][name] for name in ('map', 'nll', 'hamming_loss')),
                *(results['mean_member'][name] for name in ('map', 'nll')))
@@ -237,19 +252,22 @@ def score_multilabel(test_logits: np.ndarray, labels: np.ndarray, heldout_logits
   probs = member_probs.mean(0)
   if heldout_logits is not None:
     heldout_probs = multilabel.sigmoid(heldout_logits).mean(0)
-    temperature = multilabel.fit_temperature(heldout_probs, heldout_labels, per_label=True)
-    results['temperature_scaling'] = {
-        'temperature': [float(t) for t in temperature], 'heldout_examples': len(heldout_labels),
-        'seen_in_training': seen_in_training, 'before': multilabel.scores(probs, labels),
-        'after': multilabel.scores(multilabel.temperature_scale(probs, temperature), labels)}
+    with console.stage('temperature'):
+      temperature = multilabel.fit_temperature(heldout_probs, heldout_labels, per_label=True)
+      results['temperature_scaling'] = {
+          'temperature': [float(t) for t in temperature], 'heldout_examples': len(heldout_labels),
+          'seen_in_training': seen_in_training, 'before': multilabel.scores(probs, labels),
+          'after': multilabel.scores(multilabel.temperature_scale(probs, temperature), labels)}
     rows = []
-    for alpha in alphas:
-      sets = multilabel.prediction_sets(probs, multilabel.calibrated_quantiles(heldout_probs, heldout_labels, alpha))
-      coverage = np.take_along_axis(sets, np.asarray(labels)[..., None], -1)[..., 0].mean(0)
-      bounds = list(conformal.coverage_bounds(len(heldout_labels), len(labels), alpha))
-      rows.append({'alpha': alpha, 'coverage_per_label': coverage.tolist(), 'coverage': float(coverage.mean()),
-                   'mean_set_size': float(sets.sum(-1).mean()), 'bounds': bounds,
-                   'within_bounds': bool(((bounds[0] <= coverage) & (coverage <= bounds[1])).all())})
+    with console.stage('conformal'):
+      for alpha in alphas:
+        sets = multilabel.prediction_sets(probs,
+                                          multilabel.calibrated_quantiles(heldout_probs, heldout_labels, alpha))
+        coverage = np.take_along_axis(sets, np.asarray(labels)[..., None], -1)[..., 0].mean(0)
+        bounds = list(conformal.coverage_bounds(len(heldout_labels), len(labels), alpha))
+        rows.append({'alpha': alpha, 'coverage_per_label': coverage.tolist(), 'coverage': float(coverage.mean()),
+                     'mean_set_size': float(sets.sum(-1).mean()), 'bounds': bounds,
+                     'within_bounds': bool(((bounds[0] <= coverage) & (coverage <= bounds[1])).all())})
     results['conformal'] = {'calibration_examples': len(heldout_labels), 'seen_in_training': seen_in_training,
                             'rows': rows}
   doubts = lambda member_probs: {name: values.sum(-1) for name, values in multilabel.decompose(member_probs).items()

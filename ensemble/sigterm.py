@@ -6,6 +6,7 @@ its record written whole each round. Only the main thread takes signals: elsewhe
 """
 
 import contextlib
+import functools
 import signal
 import threading
 from typing import Callable, Iterator
@@ -63,11 +64,31 @@ def stopping(dispatch: int) -> bool:
   return requested()
 
 
+# What a stopped loop says after how it was stopped: how to go on.
+_TO_GO_ON = 'the loop stopped; run it again with the same workdir to go on'
+
+
 def _interrupt(*_):
-  raise KeyboardInterrupt('SIGTERM: the loop stopped; run it again with the same workdir to go on')
+  raise KeyboardInterrupt(f'SIGTERM: {_TO_GO_ON}')
 
 
 def interrupting() -> contextlib.AbstractContextManager:
   """While a loop of fits runs: SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so that either stops the loop
   where it is, with every round its record holds kept and no file half-written (each is renamed into place)."""
   return _handled(_interrupt)
+
+
+def stops_in_one_line(loop: Callable) -> Callable:
+  """A loop of fits whose stop (SIGTERM or Ctrl-C, a KeyboardInterrupt) ends in its message and the caller's line:
+  raised wherever the signal came, mostly inside a JAX call compiling or running a fit, its traceback ran through
+  some sixty lines of JAX's frames before the one that says how to go on; `python -m ensemble.train` prints that one
+  line alone (`cli.run`). Raised again here without those frames or the exception it interrupted (its traceback
+  starts afresh at this frame); a bare Ctrl-C's gets the words of SIGTERM's."""
+  @functools.wraps(loop)
+  def wrapped(*args, **kwargs):
+    try:
+      return loop(*args, **kwargs)
+    except KeyboardInterrupt as e:
+      stop = e.with_traceback(None) if str(e) else KeyboardInterrupt(f'Ctrl-C: {_TO_GO_ON}')
+      raise stop from None
+  return wrapped

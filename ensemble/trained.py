@@ -456,7 +456,8 @@ class Ensemble:
 
   def report(self, inputs: Any, labels: Any, *, calibration: Any = None, ood: dict[str, Any] | None = None,
              angles: Sequence[int] | None = None, noise: bool | None = None,
-             alphas: Sequence[float] = scoring.DEFAULT_ALPHAS, output_dir: str | None = None) -> dict[str, Any]:
+             alphas: Sequence[float] = scoring.DEFAULT_ALPHAS, output_dir: str | None = None,
+             progress: bool = True) -> dict[str, Any]:
     """The full report of `python -m ensemble.evaluate`, for this ensemble on labelled `inputs` (a test set), as one
     nested dict (what its metrics.json holds); with `output_dir`, its report.md and plots written there too. The
     same implementation (`Task.report`): the same numbers for the same examples.
@@ -472,7 +473,14 @@ class Ensemble:
     (`noise`, default True); out-of-distribution detection (AUROC, AUPR, FPR95)
     against `ood`, {name: inputs} or one set of inputs (images by default: uniform noise and the
     test images' pixels permuted; {} for none).
+
+    `progress` (True by default, as `ensemble.fit`'s, so that a report of
+    minutes is never silent) writes a line to stderr as each stage ends (the
+    test pass, the shifts, the temperature, the conformal sets, the OOD sets,
+    ...) with its seconds, and a bar over a shift's passes on a terminal;
+    False, none. The numbers are the same either way.
     """
+    check_flag('progress', progress)
     if output_dir is not None:
       _check_report_folder(output_dir)
     inputs, labels = self._labelled_pair(inputs, labels, 'report')
@@ -490,14 +498,14 @@ class Ensemble:
     if ood and not self.task.detects_ood:
       raise UsageError(f'report: ood= detects unfamiliar inputs by the members\' probabilities, and this is a '
                        f'{self.task.name} ensemble: leave ood= out')
+    ood = {name: self.check(x, f'report: ood {name}') for name, x in ood.items()}
+    with console.stages_shown(progress):
+      scores = self.task.report(predictor.Forward(self), test, heldout, False, size=self.size,
+                                angles=(scoring.DEFAULT_ANGLES if angles is None else angles) if images else (),
+                                noise=(True if noise is None else noise) and images, ood_sets=ood, alphas=alphas)
     results = {'workdir': self.workdir or 'an ensemble in memory', 'epoch': self.epoch,
                'checkpoint_unit': self.config.checkpoint_unit, 'ensemble_size': self.size, 'task': self.task.name,
-               'data': 'the examples given', 'calibration': 'given' if heldout is not None else None,
-               **self.task.report(_Forward(self), test, heldout, False, size=self.size,
-                                  angles=(scoring.DEFAULT_ANGLES if angles is None else angles) if images else (),
-                                  noise=(True if noise is None else noise) and images,
-                                  ood_sets={name: self.check(x, f'report: ood {name}') for name, x in ood.items()},
-                                  alphas=alphas)}
+               'data': 'the examples given', 'calibration': 'given' if heldout is not None else None, **scores}
     if output_dir is not None:
       self.task.write_report(results, output_dir)
     return results
@@ -554,23 +562,6 @@ class Ensemble:
     return {**posthoc.flag_thresholds(result[posthoc.FLAG_SCORE], result[posthoc.OOD_SCORE],
                                       result['class'] == labels, target_risk, ood_rate),
             'examples': len(labels), 'seen_in_training': seen_in_training}
-
-
-class _Forward:
-  """The ensemble's forward pass as `Task.report` asks for it, as `predictor.Predictor` gives it: a split's every
-  member's outputs (its inputs checked already, images as uint8 or in [0, 1]), their probabilities, its labels."""
-
-  def __init__(self, ens: Ensemble):
-    self._ens = ens
-
-  def log_probs(self, split: data.Split) -> np.ndarray:
-    return self._ens._member_outputs(np.asarray(split['image']), role='report')  # pylint: disable=protected-access
-
-  def __call__(self, split: data.Split) -> np.ndarray:
-    return np.exp(self.log_probs(split))
-
-  def labels(self, split: data.Split) -> np.ndarray:
-    return split['label']
 
 
 def _check_report_folder(output_dir: str):

@@ -5,6 +5,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -176,8 +178,8 @@ def test_a_stopped_optimisation_resumes_without_evaluating_a_point_twice(optimis
     if len(calls) == 10:
       raise KeyboardInterrupt
     return _peak(x)
-  with pytest.raises(KeyboardInterrupt):
-    _optimise(function, workdir=workdir)
+  with pytest.raises(KeyboardInterrupt, match='^Ctrl-C: the loop stopped; run it again with the same workdir to go on'):
+    _optimise(function, workdir=workdir)  # a bare Ctrl-C's says how to go on, as SIGTERM's
   resumed = _optimise(function, workdir=workdir)
   assert len(calls) == 12 and calls[10] == calls[9]  # the nine recorded are not evaluated again; the stopped one is
   assert _timeless(resumed.curve) == _timeless(whole.curve)
@@ -330,3 +332,45 @@ def test_an_optimisation_compiles_its_acquisition_once_for_all_its_fits():
     result = _optimise(evaluations=11, seed=1)  # other points, other fits, other statistics
   assert [entry['acquisition'] for entry in result.curve[8:]] == ['ei'] * 3
   assert sum(counts.values()) == 1, f'{sum(counts.values())} programs compiled'
+
+
+
+# A loop whose first fit is sent SIGTERM while JAX traces its model: where a signal in a fit lands, deep in JAX.
+_STOPPED_IN_A_FIT = '''
+import os, signal, sys
+import flax.linen as nn
+import numpy as np
+import ensemble
+
+class Stops(nn.Module):
+  outputs: int
+
+  @nn.compact
+  def __call__(self, x, train=False):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return nn.Dense(self.outputs)(x)
+
+kind, workdir = sys.argv[1:]
+fit = {'ensemble_size': 2, 'epochs': 1, 'batch_size': 8, 'workdir': workdir}
+if kind == 'active_learning':
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(40, 6)).astype(np.float32), rng.integers(0, 4, 40).astype(np.int32)
+  ensemble.active_learning(Stops(4), (x[:8], y[:8]), (x[8:], y[8:]), batch=4, rounds=2, **fit)
+else:
+  ensemble.bayesian_optimization(Stops(2), lambda x: -float((x ** 2).sum()), [(-1.0, 1.0)] * 2, evaluations=3,
+                                 initial=2, **fit)
+'''
+
+
+@pytest.mark.parametrize('kind', ['active_learning', 'bayesian_optimization'])
+def test_a_loop_stopped_inside_jax_ends_in_its_message_not_jax_s_frames(kind, tmp_path):
+  """Issue 89: SIGTERM in a loop's fit printed some sixty lines of JAX's frames before the one that says how to go
+  on. Now Python's own report of the stop is the caller's line, the loop's boundary and that message, last."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, 'PYTHONPATH': os.pathsep.join([repo, os.environ.get('PYTHONPATH', '')])}
+  done = subprocess.run([sys.executable, '-W', 'ignore', '-c', _STOPPED_IN_A_FIT, kind, str(tmp_path / 'loop')],
+                        cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+  lines = done.stderr.strip().splitlines()
+  assert done.returncode == -signal.SIGINT, done.stderr  # Python's end of an uncaught KeyboardInterrupt
+  assert lines[-1] == 'KeyboardInterrupt: SIGTERM: the loop stopped; run it again with the same workdir to go on'
+  assert len(lines) <= 8 and not any('jax' in line or '_src' in line for line in lines), done.stderr

@@ -312,3 +312,28 @@ def test_the_report_of_an_ensemble_in_memory(fitted, task, tmp_path):
     assert written == ['coverage.png', 'metrics.json', 'report.md']
   bare = ens.report(x, y)  # without calibration rows: what needs them is left out, and the report says so
   assert 'conformal' not in bare and 'temperature_scaling' not in bare and 'variance_scaling' not in bare
+
+
+@pytest.mark.parametrize('task, stages', [
+    ('classification', ['test pass', 'calibration pass', 'test scores', 'temperature', 'conformal', 'flags',
+                        'selective', 'out-of-distribution sets (1)']),
+    ('regression', ['test pass', 'calibration pass', 'test scores', 'selective', 'variance scale', 'conformal'])])
+def test_report_shows_its_stages_as_fit_shows_its_epochs(fitted, task, stages, capfd):
+  """Issue 89: `report` ran two minutes without a word where `python -m ensemble.evaluate` logs every stage. With
+  progress=True (its default, as fit's) each stage writes one line to stderr with its seconds, in the order it ran;
+  with False nothing is written; the numbers are the same either way, and a progress that is not a bool is refused
+  in one line."""
+  ens = fitted[task]
+  x, y = _rows(task, 200, 12)
+  options = {'calibration': _rows(task, 100, 13), 'ood': {'far': x * 50} if task == 'classification' else None}
+  capfd.readouterr()
+  shown = ens.report(x, y, **options)
+  out, err = capfd.readouterr()
+  assert out == ''
+  lines = err.splitlines()
+  assert [re.fullmatch(r'report: (.+) \d[\d.]* s', line)[1] for line in lines] == stages, err
+  quiet = ens.report(x, y, progress=False, **options)
+  assert capfd.readouterr() == ('', '')
+  assert json.dumps(quiet, sort_keys=True) == json.dumps(shown, sort_keys=True)
+  with pytest.raises(UsageError, match=r"^progress='yes' must be True or False$"):
+    ens.report(x, y, progress='yes')

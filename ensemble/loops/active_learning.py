@@ -155,6 +155,7 @@ def _own_choice(function: Callable, size: int, outputs: Any, key: jax.Array, bes
   return np.argsort(-scores, kind='stable')[:size]
 
 
+@sigterm.stops_in_one_line
 def active_learning(model: Any, train: Any, pool: Any, test: Any = None, *, acquisition: Any = 'bald',
                     batch: int = 10, rounds: int = 10, label: Callable | None = None,
                     candidates: int | None = None, warm: bool = False, workdir: str | None = None, seed: int = 0,

@@ -107,6 +107,7 @@ def proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candid
   return run
 
 
+@sigterm.stops_in_one_line
 def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evaluations: int = 50, initial: int = 10,
                           acquisition: str = 'ei', candidates: int = 1000, starts: int = 8, steps: int = 50,
                           maximize: bool = True, warm: bool = False, workdir: str | None = None, seed: int = 0,

@@ -224,8 +224,9 @@ class Classification(base.Task):
 
   def report(self, forward, test, heldout, seen_in_training, *, size, angles, noise, ood_sets, alphas):
     from ensemble import scoring  # pylint: disable=g-import-not-at-top
-    held = None if heldout is None else (forward.log_probs(heldout), forward.labels(heldout))
-    return scoring.score_classes(forward, test, forward.log_probs(test), test['label'], held, seen_in_training,
+    outputs = scoring.outputs(forward, test, 'test')
+    held = None if heldout is None else (scoring.outputs(forward, heldout, 'calibration'), forward.labels(heldout))
+    return scoring.score_classes(forward, test, outputs, test['label'], held, seen_in_training,
                                  angles=angles, noise=noise, ood_sets=ood_sets, alphas=alphas, flags=self.flags)
 
   def exported(self, outputs, chain, xp):

@@ -151,10 +151,10 @@ class Dense(classification.Classification):
 
   def report(self, forward, test, heldout, seen_in_training, *, size, angles, noise, ood_sets, alphas):
     from ensemble import scoring  # pylint: disable=g-import-not-at-top
-    outputs, labels = forward.log_probs(test), test['label']
+    outputs, labels = scoring.outputs(forward, test, 'test'), test['label']
     held = None
     if heldout is not None:
-      held_outputs, held_labels = forward.log_probs(heldout), forward.labels(heldout)
+      held_outputs, held_labels = scoring.outputs(forward, heldout, 'calibration'), forward.labels(heldout)
       held = held_outputs[:, held_labels != IGNORED], self.labelled(held_labels)
     mask = labels != IGNORED
     results = scoring.score_classes(forward, test, outputs[:, mask], labels[mask], held, seen_in_training,

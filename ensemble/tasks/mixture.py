@@ -14,6 +14,7 @@ import jax.scipy.special
 import numpy as np
 import scipy.special  # ndtr and ndtri are the standard normal's CDF and quantile; scipy.stats takes 0.6 s to import
 
+from ensemble import console
 from ensemble.errors import UsageError
 from ensemble.uncertainty import conformal
 
@@ -254,30 +255,34 @@ def report(test: tuple[np.ndarray, np.ndarray, np.ndarray],
   of the test split and (for the variance scale and the conformal intervals) of the held-out examples."""
   means, variances, y = test
   members = member_components(means, variances, size)
-  member_scores = [score(m, v, y) for m, v in members]
-  results = {'ensemble': score(means, variances, y), 'members': member_scores,
-             'mean_member': {key: float(np.mean([s[key] for s in member_scores])) for key in member_scores[0]}}
-  results['calibration'] = {
-      'expected': list(PLOT_LEVELS), 'ensemble': _coverages(means, variances, y, PLOT_LEVELS),
-      'mean_member': list(np.mean([_coverages(m, v, y, PLOT_LEVELS) for m, v in members], axis=0))}
+  with console.stage('test scores'):
+    member_scores = [score(m, v, y) for m, v in members]
+    results = {'ensemble': score(means, variances, y), 'members': member_scores,
+               'mean_member': {key: float(np.mean([s[key] for s in member_scores])) for key in member_scores[0]}}
+    results['calibration'] = {
+        'expected': list(PLOT_LEVELS), 'ensemble': _coverages(means, variances, y, PLOT_LEVELS),
+        'mean_member': list(np.mean([_coverages(m, v, y, PLOT_LEVELS) for m, v in members], axis=0))}
   test_moments = mixture_moments(means, variances)
-  results['selective'] = selective_rmse(test_moments['mean'], test_moments['std'], y, SELECTIVE_COVERAGES)
+  with console.stage('selective'):
+    results['selective'] = selective_rmse(test_moments['mean'], test_moments['std'], y, SELECTIVE_COVERAGES)
   if heldout is None:
     return results
   held_means, held_variances, held_y = heldout
-  scale = scale_variances(held_means, held_variances, held_y)
-  results['variance_scaling'] = {'scale': scale, 'heldout_examples': len(held_y), 'seen_in_training': seen_in_training,
-                                 'before': results['ensemble'],
-                                 'after': score(means, variances * scale, y)}
+  with console.stage('variance scale'):
+    scale = scale_variances(held_means, held_variances, held_y)
+    results['variance_scaling'] = {'scale': scale, 'heldout_examples': len(held_y),
+                                   'seen_in_training': seen_in_training, 'before': results['ensemble'],
+                                   'after': score(means, variances * scale, y)}
   held_moments = mixture_moments(held_means, held_variances)
   rows = []
-  for alpha in alphas:
-    q = conformal_quantile(held_moments['mean'], held_moments['std'], held_y, alpha)
-    half = q * test_moments['std']
-    covered = np.abs(y - test_moments['mean']) <= half
-    bounds = list(conformal.coverage_bounds(len(held_y), covered.size, alpha))
-    rows.append({'alpha': alpha, 'quantile': [float(v) for v in q], 'coverage': float(covered.mean()),
-                 'bounds': bounds, 'within_bounds': bounds[0] <= float(covered.mean()) <= bounds[1],
-                 'mean_width': float((2 * half).mean())})
+  with console.stage('conformal'):
+    for alpha in alphas:
+      q = conformal_quantile(held_moments['mean'], held_moments['std'], held_y, alpha)
+      half = q * test_moments['std']
+      covered = np.abs(y - test_moments['mean']) <= half
+      bounds = list(conformal.coverage_bounds(len(held_y), covered.size, alpha))
+      rows.append({'alpha': alpha, 'quantile': [float(v) for v in q], 'coverage': float(covered.mean()),
+                   'bounds': bounds, 'within_bounds': bounds[0] <= float(covered.mean()) <= bounds[1],
+                   'mean_width': float((2 * half).mean())})
   results['conformal'] = {'calibration_examples': len(held_y), 'seen_in_training': seen_in_training, 'rows': rows}
   return results

@@ -161,14 +161,15 @@ class Multilabel(base.Task):
 
   def report(self, forward, test, heldout, seen_in_training, *, size, angles, noise, ood_sets, alphas):
     from ensemble import scoring  # pylint: disable=g-import-not-at-top
-    ood_logits = {name: forward.log_probs({'image': x, 'label': np.zeros(len(x), np.int32)})
-                  for name, x in (ood_sets or {}).items()}
+    outputs = scoring.outputs(forward, test, 'test')
     held_outputs = held_labels = None
     if heldout is not None:
-      held_outputs, held_labels = forward.log_probs(heldout), forward.labels(heldout)
+      held_outputs, held_labels = scoring.outputs(forward, heldout, 'calibration'), forward.labels(heldout)
+    ood_logits = {name: scoring.outputs(forward, {'image': x, 'label': np.zeros(len(x), np.int32)}, f'{name} (OOD)')
+                  for name, x in (ood_sets or {}).items()}
     return {'test_examples': len(test['label']),
-            **scoring.score_multilabel(forward.log_probs(test), test['label'], held_outputs, held_labels,
-                                       seen_in_training, alphas, ood_logits)}
+            **scoring.score_multilabel(outputs, test['label'], held_outputs, held_labels, seen_in_training, alphas,
+                                       ood_logits)}
 
   def exported(self, outputs, chain, xp):
     """'member_logits' (K, N, L), 'probs' (N, L) after the chain (its temperature), and its conformal step's 'set'

@@ -227,21 +227,25 @@ class Quantile(base.Targets):
     """The test split's scores (`evaluate`'s), and with held-out examples CQR's intervals at each alpha: their
     coverage of the test targets, its 99% bounds where calibration and test examples are exchangeable, and their
     width."""
+    from ensemble import console, scoring  # pylint: disable=g-import-not-at-top
     labels = self.host_labels(test['label']).reshape(len(test['label']), -1)
-    results = {'test_examples': len(labels), **self.evaluate(forward.log_probs(test), labels, (), size)}
+    outputs = scoring.outputs(forward, test, 'test')
+    with console.stage('test scores'):
+      results = {'test_examples': len(labels), **self.evaluate(outputs, labels, (), size)}
     if heldout is None:
       return results
-    held = self.view(forward.log_probs(heldout))['quantiles']
+    held = self.view(scoring.outputs(forward, heldout, 'calibration'))['quantiles']
     held_y = self.host_labels(forward.labels(heldout)).reshape(len(held), -1)
-    quantiles, rows = self.view(forward.log_probs(test))['quantiles'], []
-    for alpha in alphas:
-      q = cqr_quantile(held, held_y, alpha)
-      lower, upper = quantiles[..., 0] - q, quantiles[..., -1] + q
-      covered = (lower <= labels) & (labels <= upper)
-      bounds = list(conformal.coverage_bounds(len(held_y), covered.size, alpha))
-      rows.append({'alpha': alpha, 'quantile': [float(v) for v in q], 'coverage': float(covered.mean()),
-                   'bounds': bounds, 'within_bounds': bounds[0] <= float(covered.mean()) <= bounds[1],
-                   'mean_width': float((upper - lower).mean())})
+    quantiles, rows = self.view(outputs)['quantiles'], []
+    with console.stage('conformal'):
+      for alpha in alphas:
+        q = cqr_quantile(held, held_y, alpha)
+        lower, upper = quantiles[..., 0] - q, quantiles[..., -1] + q
+        covered = (lower <= labels) & (labels <= upper)
+        bounds = list(conformal.coverage_bounds(len(held_y), covered.size, alpha))
+        rows.append({'alpha': alpha, 'quantile': [float(v) for v in q], 'coverage': float(covered.mean()),
+                     'bounds': bounds, 'within_bounds': bounds[0] <= float(covered.mean()) <= bounds[1],
+                     'mean_width': float((upper - lower).mean())})
     results['conformal'] = {'calibration_examples': len(held_y), 'seen_in_training': seen_in_training,
                             'rows': rows}
     return results

@@ -232,10 +232,12 @@ class Regression(base.Targets):
     return scores
 
   def report(self, forward, test, heldout, seen_in_training, *, size, angles, noise, ood_sets, alphas):
-    components = lambda split: (*self.components(forward.log_probs(split)), self.host_labels(forward.labels(split)))
+    from ensemble import scoring  # pylint: disable=g-import-not-at-top
+    components = lambda split, name: (*self.components(scoring.outputs(forward, split, name)),
+                                      self.host_labels(forward.labels(split)))
     return {'test_examples': len(test['label']),
-            **mixture.report(components(test), None if heldout is None else components(heldout), size, alphas,
-                             seen_in_training)}
+            **mixture.report(components(test, 'test'), None if heldout is None else components(heldout, 'calibration'),
+                             size, alphas, seen_in_training)}
 
   def exported(self, outputs, chain, xp):
     """What `Ensemble.predict` returns, each (N, D) and in float32 (`mixture.predictive`, the same code traced), and
