@@ -67,10 +67,14 @@ def forward(model: api.Ensemble) -> Callable[[jnp.ndarray], dict[str, jnp.ndarra
   penultimate = backends.predict_members(functools.partial(features.penultimate, model.member), model.member,
                                          jax.devices()[:1])
 
-  def forward_with_distance(inputs):  # the distance reads the features alone: the task's answer, and it beside
+  # The distance reads the features alone, and no other step reads it: the task's answer by the rest of the chain,
+  # and the distance beside it.
+  rest = [s for s in model.posthoc if s.kind != 'distance']
+
+  def forward_with_distance(inputs):
     inputs = model.standardise(inputs, xp=jnp)
     found = step.apply({'features': penultimate(state, inputs)}, jnp)['distance']
-    return {**model.task.exported(members(state, inputs), model.posthoc, jnp), 'distance': found}
+    return {**model.task.exported(members(state, inputs), rest, jnp), 'distance': found}
   return forward_with_distance
 
 
