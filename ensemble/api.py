@@ -32,7 +32,7 @@ from ensemble import recipe as recipe_lib
 from ensemble.data import arrays
 from ensemble.errors import UsageError
 from ensemble import sharing
-from ensemble.trained import Ensemble, check_flag, given_temperature
+from ensemble.trained import Ensemble, check_flag
 
 __all__ = ['Ensemble', 'fit', 'load', 'read']
 
@@ -74,7 +74,7 @@ def read(workdir: str, step: int | None = None, *, model: Any = None, batch_size
     chain, summary = manifest.read(workdir, config, epoch, member.task,
                                    (record.get('summary') or {}).get('scalars', {}))
     if temperature is not None:
-      given = given_temperature(member.task, temperature, epoch, chain)
+      given = posthoc.given_temperature(member.task, temperature, epoch, chain)
       chain = posthoc.replaced(chain, given.kind, given)
     ens = Ensemble(workdir, config, member, state, devices, epoch,
                    batch_size=config.eval_batch_size if batch_size is None else batch_size, summary=summary,

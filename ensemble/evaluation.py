@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from ensemble import backends, checkpoint, console, data, manifest, members
+from ensemble import backends, checkpoint, console, data, manifest, members, posthoc
 from ensemble import recipe as recipe_lib, scoring, sharing, steps
 from ensemble.data import tfds
 from ensemble.models import user
@@ -170,6 +170,25 @@ def predict_split(predict: Callable[[np.ndarray], dict[str, np.ndarray]], split:
 
 
 DEFAULT_OOD = scoring.DEFAULT_OOD
+
+
+def fit_flag_threshold(ens: Any, target_risk: float, data_dir: str | None, ood_rate: float) -> dict[str, Any]:
+  """`Ensemble.flag_threshold`'s fit on the held-out slice of the ensemble's run, a batch of its `batch_size`
+  images at a time."""
+  dataset = data.load(ens.config.dataset, ens.config.data_dir if data_dir is None else data_dir,
+                      ens.config.train_split, ens.config.test_split, streaming=ens.config.streaming)
+  if tuple(dataset.image_shape) != ens.image_shape:
+    raise UsageError(f'{dataset.source} holds {"x".join(map(str, dataset.image_shape))} images but '
+                     f'{ens.workdir} was trained on {"x".join(map(str, ens.image_shape))}; give --data_dir the '
+                     'data it was trained on')
+  heldout, seen_in_training = heldout_split(dataset.train, ens.config)
+  if seen_in_training:
+    logging.warning('%s held out no training examples (heldout_fraction=0): the flag threshold is fitted on '
+                    'examples the members were trained on and flags too few images.', ens.workdir)
+  result, labels = predict_split(ens.predict, heldout, ens.batch_size)
+  return {**posthoc.flag_thresholds(result[posthoc.FLAG_SCORE], result[posthoc.OOD_SCORE],
+                                    result['class'] == labels, target_risk, ood_rate),
+          'examples': len(labels), 'seen_in_training': seen_in_training}
 
 
 def load_ood(names: Sequence[str], image_shape: Sequence[int], test: data.Split) -> dict[str, np.ndarray]:

@@ -11,6 +11,7 @@ dependencies:
   out['member_log_probs']      # (K, N, C): each member's log-probabilities, for the uncertainty split
   out['set']                   # (N, C) booleans: the conformal prediction sets, where Ensemble.conformal set them
   out['flag']                  # (N,) booleans: the inputs to refer, where Ensemble.flags fitted them
+  out['distance']              # (N,) how far from the data in the members' features, where Ensemble.distance fitted it
 
 A regression workdir's artifact takes its features and returns what
 `Ensemble.predict` does, per target (N, D): 'mean', 'std', 'variance' =
@@ -24,6 +25,7 @@ program runs on one device. The parameters (and BatchNorm's running averages)
 are constants of the program, so the file is about their size.
 """
 
+import functools
 import os
 from typing import Callable, Sequence
 
@@ -35,7 +37,7 @@ from absl import flags, logging  # pylint: disable=g-import-not-at-top,g-multipl
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-from ensemble import api, backends, cli, files  # pylint: disable=g-import-not-at-top
+from ensemble import api, backends, cli, features, files, posthoc  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 
 # The artifact runs on any of these; lowering for a platform needs no device of it.
@@ -48,7 +50,8 @@ FLAGS = flags.FLAGS
 def forward(model: api.Ensemble) -> Callable[[jnp.ndarray], dict[str, jnp.ndarray]]:
   """float32 images (N, H, W, C) in [0, 1] (or the run's features, or int32 tokens) -> {'member_log_probs':
   (K, N, C), 'probs': (N, C)} on one device, after the ensemble's post-hoc chain (its temperature; 'set' and
-  'flag' where it has a conformal or a flags step); another task's own (`Task.exported`).
+  'flag' where it has a conformal or a flags step); another task's own (`Task.exported`); 'distance' beside it
+  where the chain has a distance step.
 
   Each member's forward pass is `steps.Member.predict`, as in training and
   evaluation, mapped over the members as `backends.predict_members` maps
@@ -58,7 +61,21 @@ def forward(model: api.Ensemble) -> Callable[[jnp.ndarray], dict[str, jnp.ndarra
   state = jax.device_get(model.state.replace(opt_state=None))
   output = lambda state, images: model.task.member_output(model.member.predict(state, images))
   members = backends.predict_members(output, model.member, jax.devices()[:1])
-  return lambda inputs: model.task.exported(members(state, model.standardise(inputs, xp=jnp)), model.posthoc, jnp)
+  step = posthoc.last(model.posthoc, 'distance')
+  if step is None:
+    return lambda inputs: model.task.exported(members(state, model.standardise(inputs, xp=jnp)), model.posthoc, jnp)
+  penultimate = backends.predict_members(functools.partial(features.penultimate, model.member), model.member,
+                                         jax.devices()[:1])
+
+  # The distance reads the features alone, and no other step reads it: the task's answer by the rest of the chain,
+  # and the distance beside it.
+  rest = [s for s in model.posthoc if s.kind != 'distance']
+
+  def forward_with_distance(inputs):
+    inputs = model.standardise(inputs, xp=jnp)
+    found = step.apply({'features': penultimate(state, inputs)}, jnp)['distance']
+    return {**model.task.exported(members(state, inputs), rest, jnp), 'distance': found}
+  return forward_with_distance
 
 
 def check_platforms(platforms: Sequence[str]):

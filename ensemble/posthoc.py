@@ -5,7 +5,8 @@ The outputs flow through the chain as a dict: a classification ensemble's 'membe
 (N, C), their mean; a multi-label ensemble's 'member_label_probs' (K, N, L) and 'label_probs' (N, L); a regression
 ensemble's mixture components 'means' and 'variances' (K M, N, D). A step reads them as the steps before it left
 them, and changes them (a temperature: 'probs' or 'label_probs'; a variance scale: 'variances') or adds its own
-answer (conformal: 'set', or 'conformal_lower' and 'conformal_upper'; flags: 'flag'):
+answer (conformal: 'set', or 'conformal_lower' and 'conformal_upper'; flags: 'flag'; distance: 'distance', from the
+members' penultimate 'features' (K, N, F), which the outputs carry where the chain has a distance step):
 
   step = posthoc.fit('temperature', chain, outputs, labels, inputs, epoch)  # fitted on `apply(chain, outputs)`
   outputs = posthoc.apply(chain + (step,), outputs)                         # numpy, or traced with xp=jnp
@@ -29,7 +30,7 @@ import numpy as np
 
 from ensemble import calibration
 from ensemble.errors import UsageError
-from ensemble.uncertainty import decomposition, multilabel, selective
+from ensemble.uncertainty import decomposition, distance, multilabel, selective
 
 # The flag (`flags`) is two tests. The total predictive entropy counts both kinds of doubt, a blurred digit
 # (aleatoric) and a shape no member has seen (epistemic), and its threshold keeps the error rate of the unflagged
@@ -81,7 +82,15 @@ class Step:
 
 
 def _settings(values: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-  return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in values.items()))
+  return tuple(sorted((k, _frozen(v)) for k, v in values.items()))
+
+
+def _frozen(value: Any) -> Any:
+  """A fitted setting as a step holds it, comparable and the same whether fitted or read from JSON: arrays and
+  lists as (nested) tuples."""
+  if isinstance(value, np.ndarray):
+    value = value.tolist()
+  return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def digest(inputs: np.ndarray, labels: np.ndarray) -> str:
@@ -150,6 +159,13 @@ def flag_thresholds(entropy: np.ndarray, mutual_information: np.ndarray, correct
           'ood_rate': float(ood_rate)}
 
 
+def check_rates(target_risk: Any, ood_rate: Any):
+  if isinstance(target_risk, bool) or not isinstance(target_risk, numbers.Real) or not target_risk == target_risk:
+    raise UsageError(f'target_risk={target_risk!r} must be a number: the error rate the unflagged inputs may have')
+  if isinstance(ood_rate, bool) or not isinstance(ood_rate, numbers.Real) or not 0 <= ood_rate < 1:
+    raise UsageError(f'ood_rate={ood_rate!r} must be a share of the calibration examples in [0, 1)')
+
+
 def _fit_flags(outputs, labels, task, target_risk, ood_rate):
   del task
   entropy, mutual_information = _doubts(outputs['member_probs'])
@@ -168,11 +184,32 @@ def _apply_flags(step, outputs, xp):
   return {**outputs, 'flag': flagged({FLAG_SCORE: entropy, OOD_SCORE: mutual_information}, step)}
 
 
+def _fit_distance(outputs, labels, task):
+  """Gaussians on the members' penultimate features ('features', (K, N, F)): one per class of a classifier, one
+  for any other task (ensemble/uncertainty/distance.py)."""
+  per_class = task.has_classes and not task.per_position
+  fitted = distance.fit(outputs['features'], labels if per_class else None,
+                        outputs['member_probs'].shape[-1] if per_class else 1)
+  return {**fitted, 'classes': int(fitted['means'].shape[1]), 'features': int(fitted['means'].shape[2])}
+
+
+def _apply_distance(step, outputs, xp):
+  return {**outputs, 'distance': distance.score(step['means'], step['whitening'], outputs['features'], xp=xp)}
+
+
+def needs_features(chain: Sequence[Step]) -> bool:
+  """Whether the chain reads the members' penultimate features (a distance step), besides their outputs."""
+  return any(KINDS[step.kind].per_input for step in chain)
+
+
 class Kind(NamedTuple):
-  """A kind of step: its fit, its apply, and its name in a repr."""
+  """A kind of step: its fit, its apply, and its name in a repr. `per_input`: fitted on the inputs' features,
+  one row each whatever the task's labels (a dense task's unlabelled positions too), rather than on the labelled
+  outputs."""
   fit: Callable[..., dict[str, Any]]
   apply: Callable[[Step, dict, Any], dict]
   describe: Callable[[Step], str]
+  per_input: bool = False
 
 
 KINDS = {
@@ -181,6 +218,8 @@ KINDS = {
     'variance_scale': Kind(_fit_scale, _apply_variance_scale, lambda s: f'variance_scale {s["value"]:.4g}'),
     'conformal': Kind(_fit_conformal, _apply_conformal, lambda s: f'conformal {s["score"]} alpha {s["alpha"]:g}'),
     'flags': Kind(_fit_flags, _apply_flags, lambda s: f'flags risk {s["target_risk"]:g} ood_rate {s["ood_rate"]:g}'),
+    'distance': Kind(_fit_distance, _apply_distance,
+                     lambda s: f'distance {s["classes"]} Gaussians of {s["features"]} features', per_input=True),
 }
 
 
@@ -190,16 +229,28 @@ def fit(kind: str, chain: Sequence[Step], outputs: dict[str, Any], labels: np.nd
         epoch: int, task: Any, **settings) -> Step:
   """A step of `kind` fitted on `outputs` as `chain` leaves them (`apply`), for labelled `inputs`: on the `task`'s
   labelled examples (a dense task's labelled positions), whose count it records."""
-  view, labelled = task.labelled_view(apply(chain, outputs), labels)
+  per_input = KINDS[kind].per_input
+  view, labelled = (apply(chain, outputs), labels) if per_input else task.labelled_view(apply(chain, outputs), labels)
   fitted = KINDS[kind].fit(view, labelled, task, **settings)
+  examples = len(inputs) if per_input else task.examples(labels)
   return Step(kind, _settings(fitted),
-              FittedOn(int(epoch), tuple(step.id for step in chain), task.examples(labels), digest(inputs, labels)))
+              FittedOn(int(epoch), tuple(step.id for step in chain), examples, digest(inputs, labels)))
 
 
 def given(kind: str, chain: Sequence[Step], epoch: int, **settings) -> Step:
   """A step given rather than fitted, after `chain`: a temperature set by hand (`ensemble.load(...,
   temperature=T)`), or read from a workdir of an earlier version, which recorded no examples."""
   return Step(kind, _settings(settings), FittedOn(int(epoch), tuple(step.id for step in chain), 0, ''))
+
+
+def given_temperature(task: Any, value: float, epoch: int, chain: Sequence[Step]) -> Step:
+  """A temperature (variance scale) given rather than fitted (`ensemble.load(..., temperature=T)`, a workdir's
+  `ensemble.evaluate` report), after `chain`."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float('inf'):
+    raise UsageError(f'temperature={value!r} must be a positive number')
+  if task.calibration is None:
+    raise UsageError(f'temperature={value!r}: a {task.name} ensemble has no temperature or scale; leave it out')
+  return given(task.calibration, chain, epoch, value=float(value))
 
 
 def replaced(chain: Sequence[Step], kind: str, step: Step) -> tuple[Step, ...]:

@@ -67,6 +67,16 @@ def rows(names: Sequence[str], result: dict[str, np.ndarray],
     yield row
 
 
+def with_distance(columns: list[str], rows_: Iterator[dict[str, Any]],
+                  result: dict[str, np.ndarray]) -> tuple[list[str], Iterator[dict[str, Any]]]:
+  """The columns and rows with the chain's distance step's 'distance' (`Ensemble.distance`) last, where it has
+  one: every task's table the same."""
+  if 'distance' not in result:
+    return columns, rows_
+  distance = result['distance']
+  return [*columns, 'distance'], ({**row, 'distance': float(f'{distance[i]:.6g}')} for i, row in enumerate(rows_))
+
+
 def write_maps(names: Sequence[str], result: dict[str, np.ndarray], output: str):
   """A dense ensemble's prediction, a map per input, as one .npz file, whole or not at all: 'name' (N,), and per
   position 'class' and its 'probability', 'entropy' and 'mutual_information' (N, *positions); with the chain's
@@ -77,6 +87,8 @@ def write_maps(names: Sequence[str], result: dict[str, np.ndarray], output: str)
           'mutual_information': result['mutual_information'].astype(np.float32)}
   if 'set' in result:
     maps['set'] = np.asarray(result['set'], bool)
+  if 'distance' in result:
+    maps['distance'] = result['distance'].astype(np.float32)
   buffer = io.BytesIO()
   np.savez_compressed(buffer, **maps)
   files.write_atomically(output, buffer.getvalue())
@@ -155,7 +167,8 @@ def predict_files(workdir: str, input_path: str, output: str | None = None, *, s
     return {'images': len(names), 'flagged': None, 'threshold': None, 'skipped': skipped}
   if not model.task.flags:  # a row per input of the task's own columns (`Task.table`)
     logging.info('Predicting %d inputs.', len(images))
-    columns, rows_ = model.task.table(names, model.predict(images, progress=True))
+    result = model.predict(images, progress=True)
+    columns, rows_ = with_distance(*model.task.table(names, result), result)
     write(rows_, output, columns)
     logging.info('Wrote %d rows to %s.', len(names), output or 'stdout')
     return {'images': len(names), 'flagged': None, 'threshold': None, 'skipped': skipped}
@@ -178,7 +191,8 @@ def predict_files(workdir: str, input_path: str, output: str | None = None, *, s
   result = model.predict(images, progress=True)
   columns = [*COLUMNS[:-1], *(['set'] if 'set' in result else []), *(COLUMNS[-1:] if flag else [])]
   referred = posthoc.flagged(result, fitted) if flag else None
-  write(rows(names, result, referred), output, columns)
+  columns, rows_ = with_distance(columns, rows(names, result, referred), result)
+  write(rows_, output, columns)
   flagged = int(np.sum(referred)) if flag else None
   logging.info('Wrote %d rows to %s%s.', len(names), output or 'stdout',
                f'; {flagged} flagged' if flag else '')

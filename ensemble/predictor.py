@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ensemble import backends, data, steps
+from ensemble import backends, data, features, posthoc, steps
 
 
 class Predictor:
@@ -26,7 +26,8 @@ class Predictor:
   """
 
   def __init__(self, member: steps.Member, state: steps.TrainState, devices: Sequence[jax.Device], batch_size: int):
-    self._log_probs = _log_probs_program(member, tuple(devices))
+    self._member, self._devices = member, tuple(devices)
+    self._log_probs = _program(member, self._devices, 'log_probs')
     self._state = state
     self._batch_size = batch_size
 
@@ -39,7 +40,15 @@ class Predictor:
 
     For regression, the members' raw outputs (`tasks.regression.Regression.components` reads them).
     """
-    batches = [np.asarray(self._log_probs(self._state, images))[:, mask]
+    return self._run('log_probs', split)
+
+  def features(self, split: data.Split) -> np.ndarray:
+    """(K, N, F) float64: every member's penultimate-layer features (ensemble/features.py)."""
+    return self._run('features', split)
+
+  def _run(self, what: str, split: data.Split) -> np.ndarray:
+    program = self._log_probs if what == 'log_probs' else _program(self._member, self._devices, what)
+    batches = [np.asarray(program(self._state, images))[:, mask]
                for images, _, mask in data.eval_batches(split, self._batch_size)]
     return np.concatenate(batches, axis=1).astype(np.float64)
 
@@ -49,12 +58,16 @@ class Predictor:
 
 
 @functools.lru_cache(maxsize=16)
-def _log_probs_program(member: steps.Member, devices: tuple[jax.Device, ...]):
-  """The members' outputs as one jitted program of (state, inputs), kept for the member: the ensembles that `fit`
-  returns in a loop share their member (ensemble/loop.py), and so their programs."""
+def _program(member: steps.Member, devices: tuple[jax.Device, ...], what: str):
+  """The members' outputs ('log_probs') or penultimate features ('features') as one jitted program of (state,
+  inputs), kept for the member: the ensembles that `fit` returns in a loop share their member (ensemble/loop.py),
+  and so their programs."""
   members, whole = P(backends.ENSEMBLE_AXIS), P()
-  log_probs = lambda state, images: member.task.member_output(member.predict(state, images))
-  mapped = jax.shard_map(backends.predict_members(log_probs, member, devices),
+  if what == 'features':
+    fn = functools.partial(features.penultimate, member)
+  else:
+    fn = lambda state, images: member.task.member_output(member.predict(state, images))
+  mapped = jax.shard_map(backends.predict_members(fn, member, devices),
                          mesh=backends.ensemble_mesh(devices), in_specs=(members, whole), out_specs=members)
   return jax.jit(mapped)
 
@@ -75,3 +88,12 @@ class Forward:
 
   def labels(self, split: data.Split) -> np.ndarray:
     return split['label']
+
+  def distance(self, split: data.Split) -> np.ndarray | None:
+    """(N,) the chain's distance of each input from the data it was fitted on; None without a distance step."""
+    step = posthoc.last(self._ens.posthoc, 'distance')
+    if step is None:
+      return None
+    found = self._ens._member_outputs(np.asarray(split['image']), role='report',  # pylint: disable=protected-access
+                                      what='features')
+    return step.apply({'features': found})['distance']

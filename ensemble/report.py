@@ -174,7 +174,7 @@ def _ensemble_size_figure(results: dict[str, Any]) -> Figure:
 
 
 OOD_SCORE_TITLES = {'max_probability': '1 - max probability', 'entropy': 'predictive entropy',
-                    'mutual_information': 'mutual information'}
+                    'mutual_information': 'mutual information', 'distance': 'distance (features)'}
 CONFORMAL_SCORE_TITLES = {'thr': '1 - p(class)', 'aps': 'APS'}
 
 
@@ -238,7 +238,7 @@ def uncertainty_markdown(results: dict[str, Any]) -> list[str]:
   if results.get('ood'):
     rows = []
     for name, result in results['ood'].items():
-      for score, title in OOD_SCORE_TITLES.items():
+      for score, title in _titles(result):
         member = result['mean_member'].get(score)
         rows.append([name, title, *(result['ensemble'][score][f] for f in ('auroc', 'aupr', 'fpr95')),
                      *((member[f] for f in ('auroc', 'aupr', 'fpr95')) if member else ['-'] * 3)])
@@ -273,13 +273,18 @@ def _risk_coverage_figure(results: dict[str, Any]) -> Figure:
   return figure
 
 
+def _titles(result: dict[str, Any]) -> list[tuple[str, str]]:
+  """(score, title) of the scores a set was scored by: the distance too where the chain has a distance step."""
+  return [(score, title) for score, title in OOD_SCORE_TITLES.items() if score in result['ensemble']]
+
+
 def _ood_figure(results: dict[str, Any]) -> Figure:
   """Per set (rows) and score (columns): the ensemble's scores on the test set and on the out-of-distribution set."""
   sets = results['ood']
   figure = Figure(figsize=(13, 3.2 * len(sets)), layout='constrained')
-  axes = figure.subplots(len(sets), len(OOD_SCORE_TITLES), squeeze=False)
+  axes = figure.subplots(len(sets), max(len(_titles(result)) for result in sets.values()), squeeze=False)
   for row, (name, result) in zip(axes, sets.items()):
-    for axis, (score, title) in zip(row, OOD_SCORE_TITLES.items()):
+    for axis, (score, title) in zip(row, _titles(result)):
       histogram = result['histogram'][score]
       share = lambda counts: np.asarray(counts) / max(sum(counts), 1)
       axis.stairs(share(histogram['test']), histogram['edges'], color=ENSEMBLE_STYLE['color'], fill=True, alpha=0.5,

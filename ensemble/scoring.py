@@ -75,8 +75,9 @@ def score_classes(predict: Any, test: data.Split, test_outputs: np.ndarray, labe
     results['selective'] = score_selective(member_probs, labels)
   if ood_sets:
     logging.info('Detecting %d out-of-distribution sets: %s.', len(ood_sets), ', '.join(ood_sets))
+    distance = getattr(predict, 'distance', lambda split: None)  # the chain's distance step, where it has one
     with console.stage(f'out-of-distribution sets ({len(ood_sets)})'):
-      results['ood'] = score_ood(predict, member_probs, ood_sets)
+      results['ood'] = score_ood(predict, member_probs, ood_sets, distance, distance(test))
   return results
 
 
@@ -347,30 +348,37 @@ def _ood_scores(probs: np.ndarray, member_probs: np.ndarray | None = None) -> di
   return scores
 
 
-def score_ood(predict: Any, test_member_probs: np.ndarray,
-              ood_sets: dict[str, np.ndarray]) -> dict[str, Any]:
+def score_ood(predict: Any, test_member_probs: np.ndarray, ood_sets: dict[str, np.ndarray],
+              distance: Any = None, test_distance: np.ndarray | None = None) -> dict[str, Any]:
   """Per set: AUROC, AUPR and FPR95 of each score against the test set, for the ensemble and the mean member,
-  and histograms of the ensemble's scores on both (for the plot)."""
+  and histograms of the ensemble's scores on both (for the plot); with `test_distance`, the test set's distance from
+  the data of the chain's distance step, the ensemble's 'distance' too (`distance(split)` gives each set's)."""
   inside = _ood_scores(test_member_probs.mean(0), test_member_probs)
+  scores = OOD_SCORES if test_distance is None else (*OOD_SCORES, 'distance')
+  if test_distance is not None:
+    inside['distance'] = test_distance
   inside_members = [_ood_scores(p) for p in test_member_probs]
   results = {}
   for name, images in console.track(list(ood_sets.items()), 'out-of-distribution sets', unit='set'):
-    member_probs = predict({'image': images, 'label': np.zeros(len(images), np.int32)})
+    split = {'image': images, 'label': np.zeros(len(images), np.int32)}
+    member_probs = predict(split)
     outside = _ood_scores(member_probs.mean(0), member_probs)
+    if test_distance is not None:
+      outside['distance'] = distance(split)
     members = [{score: ood.detection(mine[score], theirs[score]) for score in theirs}
                for mine, theirs in zip(inside_members, (_ood_scores(p) for p in member_probs))]
     histograms = {}
-    for score in OOD_SCORES:
+    for score in scores:
       edges = np.histogram_bin_edges(np.concatenate([inside[score], outside[score]]), OOD_HISTOGRAM_BINS)
       histograms[score] = {'edges': edges.tolist(), 'test': np.histogram(inside[score], edges)[0].tolist(),
                            'ood': np.histogram(outside[score], edges)[0].tolist()}
     results[name] = {
         'examples': len(images),
-        'ensemble': {score: ood.detection(inside[score], outside[score]) for score in OOD_SCORES},
+        'ensemble': {score: ood.detection(inside[score], outside[score]) for score in scores},
         'mean_member': {score: _mean_member([m[score] for m in members]) for score in members[0]},
         'histogram': histograms}
     logging.info('%s: ensemble AUROC %s', name, ', '.join(
-        f'{score} {results[name]["ensemble"][score]["auroc"]:.4f}' for score in OOD_SCORES))
+        f'{score} {results[name]["ensemble"][score]["auroc"]:.4f}' for score in scores))
   return results
 
 

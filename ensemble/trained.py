@@ -15,9 +15,8 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from absl import logging
 
-from ensemble import console, data, members, posthoc, predictor, scoring, standardise, steps
+from ensemble import console, data, features, members, posthoc, predictor, scoring, standardise, steps
 from ensemble import recipe as recipe_lib
 from ensemble.data import arrays
 from ensemble.errors import UsageError
@@ -209,8 +208,25 @@ class Ensemble:
     the unflagged examples within `target_risk`, and those the members disagree on (mutual information) more than
     on all but `ood_rate` of the examples (ensemble/posthoc.py)."""
     self._require(self.task.flags, 'flags')
-    _check_rates(target_risk, ood_rate)
+    posthoc.check_rates(target_risk, ood_rate)
     return self._fit_step('flags', 'flags', inputs, labels, target_risk=target_risk, ood_rate=ood_rate)
+
+  def distance(self, inputs: Any, labels: Any = None) -> 'Ensemble':
+    """A new ensemble whose `predict` also returns 'distance' (N,): each input's Mahalanobis distance, in the
+    members' penultimate-layer features, to the nearest of the Gaussians fitted on these rows, one per class of
+    a classifier's `labels` (one for any other task), averaged over the members (ensemble/uncertainty/distance.py).
+    Fit on the training rows: far from them the members agree and are confident, and only the distance grows."""
+    features.check(self.member)
+    if labels is None and self.task.has_classes and not self.task.per_position:
+      raise UsageError("distance: a classifier's Gaussians are per class; give the rows' labels: ens.distance(x, y)")
+    if labels is None:  # one Gaussian: the rows alone
+      inputs = self._labelled(inputs, 'distance')
+      labels = np.zeros(len(inputs), np.int32)
+    else:
+      inputs, labels = self._labelled_pair(inputs, labels, 'distance')
+    view = self._member_view(inputs, role='distance', with_features=True)
+    step = posthoc.fit('distance', self.posthoc, view, labels, inputs, self.epoch, self.task)
+    return self._replace(chain=(*self.posthoc, step))
 
   # --- inputs and labels, checked for their role --------------------------------------------------------------------
 
@@ -355,21 +371,23 @@ class Ensemble:
     check_flag('progress', progress)
     return self._member_outputs(self.check(images, role), progress, role)
 
-  def _member_outputs(self, images: np.ndarray, progress: bool = False, role: str = 'predict') -> np.ndarray:
-    """`member_outputs` of `check`ed inputs."""
+  def _member_outputs(self, images: np.ndarray, progress: bool = False, role: str = 'predict',
+                      what: str = 'log_probs') -> np.ndarray:
+    """`member_outputs` of `check`ed inputs; with what='features', the members' penultimate features (K, N, F)."""
     images = self.standardise(images)
     if self.member.inputs == 'features':  # what the members compute in: a value beyond float32 is refused
       images = standardise.in_float32(images, f"{role}: the inputs' features")
     starts = range(0, len(images), self.batch_size)
     if progress and len(starts) > 1:
       starts = console.track(starts, 'predicting', unit='batch', items_per_step=self.batch_size, items='images')
-    batches = [np.zeros((self.size, 0, *self.positions, self.num_classes))]
+    width = (*self.positions, self.num_classes) if what == 'log_probs' else (features.width(self.member),)
+    batches = [np.zeros((self.size, 0, *width))]
     for start in starts:
       chunk = images[start:start + self.batch_size]
       if self.member.inputs == 'images' and chunk.dtype == np.uint8:  # in [0, 1] as the device would make it
         chunk = chunk.astype(np.float32) / 255.0
       split = {'image': chunk, 'label': np.zeros(len(chunk), np.int32)}
-      batches.append(self._predictor(bucket(len(chunk), self.batch_size)).log_probs(split))
+      batches.append(getattr(self._predictor(bucket(len(chunk), self.batch_size)), what)(split))
     outputs = np.concatenate(batches, axis=1)
     finite = np.isfinite(outputs).all(axis=(0, *range(2, outputs.ndim)))
     if not finite.all():
@@ -399,9 +417,14 @@ class Ensemble:
       return inputs
     return self._transform(inputs) if xp is np else standardise.feature_transform(self._data_info, xp=xp)(inputs)
 
-  def _member_view(self, inputs: np.ndarray, progress: bool = False, role: str = 'predict') -> dict[str, np.ndarray]:
-    """The members' outputs as the post-hoc chain takes them (ensemble/posthoc.py), for checked inputs."""
-    return self._view(self._member_outputs(inputs, progress, role))
+  def _member_view(self, inputs: np.ndarray, progress: bool = False, role: str = 'predict',
+                   with_features: bool = False) -> dict[str, np.ndarray]:
+    """The members' outputs as the post-hoc chain takes them (ensemble/posthoc.py), for checked inputs; with their
+    penultimate 'features' where the chain (or a step to fit: `with_features`) reads them."""
+    view = self._view(self._member_outputs(inputs, progress, role))
+    if with_features or posthoc.needs_features(self.posthoc):
+      view['features'] = self._member_outputs(inputs, progress, role, what='features')
+    return view
 
   def _view(self, outputs: np.ndarray) -> dict[str, np.ndarray]:
     """(K, N, W) member outputs as the post-hoc chain takes them (`Task.view`)."""
@@ -436,8 +459,9 @@ class Ensemble:
     check_flag('members', members)
     check_flag('progress', progress)
     self.task.check_predict_options(levels, threshold)
-    return self.task.predict(self._outputs(images, 'predict', progress), members=members, levels=levels,
-                             threshold=threshold)
+    outputs = self._outputs(images, 'predict', progress)
+    result = self.task.predict(outputs, members=members, levels=levels, threshold=threshold)
+    return {**result, 'distance': outputs['distance']} if 'distance' in outputs else result
 
   def evaluate(self, inputs: Any, labels: Any) -> dict[str, Any]:
     """The report's scores on labelled inputs: 'ensemble' and 'mean_member' accuracy, NLL, Brier and ECE, and
@@ -531,7 +555,7 @@ class Ensemble:
     (`flags`) fits them on given rows: 'threshold', with the held-out 'coverage' and 'risk' at it, and
     'ood_threshold'. Kept in the workdir by checkpoint and settings, so that a prediction costs its start-up.
     """
-    _check_rates(target_risk, ood_rate)
+    posthoc.check_rates(target_risk, ood_rate)
     self._require(self.task.flags, 'flag_threshold')
     if self.workdir is None:
       raise UsageError('flag_threshold reads the held-out slice of the data a workdir was trained on, and this '
@@ -542,26 +566,9 @@ class Ensemble:
     kept = manifest.kept_flag_thresholds(self.workdir, self.epoch, target_risk, ood_rate, data_dir, self.temperature)
     if kept is not None:  # fitted for this checkpoint and these settings before: a prediction costs its start-up
       return kept
-    fitted = self._fit_flag_threshold(target_risk, data_dir, ood_rate)
+    fitted = _evaluation().fit_flag_threshold(self, target_risk, data_dir, ood_rate)
     manifest.keep_flag_thresholds(self.workdir, self.epoch, fitted, self.temperature, data_dir)
     return fitted
-
-  def _fit_flag_threshold(self, target_risk: float, data_dir: str | None, ood_rate: float) -> dict[str, Any]:
-    """`flag_threshold`'s fit on the held-out slice, a batch of `batch_size` images at a time."""
-    dataset = data.load(self.config.dataset, self.config.data_dir if data_dir is None else data_dir,
-                        self.config.train_split, self.config.test_split, streaming=self.config.streaming)
-    if tuple(dataset.image_shape) != self.image_shape:
-      raise UsageError(f'{dataset.source} holds {"x".join(map(str, dataset.image_shape))} images but '
-                       f'{self.workdir} was trained on {"x".join(map(str, self.image_shape))}; give --data_dir the '
-                       'data it was trained on')
-    heldout, seen_in_training = _evaluation().heldout_split(dataset.train, self.config)
-    if seen_in_training:
-      logging.warning('%s held out no training examples (heldout_fraction=0): the flag threshold is fitted on '
-                      'examples the members were trained on and flags too few images.', self.workdir)
-    result, labels = _evaluation().predict_split(self.predict, heldout, self.batch_size)
-    return {**posthoc.flag_thresholds(result[posthoc.FLAG_SCORE], result[posthoc.OOD_SCORE],
-                                      result['class'] == labels, target_risk, ood_rate),
-            'examples': len(labels), 'seen_in_training': seen_in_training}
 
 
 def _check_report_folder(output_dir: str):
@@ -573,20 +580,3 @@ def _check_report_folder(output_dir: str):
     raise UsageError(f'report: output_dir={output_dir} is the eval folder of the run in {run}, where python -m '
                      'ensemble.evaluate keeps the temperature ensemble.load applies to it; write the report to '
                      'another folder')
-
-
-def _check_rates(target_risk: Any, ood_rate: Any):
-  if isinstance(target_risk, bool) or not isinstance(target_risk, numbers.Real) or not target_risk == target_risk:
-    raise UsageError(f'target_risk={target_risk!r} must be a number: the error rate the unflagged inputs may have')
-  if isinstance(ood_rate, bool) or not isinstance(ood_rate, numbers.Real) or not 0 <= ood_rate < 1:
-    raise UsageError(f'ood_rate={ood_rate!r} must be a share of the calibration examples in [0, 1)')
-
-
-def given_temperature(task: Any, value: float, epoch: int, chain: Sequence[posthoc.Step]) -> posthoc.Step:
-  """A temperature (variance scale) given rather than fitted (`ensemble.load(..., temperature=T)`, a workdir's
-  `ensemble.evaluate` report), after `chain`."""
-  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float('inf'):
-    raise UsageError(f'temperature={value!r} must be a positive number')
-  if task.calibration is None:
-    raise UsageError(f'temperature={value!r}: a {task.name} ensemble has no temperature or scale; leave it out')
-  return posthoc.given(task.calibration, chain, epoch, value=float(value))

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from lab import CHAINS, METHODS, Cell
+from lab import CHAIN_METHODS, CHAINS, METHODS, Cell
 
 TASKS = ('classification', 'regression', 'multilabel', 'dense', 'quantile')
 # The tasks every method runs on. Every method keeps every check on every path of 'multilabel' and 'dense' too
@@ -83,6 +83,8 @@ def after_fit_cases():
   for method in METHODS:
     for task in _tasks(method):
       for chain, steps in CHAINS.items():
+        if method not in CHAIN_METHODS.get(chain, (method,)):
+          continue
         for check in AFTER_FIT_CHECKS:
           if check == 'conformal_covers_fresh_data' and 'conformal' not in steps:
             continue
