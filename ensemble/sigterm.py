@@ -64,8 +64,9 @@ def stopping(dispatch: int) -> bool:
   return requested()
 
 
-# What a stopped loop says after how it was stopped: how to go on.
+# What a stopped loop says after how it was stopped: how to go on (with a workdir), or that nothing was kept.
 _TO_GO_ON = 'the loop stopped; run it again with the same workdir to go on'
+_NOTHING_KEPT = 'the loop stopped, and without a workdir it kept no round; give workdir= to make it resumable'
 
 
 def _interrupt(*_):
@@ -83,12 +84,15 @@ def stops_in_one_line(loop: Callable) -> Callable:
   raised wherever the signal came, mostly inside a JAX call compiling or running a fit, its traceback ran through
   some sixty lines of JAX's frames before the one that says how to go on; `python -m ensemble.train` prints that one
   line alone (`cli.run`). Raised again here without those frames or the exception it interrupted (its traceback
-  starts afresh at this frame); a bare Ctrl-C's gets the words of SIGTERM's."""
+  starts afresh at this frame); a bare Ctrl-C's gets the words of SIGTERM's, and a loop without a `workdir` says
+  that it kept nothing to go on from."""
   @functools.wraps(loop)
   def wrapped(*args, **kwargs):
     try:
       return loop(*args, **kwargs)
     except KeyboardInterrupt as e:
-      stop = e.with_traceback(None) if str(e) else KeyboardInterrupt(f'Ctrl-C: {_TO_GO_ON}')
-      raise stop from None
+      message = str(e) or f'Ctrl-C: {_TO_GO_ON}'
+      if kwargs.get('workdir') is None:
+        message = message.replace(_TO_GO_ON, _NOTHING_KEPT)
+      raise KeyboardInterrupt(message).with_traceback(None) from None
   return wrapped

@@ -169,6 +169,15 @@ def test_bayesian_optimisation_evaluates_within_the_bounds_and_records_the_best(
   assert all(entry['seconds']['fit'] > 0 and entry['seconds']['acquire'] > 0 for entry in result.curve[8:])
 
 
+def test_a_stopped_loop_without_a_workdir_says_it_kept_nothing():
+  """Without a workdir nothing can be resumed: the stop says so, and how to make a loop resumable."""
+  def function(x):
+    raise KeyboardInterrupt
+  with pytest.raises(KeyboardInterrupt, match='^Ctrl-C: the loop stopped, and without a workdir it kept no round; '
+                                               'give workdir= to make it resumable$'):
+    _optimise(function)
+
+
 def test_a_stopped_optimisation_resumes_without_evaluating_a_point_twice(optimised, tmp_path):
   _, whole = optimised
   workdir, calls = str(tmp_path / 'loop'), []
