@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import flax.linen as nn
 import numpy as np
 import pytest
 
@@ -342,6 +343,31 @@ def test_an_optimisation_compiles_its_acquisition_once_for_all_its_fits():
   assert [entry['acquisition'] for entry in result.curve[8:]] == ['ei'] * 3
   assert sum(counts.values()) == 1, f'{sum(counts.values())} programs compiled'
 
+
+
+class ThreeClasses(nn.Module):
+  """A model object of a fixed width: outputs for classes 0, 1 and 2 only."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    return nn.Dense(3)(nn.relu(nn.Dense(16)(x)))
+
+
+def test_a_class_beyond_a_model_objects_outputs_is_refused_where_it_is_answered(tmp_path):
+  """The answer is kept in answers.json and refused in the round that asked for it, naming the file, not by the
+  next round's fit; run again, the kept answer is refused alike and nothing is asked again."""
+  workdir, asked = str(tmp_path / 'loop'), []
+
+  def label(indices, inputs):
+    asked.append(len(indices))
+    return np.full(len(indices), 3, np.int32)
+  seed = (SEED[0], SEED[1] % 3)
+  for _ in range(2):
+    with pytest.raises(UsageError, match=r'label= answered class 3, and the model object has outputs for classes '
+                                         r'0..2: .*the answers are kept in .*answers.json') as raised:
+      ensemble.active_learning(ThreeClasses(), seed, POOL[0], label=label, batch=4, rounds=2, workdir=workdir, **FIT)
+    assert '\n' not in str(raised.value)
+  assert asked == [4]
 
 
 # A loop whose first fit is sent SIGTERM while JAX traces its model: where a signal in a fit lands, deep in JAX.

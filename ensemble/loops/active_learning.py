@@ -250,7 +250,8 @@ def active_learning(model: Any, train: Any, pool: Any, test: Any = None, *, acqu
         with clock.part('label'):
           given = record.answers([str(int(i)) for i in picked],
                                  _labeller(label, picked, x_candidates[chosen], y_candidates, chosen))
-          picked_labels = _recorded_labels(record, given, batch, task, target_shape).tolist()
+          fixed = None if isinstance(model, str) else ens.num_classes  # a model object's outputs do not grow
+          picked_labels = _recorded_labels(record, given, batch, task, target_shape, fixed).tolist()
       acquired += picked.tolist()
       labels += picked_labels
       with clock.part('loop'):
@@ -283,10 +284,16 @@ def _start(ens: Any, warm: bool, task: Any, labels: np.ndarray) -> Any:
 
 
 def _recorded_labels(record: record_lib.Record, given: list[Any], count: int, task: Any,
-                     target_shape: tuple[int, ...]) -> np.ndarray:
-  """`checked_labels` of answers already recorded: a refusal says where they are kept, to correct."""
+                     target_shape: tuple[int, ...], classes: int | None = None) -> np.ndarray:
+  """`checked_labels` of answers already recorded, and within a model object's `classes` outputs (a built-in
+  model grows one for a new class; a model object cannot, and the next fit would refuse what this round already
+  kept): a refusal says where they are kept, to correct."""
   try:
-    return checked_labels(given, count, task, target_shape)
+    labels = checked_labels(given, count, task, target_shape)
+    if classes is not None and task.has_classes and labels.size and labels.max() >= classes:
+      raise UsageError(f'label= answered class {int(labels.max())}, and the model object has outputs for classes '
+                       f'0..{classes - 1}: give a model with an output for each class the labeller may answer')
+    return labels
   except UsageError as error:
     if record.workdir is None:
       raise
