@@ -108,16 +108,23 @@ def problem(task: str, seed: int = 0, scale: float = 1.0, features: int = 3):
 # Life after fit: the post-hoc steps, each fitted on its own fresh rows of the problem (CALIBRATION_ROWS, drawn
 # from a seed of its own), and the chains of them that every method and task's ensemble goes through (matrix.py).
 # A new post-hoc step joins with one line here, and the chains that end with it.
-CALIBRATION_ROWS = {'calibrate': (300, 11), 'conformal': (1000, 12), 'flags': (300, 13), 'fresh': (4000, 14)}
+CALIBRATION_ROWS = {'calibrate': (300, 11), 'conformal': (1000, 12), 'class_conditional': (1000, 12),
+                    'flags': (300, 13), 'fresh': (4000, 14)}
 CONFORMAL_ALPHA = 0.1
 POSTHOC = {
     'calibrate': lambda ens, x, y: ens.calibrate(x, y),
     'conformal': lambda ens, x, y: ens.conformal(x, y, alpha=CONFORMAL_ALPHA),
+    'class_conditional': lambda ens, x, y: ens.conformal(x, y, alpha=CONFORMAL_ALPHA, class_conditional=True),
     'flags': lambda ens, x, y: ens.flags(x, y, target_risk=0.2),
 }
 CHAINS = {'none': (), 'calibrate': ('calibrate',), 'conformal': ('conformal',),
           'calibrate_then_conformal': ('calibrate', 'conformal'),
-          'conformal_then_calibrate': ('conformal', 'calibrate'), 'flags': ('flags',)}
+          'conformal_then_calibrate': ('conformal', 'calibrate'), 'flags': ('flags',),
+          'calibrate_then_class_conditional': ('calibrate', 'class_conditional'),
+          'class_conditional_then_calibrate': ('class_conditional', 'calibrate')}
+# The chains whose steps see nothing of the method but the outputs it gives: the deep ensemble stands for every
+# method in them (the others' outputs go through the same steps in the chains above).
+OUTPUTS_ONLY = ('calibrate_then_class_conditional', 'class_conditional_then_calibrate')
 
 
 def as_source(split):

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from lab import CHAINS, METHODS, Cell
+from lab import CHAINS, METHODS, OUTPUTS_ONLY, Cell
 
 TASKS = ('classification', 'regression', 'multilabel', 'dense', 'quantile')
 # The tasks every method runs on. Every method keeps every check on every path of 'multilabel' and 'dense' too
@@ -83,7 +83,9 @@ def after_fit_cases():
   for method in METHODS:
     for task in _tasks(method):
       for chain, steps in CHAINS.items():
+        if chain in OUTPUTS_ONLY and method != 'independent':
+          continue
         for check in AFTER_FIT_CHECKS:
-          if check == 'conformal_covers_fresh_data' and 'conformal' not in steps:
+          if check == 'conformal_covers_fresh_data' and not {'conformal', 'class_conditional'} & set(steps):
             continue
           yield pytest.param(check, Cell(method, task, 'arrays'), chain, id=f'{check}[{method}-{task}-{chain}]')
