@@ -255,15 +255,20 @@ def evaluate(workdir: str, *, data_dir: str | None = None, step: int | None = No
                     'are fitted on examples the members were trained on.', workdir)
   images = member.inputs == 'images' and task.shifts  # what the shifts score
   logging.info('Predicting the %d test examples and the %d held-out ones.', len(test['label']), len(heldout['label']))
+  forward = Predictor(member, state, devices, config.eval_batch_size)
   results = {'workdir': os.path.abspath(workdir), 'epoch': epoch, 'checkpoint_unit': config.checkpoint_unit,
              'checkpoint': checkpoint.checkpoint_id(workdir, epoch), 'ensemble_size': config.ensemble_size,
              'task': task.name,
              'data': dataset.source, 'data_dir': recipe_lib.data_location(data_dir),
-             **task.report(Predictor(member, state, devices, config.eval_batch_size), test, heldout,
+             **task.report(forward, test, heldout,
                            seen_in_training, size=config.ensemble_size, angles=angles if images else (),
                            noise=noise and images, alphas=alphas,
                            ood_sets=(load_ood(ood_names, shape, test) if member.inputs == 'images'
                                      and task.detects_ood else None))}
+  if manifest.saved_epoch(workdir) == epoch:  # a saved ensemble's chain: its own conformal sets judged too
+    chain, _ = manifest.read(workdir, config, epoch, task, {})
+    chained = scoring.score_chain_conformal(task, chain, forward, test)
+    results.update({'posthoc_conformal': chained} if chained else {})
   own = os.path.join(workdir, 'eval')
   output_dir = output_dir or own
   task.write_report(results, output_dir)

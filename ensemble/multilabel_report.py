@@ -84,6 +84,7 @@ def markdown(results: dict[str, Any]) -> str:
                         ', '.join(f'{c:.3f}' for c in row['coverage_per_label'])
                         + ('' if row['within_bounds'] else ' (outside)'), row['coverage'], row['mean_set_size']]
                        for row in conformal['rows']]), '']
+  lines += report.posthoc_conformal_markdown(results)
   if results.get('ood'):
     lines += [
         '## Out-of-distribution detection', '',

@@ -29,8 +29,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from ensemble import calibration
-from ensemble.errors import UsageError
-from ensemble.uncertainty import decomposition, distance, multilabel, selective
+from ensemble.errors import UsageError, hint
+from ensemble.uncertainty import conformal, decomposition, distance, multilabel, selective
 
 # The flag (`flags`) is two tests. The total predictive entropy counts both kinds of doubt, a blurred digit
 # (aleatoric) and a shape no member has seen (epistemic), and its threshold keeps the error rate of the unflagged
@@ -131,8 +131,43 @@ def check_alpha(alpha: Any):
     raise UsageError(f'alpha={alpha!r} must be in (0, 1), the miscoverage: e.g. alpha=0.1 for 90% sets')
 
 
-def _fit_conformal(outputs, labels, task, alpha, score):
-  return task.fit_conformal(outputs, labels, alpha, score)
+def check_rates(target_risk: Any, ood_rate: Any):
+  if isinstance(target_risk, bool) or not isinstance(target_risk, numbers.Real) or not target_risk == target_risk:
+    raise UsageError(f'target_risk={target_risk!r} must be a number: the error rate the unflagged inputs may have')
+  if isinstance(ood_rate, bool) or not isinstance(ood_rate, numbers.Real) or not 0 <= ood_rate < 1:
+    raise UsageError(f'ood_rate={ood_rate!r} must be a share of the calibration examples in [0, 1)')
+
+
+def conformal_settings(task: Any, alpha: Any, score: Any, class_conditional: Any) -> dict[str, Any]:
+  """A conformal step's settings for `task`, checked: `score` None is the task's first; class_conditional only
+  where it is True (a marginal step records what it always did)."""
+  check_alpha(alpha)
+  scores = task.conformal_scores
+  score = scores[0] if score is None else score
+  if score not in scores:
+    raise UsageError(f'score={score!r}: give one of {list(scores)}, the conformal scores of a {task.name} ensemble')
+  if not isinstance(class_conditional, bool):
+    raise UsageError(f'class_conditional={class_conditional!r} must be True or False')
+  if class_conditional and not task.class_conditional:
+    raise UsageError(f'class_conditional=True: a {task.name} ensemble has no classes to condition on; leave it out '
+                     '(its intervals cover 1 - alpha of the targets)')
+  return {'alpha': alpha, 'score': score, **({'class_conditional': True} if class_conditional else {})}
+
+
+def _fit_conformal(outputs, labels, task, alpha, score, **options):
+  """The task's quantile(s); a class-conditional step's classes too rare for `alpha` are pooled, and said so."""
+  fitted = task.fit_conformal(outputs, labels, alpha, score, **options)
+  if fitted.get('pooled'):
+    pooled = ', '.join(f'label {g[0]} = {g[1]}' if isinstance(g, list) else f'class {g}' for g in fitted['pooled'])
+    hint(f'conformal(class_conditional=True): fewer calibration examples than alpha={alpha:g} needs '
+         f'({conformal.rows_needed(alpha)}) of {pooled}: their sets use the marginal quantile (covered on average, '
+         'not on their own); give more examples of them, or raise alpha')
+  return fitted
+
+
+def _describe_conformal(step):
+  by_class = ' per class' if dict(step.settings).get('class_conditional') else ''
+  return f'conformal {step["score"]} alpha {step["alpha"]:g}{by_class}'
 
 
 def _apply_conformal(step, outputs, xp):
@@ -157,13 +192,6 @@ def flag_thresholds(entropy: np.ndarray, mutual_information: np.ndarray, correct
   return {**selective.threshold_for_risk(curve, target_risk), 'target_risk': float(target_risk),
           'ood_threshold': float(np.quantile(mutual_information, 1 - ood_rate, method='higher')),
           'ood_rate': float(ood_rate)}
-
-
-def check_rates(target_risk: Any, ood_rate: Any):
-  if isinstance(target_risk, bool) or not isinstance(target_risk, numbers.Real) or not target_risk == target_risk:
-    raise UsageError(f'target_risk={target_risk!r} must be a number: the error rate the unflagged inputs may have')
-  if isinstance(ood_rate, bool) or not isinstance(ood_rate, numbers.Real) or not 0 <= ood_rate < 1:
-    raise UsageError(f'ood_rate={ood_rate!r} must be a share of the calibration examples in [0, 1)')
 
 
 def _fit_flags(outputs, labels, task, target_risk, ood_rate):
@@ -216,7 +244,7 @@ KINDS = {
     'temperature': Kind(_fit_scale, _apply_temperature, lambda s: f'temperature {s["value"]:.4g}'),
     'label_temperature': Kind(_fit_scale, _apply_label_temperature, lambda s: f'temperature {_values(s["value"])}'),
     'variance_scale': Kind(_fit_scale, _apply_variance_scale, lambda s: f'variance_scale {s["value"]:.4g}'),
-    'conformal': Kind(_fit_conformal, _apply_conformal, lambda s: f'conformal {s["score"]} alpha {s["alpha"]:g}'),
+    'conformal': Kind(_fit_conformal, _apply_conformal, _describe_conformal),
     'flags': Kind(_fit_flags, _apply_flags, lambda s: f'flags risk {s["target_risk"]:g} ood_rate {s["ood_rate"]:g}'),
     'distance': Kind(_fit_distance, _apply_distance,
                      lambda s: f'distance {s["classes"]} Gaussians of {s["features"]} features', per_input=True),

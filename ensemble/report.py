@@ -178,6 +178,34 @@ OOD_SCORE_TITLES = {'max_probability': '1 - max probability', 'entropy': 'predic
 CONFORMAL_SCORE_TITLES = {'thr': '1 - p(class)', 'aps': 'APS'}
 
 
+def posthoc_conformal_markdown(results: dict[str, Any]) -> list[str]:
+  """The section on the ensemble's own conformal step (its chain's): coverage per class beside the marginal, which
+  averages a hard class's misses away; a dense ensemble's on boundary and interior positions too."""
+  found = results.get('posthoc_conformal')
+  if not found:
+    return []
+  name = lambda g: f'class {g["class"]}' if 'class' in g else f'label {g["label"]} = {g["value"]}'
+  own = found['class_conditional']
+  per_class = lambda g: [name(g), g['test_examples'], g['coverage'], *(
+      [g['calibration_examples'], 'pooled: the marginal quantile' if g['pooled'] else
+       f'{g["bounds"][0]:.4f} to {g["bounds"][1]:.4f}' + ('' if g['within_bounds'] else ' (outside)')] if own else [])]
+  lines = ['## The ensemble\'s conformal sets', '',
+           f'Its post-hoc step {found["step"]}, fitted on {found["calibration_examples"]} examples, judged on the test '
+           f'set: {found["coverage"]:.4f} of {found["test_examples"]} covered (marginal; 1 - alpha = '
+           f'{1 - found["alpha"]:g}). ' + ('A quantile per class: each class is covered at 1 - alpha, within its 99% '
+                                           'bounds where the test examples are drawn as the calibration ones.'
+                                           if own else 'One quantile for all classes: a class can be covered far less '
+                                           'than 1 - alpha, hidden by the others (`conformal(..., '
+                                           'class_conditional=True)` fits one per class).'), '',
+           table(['', 'test examples', 'coverage', *(['calibration examples', '99% bounds'] if own else [])],
+                 [per_class(g) for g in found['groups']]), '']
+  if found.get('regions'):
+    lines += ['Positions with a 4-neighbour labelled otherwise (boundary) and the rest (interior):', '',
+              table(['positions', 'test positions', 'coverage'],
+                    [[region, r['test_examples'], r['coverage']] for region, r in found['regions'].items()]), '']
+  return lines
+
+
 def uncertainty_markdown(results: dict[str, Any]) -> list[str]:
   """The report's sections on using the uncertainty: selective prediction, conformal sets, OOD detection."""
   lines = []
@@ -235,6 +263,7 @@ def uncertainty_markdown(results: dict[str, Any]) -> list[str]:
                  row['ensemble']['mean_size'], row['mean_member']['coverage'], row['mean_member']['mean_size']]
                 for row in conformal['rows']]),
         '']
+  lines += posthoc_conformal_markdown(results)
   if results.get('ood'):
     rows = []
     for name, result in results['ood'].items():

@@ -442,3 +442,62 @@ def score_conformal(heldout_member_probs: np.ndarray, heldout_labels: np.ndarray
       logging.info('conformal %s at alpha %g: ensemble coverage %.4f, mean set size %.3f', score, alpha,
                    ensemble['coverage'], ensemble['mean_size'])
   return {'calibration_examples': n, 'seen_in_training': seen_in_training, 'rows': rows}
+
+
+def boundary_positions(labels: np.ndarray) -> np.ndarray:
+  """(N, *positions) bool: the labelled positions with a neighbour along a position axis (a pixel's 4-neighbours)
+  that is labelled otherwise, the ignored label included: benchmarks (VOC; scripts/segmentation_mnist.py) leave
+  the band between two regions unlabelled, and the positions beside it are the boundary."""
+  labels = np.asarray(labels)
+  edge = np.zeros(labels.shape, bool)
+  for axis in range(1, labels.ndim):
+    before, after = [slice(None)] * labels.ndim, [slice(None)] * labels.ndim
+    before[axis], after[axis] = slice(None, -1), slice(1, None)
+    differ = labels[tuple(before)] != labels[tuple(after)]
+    edge[tuple(before)] |= differ
+    edge[tuple(after)] |= differ
+  return edge & (labels != IGNORED)
+
+
+def score_chain_conformal(task: Any, chain: Sequence[posthoc.Step], predict: Any, test: data.Split
+                          ) -> dict[str, Any] | None:
+  """The chain's own conformal sets (its last conformal step's) judged on labelled test examples: the marginal
+  coverage and, beside it, each class's (a multi-label's each label and value's), since a marginal quantile covers
+  a hard class far less than 1 - alpha and hides it behind easy ones; a dense task's on its boundary positions
+  (`boundary_positions`) and the interior ones, where such misses gather. A class with a quantile of its own (a
+  class-conditional step's, not pooled) has the 99% bounds its coverage falls in (`conformal.coverage_bounds`).
+  None where the chain has no conformal step or the task no classes (the test set is then not predicted again)."""
+  step = posthoc.last(chain, 'conformal')
+  if step is None or not task.class_conditional:
+    return None
+  member_outputs, labels = predict.log_probs(test), test['label']
+  covered = task.covered(posthoc.apply(chain, task.view(member_outputs)), labels)
+  fitted = dict(step.settings)
+  own = fitted.get('class_conditional', False)
+  pooled = [tuple(np.atleast_1d(group)) for group in fitted.get('pooled', ())]
+
+  def row(hits: np.ndarray, group: tuple[int, ...]) -> dict[str, Any]:
+    found = {'test_examples': int(hits.size), 'coverage': float(hits.mean())}
+    if own:
+      examples = int(np.asarray(fitted['class_examples'])[group])
+      found.update(calibration_examples=examples, pooled=group in pooled)
+      if group not in pooled:
+        bounds = list(conformal.coverage_bounds(examples, hits.size, step['alpha']))
+        found.update(bounds=bounds, within_bounds=bounds[0] <= found['coverage'] <= bounds[1])
+    return found
+
+  width = member_outputs.shape[-1]
+  if covered.ndim == 1:  # a class per example (a dense task's labelled positions)
+    classes = task.labelled(labels)
+    groups = [{'class': c, **row(covered[classes == c], (c,))} for c in range(width) if np.any(classes == c)]
+  else:  # a multi-label task's per label and value
+    groups = [{'label': label, 'value': value, **row(covered[labels[:, label] == value, label], (label, value))}
+              for label in range(width) for value in (0, 1) if np.any(labels[:, label] == value)]
+  found = {'step': step.describe(), 'alpha': step['alpha'], 'class_conditional': own,
+           'calibration_examples': step.fitted_on.examples, 'coverage': float(covered.mean()),
+           'test_examples': int(covered.size), 'groups': groups}
+  if task.per_position:
+    boundary = boundary_positions(labels)[labels != IGNORED]
+    found['regions'] = {name: {'test_examples': int(where.sum()), 'coverage': float(covered[where].mean())}
+                        for name, where in (('boundary', boundary), ('interior', ~boundary)) if where.any()}
+  return found

@@ -135,12 +135,12 @@ class Ensemble:
 
   @property
   def conformal_calibration(self) -> dict[str, Any] | None:
-    """The last conformal step: {'alpha', 'score', 'quantile', 'examples'}; None without one."""
+    """The last conformal step: {'alpha', 'score', 'quantile', 'examples'}; a class-conditional one's also
+    'class_conditional', 'class_examples' and the 'pooled' classes (`conformal`); None without one."""
     step = posthoc.last(self.posthoc, 'conformal')
     if step is None:
       return None
-    return {'alpha': step['alpha'], 'score': step['score'], 'quantile': step['quantile'],
-            'examples': step.fitted_on.examples}
+    return {**dict(step.settings), 'examples': step.fitted_on.examples}
 
   def __repr__(self) -> str:
     predicts = self.task.describe(self.task.width(self.num_classes))
@@ -177,29 +177,29 @@ class Ensemble:
     return self._fit_step(self.task.calibration, 'calibrate', inputs, labels,
                           **({'per_label': True} if per_label else {}))
 
-  def conformal(self, inputs: Any, labels: Any, alpha: float = 0.1, score: str | None = None) -> 'Ensemble':
+  def conformal(self, inputs: Any, labels: Any, alpha: float = 0.1, score: str | None = None, *,
+                class_conditional: bool = False) -> 'Ensemble':
     """A new ensemble whose `predict` also returns split-conformal prediction sets (classification: 'set', (N, C)
     booleans) or intervals (regression: 'conformal_lower', 'conformal_upper', the mixture's mean +/- q times its
     std), calibrated on these labelled examples, which the members must not have trained on.
 
-    For an input exchangeable with them, the set holds its class (the interval
-    its target) with probability at least 1 - alpha, whatever the members
-    (ensemble/uncertainty/conformal.py). `score`: 'thr' (the default: the
-    smallest sets on average) or 'aps' (adaptive sets, larger where the members
-    are unsure; not randomised, so that an input's set is a function of it, and
-    so conservative); regression's one score, 'normalised', is |y - mean| / std. A multi-label ensemble's sets are
-    per label ('set' (N, L, 2): which of 0 and 1 each label's set holds), each label covered with probability at
-    least 1 - alpha; its one score, 'label', is 1 - p(the label's value).
-    The sets are of the outputs as the chain so far gives them (after a
-    `calibrate` before it; one after it leaves them as they are).
+    For an input exchangeable with them, the set holds its class (the interval its target) with probability at least
+    1 - alpha, whatever the members (ensemble/uncertainty/conformal.py). `score`: 'thr' (the default: the smallest
+    sets on average) or 'aps' (adaptive sets, larger where the members are unsure; not randomised, so that an
+    input's set is a function of it, and so conservative); regression's one score, 'normalised', is |y - mean| /
+    std. A multi-label ensemble's sets are per label ('set' (N, L, 2): which of 0 and 1 each label's set holds), each
+    label covered with probability at least 1 - alpha; its one score, 'label', is 1 - p(the label's value). The sets
+    are of the outputs as the chain so far gives them (after a `calibrate` before it; one after it leaves them).
+
+    That 1 - alpha is on average over the classes: a hard class can be covered far less, hidden by easy ones.
+    `class_conditional=True` (Mondrian conformal) fits a quantile per class on that class's examples (a dense
+    ensemble's labelled positions), class c in a set where its score is at most class c's: each class is covered
+    at 1 - alpha. A multi-label ensemble's is per label and value, (L, 2): a label's rare positives are covered as
+    its negatives are. A class (value) too rare for `alpha` is pooled: given the marginal quantile (a multi-label
+    value its label's), named by a hint and `conformal_calibration['pooled']`. Not for regression or quantile.
     """
-    posthoc.check_alpha(alpha)
-    scores = self.task.conformal_scores
-    score = scores[0] if score is None else score
-    if score not in scores:
-      raise UsageError(f'score={score!r}: give one of {list(scores)}, the conformal scores of a {self.task.name} '
-                       'ensemble')
-    return self._fit_step('conformal', 'conformal', inputs, labels, alpha=alpha, score=score)
+    settings = posthoc.conformal_settings(self.task, alpha, score, class_conditional)
+    return self._fit_step('conformal', 'conformal', inputs, labels, **settings)
 
   def flags(self, inputs: Any, labels: Any, target_risk: float = posthoc.DEFAULT_FLAG_RISK,
             ood_rate: float = posthoc.DEFAULT_FLAG_OOD_RATE) -> 'Ensemble':
@@ -530,6 +530,10 @@ class Ensemble:
     results = {'workdir': self.workdir or 'an ensemble in memory', 'epoch': self.epoch,
                'checkpoint_unit': self.config.checkpoint_unit, 'ensemble_size': self.size, 'task': self.task.name,
                'data': 'the examples given', 'calibration': 'given' if heldout is not None else None, **scores}
+    if self.task.class_conditional and posthoc.last(self.posthoc, 'conformal') is not None:  # judged class by class
+      with console.stages_shown(progress), console.stage("the chain's conformal sets"):
+        chained = scoring.score_chain_conformal(self.task, self.posthoc, predictor.Forward(self), test)
+      results.update({'posthoc_conformal': chained} if chained else {})
     if output_dir is not None:
       self.task.write_report(results, output_dir)
     return results

@@ -8,6 +8,7 @@ import pytest
 import ensemble
 from conftest import run_guide_example
 from ensemble import calibration
+from ensemble.uncertainty import conformal
 from ensemble.errors import UsageError
 from ensemble.tasks import mixture
 
@@ -94,6 +95,7 @@ def test_conformal_covers_at_least_one_minus_alpha_over_many_calibration_draws(f
     (lambda e, x, y: e.conformal(x, y, alpha=True), 'alpha=True must be in'),
     (lambda e, x, y: e.conformal(x[:50], y[:50], alpha=0.01), 'alpha=0.01 needs at least 99 calibration examples'),
     (lambda e, x, y: e.conformal(x, y, score='raps'), "score='raps': give one of"),
+    (lambda e, x, y: e.conformal(x, y, class_conditional='yes'), "class_conditional='yes' must be True or False"),
     (lambda e, x, y: e.calibrate(x, y[:-1]), 'give 100 integer class indices'),
     (lambda e, x, y: e.calibrate(x, y + 5), r'outside the 3 classes'),
 ])
@@ -143,3 +145,104 @@ def test_the_exported_artifact_gives_the_conformal_sets_and_intervals_predict_gi
       assert np.mean(got == want) > 0.995 and 0 < got.mean() < 1  # a boundary class may round either way
     else:
       np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+# --- class-conditional (Mondrian) conformal sets -------------------------------------------------------------------
+
+def _hard_class(n: int, seed: int):
+  """Synthetic (N, 3) probabilities whose class 0 is hard (its true class's probability low, about 0.35) and
+  classes 1 and 2 easy (about 0.9): one marginal quantile, set by the easy majority, covers class 0 far below 90%."""
+  rng = np.random.default_rng(seed)
+  y = rng.choice(3, n, p=[0.2, 0.4, 0.4]).astype(np.int32)
+  own = np.where(y == 0, rng.uniform(0.1, 0.6, n), rng.uniform(0.75, 1.0, n))
+  other = rng.dirichlet([1, 1], n) * (1 - own)[:, None]
+  probs = np.empty((n, 3))
+  probs[np.arange(n), y] = own
+  rest = np.array([[c for c in range(3) if c != k] for k in y])
+  probs[np.arange(n)[:, None], rest] = other
+  return probs, y
+
+
+def _class_coverage(task, step, probs, y):
+  """Each class's share of fresh examples whose set holds it, under a fitted conformal step's settings."""
+  sets = task.apply_conformal(step, {'probs': probs}, np)['set']
+  return [float(sets[y == c, c].mean()) for c in range(probs.shape[1])], [int((y == c).sum()) for c in range(3)]
+
+
+def test_class_conditional_quantiles_cover_a_hard_class_the_marginal_one_leaves_below_its_bounds():
+  """Synthetic probabilities through the classification task's conformal step: with one marginal quantile the
+  hard class is covered well below the 99.9999% beta-binomial bounds of 1 - alpha, with a quantile per class every
+  class within its own bounds."""
+  from ensemble import posthoc, tasks  # pylint: disable=g-import-not-at-top
+  task, alpha = tasks.named('classification'), 0.1
+  cal_probs, cal_y = _hard_class(3000, 0)
+  probs, y = _hard_class(20000, 1)
+  step = lambda **options: posthoc.Step('conformal', posthoc._settings(  # pylint: disable=protected-access
+      task.fit_conformal({'probs': cal_probs}, cal_y, alpha, 'thr', **options)), None)
+  marginal, per_class = step(), step(class_conditional=True)
+  assert per_class['class_examples'] == tuple(int((cal_y == c).sum()) for c in range(3)) and not per_class['pooled']
+  coverage, counts = _class_coverage(task, per_class, probs, y)
+  for c in range(3):
+    low, high = conformal.coverage_bounds(per_class['class_examples'][c], counts[c], alpha, probability=1 - 1e-6)
+    assert low <= coverage[c] <= high, (c, coverage[c], (low, high))
+  coverage, counts = _class_coverage(task, marginal, probs, y)
+  low, _ = conformal.coverage_bounds(int((cal_y == 0).sum()), counts[0], alpha, probability=1 - 1e-6)
+  assert coverage[0] < low - 0.1, (coverage, low)  # the hard class, hidden by the easy ones
+  assert min(coverage[1:]) > 1 - alpha  # the easy ones over-covered
+
+
+def test_a_class_too_rare_for_alpha_is_pooled_into_the_marginal_quantile_and_named(fitted, recwarn):
+  """A class with fewer calibration examples than alpha needs (9 at alpha=0.1) gets the marginal quantile, not an
+  infinite one (every class in every set), and a hint names it."""
+  x, y = _classes(1500, 7)
+  keep = (y != 2) | (np.cumsum(y == 2) <= 5)  # five examples of class 2
+  per_class = fitted['classification'].conformal(x[keep], y[keep], alpha=0.1, class_conditional=True)
+  found = per_class.conformal_calibration
+  assert found['pooled'] == (2,) and found['class_examples'][2] == 5, found
+  marginal = fitted['classification'].conformal(x[keep], y[keep], alpha=0.1).conformal_calibration['quantile']
+  assert found['quantile'][2] == marginal and all(np.isfinite(found['quantile']))
+  hints = [str(w.message) for w in recwarn if 'class_conditional' in str(w.message)]
+  assert len(hints) == 1 and 'of class 2:' in hints[0] and '\n' not in hints[0], hints
+
+
+def test_class_conditional_sets_cover_each_class_on_fresh_rows_and_the_value_keeps_them(fitted, tmp_path):
+  """A trained ensemble's per-class sets: each class's coverage of fresh rows within its beta-binomial bounds;
+  the same sets after `save`/`load` (the chain records the per-class quantiles), from the exported artifact (a (C,)
+  constant) and with a temperature fitted before or after; the report gives each class's coverage beside the
+  marginal."""
+  from ensemble import export  # pylint: disable=g-import-not-at-top
+  ens = fitted['classification']
+  x, y = _classes(1500, 8)
+  per_class = ens.conformal(x, y, alpha=0.1, class_conditional=True)
+  found = per_class.conformal_calibration
+  assert found['class_conditional'] and len(found['quantile']) == 3 and 'per class' in repr(per_class)
+  new_x, new_y = _classes(6000, 9)
+  sets = per_class.predict(new_x)['set']
+  for c in range(3):
+    low, high = conformal.coverage_bounds(found['class_examples'][c], int((new_y == c).sum()), 0.1,
+                                          probability=1 - 1e-6)
+    assert low <= sets[new_y == c, c].mean() <= high, (c, sets[new_y == c, c].mean(), (low, high))
+  loaded = ensemble.load(per_class.save(str(tmp_path / 'saved')).workdir)
+  assert loaded.posthoc == per_class.posthoc and loaded.conformal_calibration == found
+  np.testing.assert_array_equal(loaded.predict(new_x)['set'], sets)
+  served = np.asarray(export.export(per_class, ['cpu']).call(new_x[:500])['set'])
+  assert np.mean(served == sets[:500]) > 0.995
+  cal_x, cal_y = _classes(500, 10)
+  after = per_class.calibrate(cal_x, cal_y)  # a temperature after it leaves its sets
+  np.testing.assert_array_equal(after.predict(new_x)['set'], sets)
+  before = ens.calibrate(cal_x, cal_y).conformal(x, y, alpha=0.1, class_conditional=True)
+  assert before.conformal_calibration['quantile'] != found['quantile'] and before.predict(new_x)['set'].shape == (
+      6000, 3)
+  report = per_class.report(new_x[:2000], new_y[:2000], angles=(), noise=False, ood={},
+                            output_dir=str(tmp_path / 'report'))['posthoc_conformal']
+  assert report['class_conditional'] and report['coverage'] == pytest.approx(
+      np.take_along_axis(sets[:2000], new_y[:2000, None], -1).mean())
+  assert [g['class'] for g in report['groups']] == [0, 1, 2] and all(g['within_bounds'] for g in report['groups'])
+  assert '| class 2 |' in (tmp_path / 'report' / 'report.md').read_text()
+
+
+def test_class_conditional_is_refused_where_there_are_no_classes(fitted):
+  x, y = _regression(100, 3)
+  with pytest.raises(UsageError, match='class_conditional=True: a regression ensemble has no classes') as refused:
+    fitted['regression'].conformal(x, y, class_conditional=True)
+  assert '\n' not in str(refused.value)

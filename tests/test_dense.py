@@ -15,6 +15,7 @@ import ensemble
 from conftest import assert_printed_as_the_page_says, run_guide_example
 from ensemble import scoring
 from ensemble.errors import UsageError
+from ensemble.uncertainty import conformal
 
 FIT = {'task': 'dense', 'ensemble_size': 2, 'epochs': 8, 'batch_size': 32, 'optimizer': 'adamw',
        'learning_rate': 0.01, 'standardize_features': True, 'progress': False}
@@ -204,15 +205,52 @@ def test_a_converted_folder_keeps_the_positions_and_reads_the_ignored_label(tmp_
     convert.convert(str(tmp_path / 'table.csv'), str(tmp_path / 'again'), task='dense', target='y')
 
 
-def test_the_program_writes_the_chain_s_conformal_sets_per_position(fitted, tmp_path):
-  """A saved dense ensemble with a conformal step: `python -m ensemble.predict`'s maps hold its 'set' per position
-  (N, positions, C), as `predict` gives it."""
+@pytest.mark.parametrize('class_conditional', [False, True])
+def test_the_program_writes_the_chain_s_conformal_sets_per_position(fitted, tmp_path, class_conditional):
+  """A saved dense ensemble with a conformal step (one quantile, or one per class): `python -m ensemble.predict`'s
+  maps hold its 'set' per position (N, positions, C), as `predict` gives it."""
   from ensemble import predict  # pylint: disable=g-import-not-at-top
   saved = str(tmp_path / 'saved')
-  chained = fitted.conformal(*_rows(300, 5), alpha=0.1).save(saved)
+  chained = fitted.conformal(*_rows(300, 5), alpha=0.1, class_conditional=class_conditional).save(saved)
   x, _ = _rows(12, 6)
   np.save(tmp_path / 'x.npy', x)
   predict.predict_files(saved, str(tmp_path / 'x.npy'), str(tmp_path / 'maps.npz'))
   with np.load(tmp_path / 'maps.npz') as maps:
     np.testing.assert_array_equal(maps['set'], chained.predict(x)['set'])
     assert maps['set'].shape == (12, POSITIONS, CLASSES)
+
+
+def test_class_conditional_sets_cover_each_class_of_the_labelled_positions(fitted, tmp_path):
+  """A quantile per class, fitted on the labelled positions of that class (the ignored ones never count): each
+  class's coverage of fresh labelled positions within its beta-binomial bounds; the report gives it beside the
+  marginal, and the coverage of boundary positions (a neighbour labelled otherwise) and interior ones."""
+  x, y = _rows(600, 5)
+  per_class = fitted.conformal(x, y, alpha=0.1, class_conditional=True)
+  found = per_class.conformal_calibration
+  labelled = y[y != -1]
+  assert found['class_examples'] == tuple(int((labelled == c).sum()) for c in range(CLASSES))
+  assert found['examples'] == labelled.size and len(found['quantile']) == CLASSES
+  new_x, new_y = _rows(3000, 6)
+  sets, mask = per_class.predict(new_x)['set'], new_y != -1
+  covered = np.take_along_axis(sets[mask], new_y[mask][:, None], -1)[:, 0]
+  for c in range(CLASSES):
+    low, high = conformal.coverage_bounds(found['class_examples'][c], int((new_y[mask] == c).sum()), 0.1,
+                                          probability=1 - 1e-6)
+    assert low <= covered[new_y[mask] == c].mean() <= high, (c, covered[new_y[mask] == c].mean(), (low, high))
+  report = per_class.report(new_x[:1000], new_y[:1000], output_dir=str(tmp_path))['posthoc_conformal']
+  boundary = scoring.boundary_positions(new_y[:1000])[new_y[:1000] != -1]
+  first = covered[:int(mask[:1000].sum())]
+  assert report['coverage'] == pytest.approx(first.mean()) and [g['class'] for g in report['groups']] == [0, 1, 2]
+  assert report['regions']['boundary']['coverage'] == pytest.approx(first[boundary].mean())
+  assert report['regions']['interior']['test_examples'] == (~boundary).sum() > 0 < boundary.sum()
+  assert 'boundary' in (tmp_path / 'report.md').read_text()
+
+
+def test_boundary_positions_are_those_with_a_neighbour_labelled_otherwise():
+  labels = np.array([[[0, 0, 1],
+                      [0, 0, 1],
+                      [-1, 0, 0]]])
+  np.testing.assert_array_equal(scoring.boundary_positions(labels), [[[0, 1, 1],
+                                                                       [1, 1, 1],
+                                                                       [0, 1, 1]]])
+  np.testing.assert_array_equal(scoring.boundary_positions(np.array([[2, 2, 2, -1, 2]])), [[0, 0, 1, 0, 1]])

@@ -368,3 +368,27 @@ def test_the_conformal_note_names_the_data_the_sets_were_calibrated_on(calibrati
              'conformal': {'calibration_examples': 200, 'seen_in_training': False, 'rows': [row]}}
   text = '\n'.join(report.uncertainty_markdown(results))
   assert named in text and '1 of the 1 rows measure a coverage outside their 99% bounds' in text
+
+
+def test_the_command_line_judges_a_saved_ensemble_s_own_conformal_sets_per_class(workdir, tmp_path):
+  """A saved ensemble whose chain ends in a class-conditional conformal step: `python -m ensemble.evaluate`'s report
+  (as `Ensemble.report`'s) gives its sets' coverage per class beside the marginal, each class's calibration rows and
+  bounds; a report of an ensemble without one has no such section."""
+  import ensemble  # pylint: disable=g-import-not-at-top
+  config = evaluation.load_run_config(workdir)
+  dataset = data.load(data_dir=config.data_dir)
+  chained = ensemble.load(workdir).conformal(dataset.train['image'], dataset.train['label'], alpha=0.3,
+                                             class_conditional=True)
+  saved = chained.save(str(tmp_path / 'saved'))
+  cli = evaluation.evaluate(saved.workdir, angles=[], noise=False, ood_names=(), output_dir=str(tmp_path / 'cli'))
+  mine = saved.report(dataset.test['image'], dataset.test['label'], angles=(), noise=False, ood={})
+  assert cli['posthoc_conformal'] == mine['posthoc_conformal']
+  found = cli['posthoc_conformal']
+  sets = saved.predict(dataset.test['image'])['set']
+  assert found['coverage'] == pytest.approx(sets[np.arange(len(sets)), dataset.test['label']].mean())
+  assert found['class_conditional'] and found['step'] == 'conformal thr alpha 0.3 per class'
+  assert [g['calibration_examples'] for g in found['groups']] == [
+      saved.conformal_calibration['class_examples'][g['class']] for g in found['groups']]
+  assert '## The ensemble\'s conformal sets' in (tmp_path / 'cli' / 'report.md').read_text()
+  assert 'posthoc_conformal' not in ensemble.load(workdir).report(dataset.test['image'], dataset.test['label'],
+                                                                  angles=(), noise=False, ood={})

@@ -214,3 +214,27 @@ def test_it_distils_into_one_network_on_the_ensemble_s_label_probabilities(fitte
   assert report.student_nll < report.ensemble_nll + 0.05, report
   with pytest.raises(UsageError, match='temperature=2 sharpens or softens class probabilities.*multilabel'):
     ensemble.distill(fitted, 'mlp', x, temperature=2)
+
+
+def test_class_conditional_sets_cover_each_label_s_each_value(fitted):
+  """A quantile per label and value, (L, 2), each fitted on the examples whose label has that value: each label's
+  0s and 1s covered within their own beta-binomial bounds on fresh rows, each set the values whose 1 - p(value) is
+  at most that value's quantile."""
+  x, y = _rows(1500, 12)
+  per_class = fitted.conformal(x, y, alpha=0.1, class_conditional=True)
+  found = per_class.conformal_calibration
+  assert np.shape(found['quantile']) == (LABELS, 2) and not found['pooled']
+  np.testing.assert_array_equal(found['class_examples'], np.stack([(y == 0).sum(0), (y == 1).sum(0)], 1))
+  test_x, test_y = _rows(4000, 13)
+  result = per_class.predict(test_x)
+  probs, sets = result['probs'], result['set']
+  quantiles = np.asarray(found['quantile'])
+  np.testing.assert_array_equal(sets, np.stack([probs <= quantiles[:, 0], 1 - probs <= quantiles[:, 1]], -1))
+  for label in range(LABELS):
+    for value in (0, 1):
+      hits = sets[test_y[:, label] == value, label, value]
+      low, high = conformal.coverage_bounds(found['class_examples'][label][value], hits.size, 0.1,
+                                            probability=1 - 1e-6)
+      assert low <= hits.mean() <= high, (label, value, hits.mean(), (low, high))
+  report = per_class.report(test_x[:500], test_y[:500], ood={})['posthoc_conformal']
+  assert [(g['label'], g['value']) for g in report['groups']] == [(i, v) for i in range(LABELS) for v in (0, 1)]

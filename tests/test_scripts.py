@@ -282,3 +282,17 @@ def test_gpu_check_reduces_a_gpu_trace_to_operations_with_their_shapes(tmp_path)
   assert reduction['operands'] == ['f32[8,128,32,32,16]{4,3,2,1,0}']
   assert (transpose['op'], transpose['shape'], copy['op']) == ('transpose.7', 'f32[16,1024,32,32]{3,2,1,0}',
                                                                 'MemcpyD2D')
+
+
+def test_the_per_class_conformal_benchmark_prints_its_tables():
+  """scripts/conformal_per_class.py on a few digits: the classifier's and the segmenter's rows, marginal and per
+  class, every figure a number; the segmenter's with its boundary and interior coverage."""
+  result = _run('scripts/conformal_per_class.py', '--train=64', '--test=40', '--calibration=60', '--epochs=1',
+                '--ensemble_size=2')
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = [line for line in result.stdout.splitlines() if line.startswith('| ')]
+  rows = {line.split(' | ')[0][2:]: [float(cell) for cell in line.strip('|').split('|')[1:]]
+          for line in lines if not line.startswith(('| row', '| ---'))}
+  assert list(rows) == ['digits, marginal', 'digits, per class', 'pixels, marginal', 'pixels, per class'], lines
+  assert all(figure == figure for figures in rows.values() for figure in figures), rows  # numbers, not NaN
+  assert len(rows['pixels, marginal']) == len(rows['digits, marginal']) + 2  # boundary and interior

@@ -61,6 +61,8 @@ class Task:
   calibration: ClassVar[str | None] = None
   # The conformal scores `Ensemble.conformal` takes, the first the default.
   conformal_scores: ClassVar[tuple[str, ...]] = ()
+  # Whether `Ensemble.conformal(class_conditional=True)` applies: a quantile per class (label and value).
+  class_conditional: ClassVar[bool] = False
   # Whether a flags step applies (an input referred by its entropy and the members' disagreement).
   flags: ClassVar[bool] = False
   # Whether the report scores rotated and noisy test images, and detects unfamiliar inputs by probabilities.
@@ -206,8 +208,10 @@ class Task:
     """The settings of the calibration step (`calibration`) fitted on a labelled view."""
     raise NotImplementedError
 
-  def fit_conformal(self, view: dict[str, Any], labels: np.ndarray, alpha: float, score: str) -> dict[str, Any]:
-    """A conformal step's fitted settings (its quantile) on a labelled view."""
+  def fit_conformal(self, view: dict[str, Any], labels: np.ndarray, alpha: float, score: str,
+                    **options) -> dict[str, Any]:
+    """A conformal step's fitted settings (its quantile) on a labelled view; `options`: class_conditional=True where
+    the task has it (`class_conditional`)."""
     raise NotImplementedError
 
   def apply_conformal(self, step: Any, view: dict[str, Any], xp) -> dict[str, Any]:

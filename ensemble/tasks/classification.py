@@ -91,6 +91,7 @@ class Classification(base.Task):
   fields = ('distill_temperature',)
   calibration = 'temperature'
   conformal_scores = tuple(conformal.SCORES)
+  class_conditional = True
   flags = True
   shifts = True
   detects_ood = True
@@ -238,12 +239,23 @@ class Classification(base.Task):
   def fitted_scale(self, view, labels, **settings):
     return {'value': calibration.fit_temperature(view['probs'], labels)}
 
-  def fit_conformal(self, view, labels, alpha, score):
-    return {'alpha': float(alpha), 'score': score,
-            'quantile': conformal.calibrated_quantile(view['probs'], labels, alpha, score)}
+  def fit_conformal(self, view, labels, alpha, score, class_conditional=False):
+    """The quantile of the true classes' scores; `class_conditional`: one per class, of its own examples' scores
+    (a dense task's labelled positions of it), the classes too rare for `alpha` pooled (`conformal.group_quantiles`)."""
+    fitted = {'alpha': float(alpha), 'score': score}
+    if not class_conditional:
+      return {**fitted, 'quantile': conformal.calibrated_quantile(view['probs'], labels, alpha, score)}
+    scores = conformal.label_scores(conformal.SCORES[score](view['probs']), labels)
+    quantiles, examples, pooled = conformal.group_quantiles(scores, labels, view['probs'].shape[-1], alpha)
+    return {**fitted, 'class_conditional': True, 'quantile': [float(q) for q in quantiles],
+            'class_examples': [int(n) for n in examples], 'pooled': pooled}
 
   def apply_conformal(self, step, view, xp):
-    return {**view, 'set': conformal.prediction_sets(view['probs'], step['quantile'], step['score'], xp=xp)}
+    """Class c is in an input's set where its score is at most the quantile, class c's own where there is one each
+    (a (C,) constant where exported)."""
+    quantile = step['quantile']
+    quantile = xp.asarray(quantile) if isinstance(quantile, tuple) else quantile
+    return {**view, 'set': conformal.prediction_sets(view['probs'], quantile, step['score'], xp=xp)}
 
   def covered(self, result, labels):
     return np.take_along_axis(result['set'], labels[..., None], -1)[..., 0]

@@ -67,6 +67,7 @@ class Multilabel(base.Task):
   fields = ('pos_weight',)
   calibration = 'label_temperature'
   conformal_scores = ('label',)
+  class_conditional = True
   detects_ood = True
   report_writer = 'ensemble.multilabel_report'
 
@@ -183,10 +184,17 @@ class Multilabel(base.Task):
     value = multilabel.fit_temperature(view['label_probs'], labels, per_label=per_label)
     return {'value': [float(v) for v in value] if per_label else float(value)}
 
-  def fit_conformal(self, view, labels, alpha, score):
-    """A quantile per label, of 1 - p(the label's value)."""
-    q = multilabel.calibrated_quantiles(view['label_probs'], labels, alpha)
-    return {'alpha': float(alpha), 'score': score, 'quantile': [float(v) for v in q]}
+  def fit_conformal(self, view, labels, alpha, score, class_conditional=False):
+    """A quantile per label, of 1 - p(the label's value); `class_conditional`: per label and value, (L, 2), each of
+    the examples whose label has that value (a rare positive is covered as often as the common negatives), a value
+    too rare for `alpha` pooled into its label's quantile (`uncertainty.multilabel.class_conditional_quantiles`)."""
+    fitted = {'alpha': float(alpha), 'score': score}
+    if not class_conditional:
+      q = multilabel.calibrated_quantiles(view['label_probs'], labels, alpha)
+      return {**fitted, 'quantile': [float(v) for v in q]}
+    quantiles, examples, pooled = multilabel.class_conditional_quantiles(view['label_probs'], labels, alpha)
+    return {**fitted, 'class_conditional': True, 'quantile': quantiles.tolist(), 'class_examples': examples.tolist(),
+            'pooled': pooled}
 
   def apply_conformal(self, step, view, xp):
     return {**view, 'set': multilabel.prediction_sets(view['label_probs'], xp.asarray(step['quantile']), xp=xp)}

@@ -55,6 +55,25 @@ def quantile(calibration_scores: np.ndarray, alpha: float) -> float:
   return float(np.sort(np.asarray(calibration_scores, np.float64))[max(rank, 1) - 1])
 
 
+def group_quantiles(calibration_scores: np.ndarray, groups: np.ndarray, count: int, alpha: float
+                    ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+  """(quantiles (count,), examples (count,), pooled): Mondrian (class-conditional) thresholds, one per group 0..count-1,
+  each `quantile` of the scores of the examples in that group (Vovk et al. 2005, section 4.5), so that each group's
+  sets cover it at 1 - alpha, not only all groups on average, where a hard group hides behind easy ones.
+
+  A group with too few examples for `alpha` (ceil((n + 1)(1 - alpha)) > n, none at all included) would get an
+  infinite threshold, sets of every class for it; it is pooled instead: given the marginal quantile of all the
+  scores, which keeps the marginal guarantee for it but not its own. `pooled` lists those groups, for the caller to
+  say so."""
+  calibration_scores, groups = np.asarray(calibration_scores, np.float64), np.asarray(groups)
+  marginal = quantile(calibration_scores, alpha)
+  examples = np.bincount(groups, minlength=count)[:count]
+  quantiles = np.array([quantile(calibration_scores[groups == g], alpha) for g in range(count)])
+  pooled = [g for g in range(count) if math.isinf(quantiles[g])]
+  quantiles[pooled] = marginal
+  return quantiles, examples, pooled
+
+
 def label_scores(class_scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
   return np.take_along_axis(class_scores, np.asarray(labels)[:, None], axis=-1)[:, 0]
 

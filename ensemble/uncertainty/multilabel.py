@@ -210,8 +210,21 @@ def calibrated_quantiles(probs: np.ndarray, labels: np.ndarray, alpha: float) ->
                    for label in range(calibration_scores.shape[-1])])
 
 
+def class_conditional_quantiles(probs: np.ndarray, labels: np.ndarray, alpha: float
+                                ) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+  """(quantiles (L, 2), examples (L, 2), pooled [[label, value], ...]): a threshold per label and value, of the
+  examples whose label has that value (`conformal.group_quantiles`), so that a label's rare value is covered at
+  1 - alpha too; a value with too few examples gets its label's quantile over all of them."""
+  calibration_scores, positive = label_scores(probs, labels), _host(probs, labels)[1]
+  per_label = [conformal.group_quantiles(calibration_scores[:, label], positive[:, label].astype(int), 2, alpha)
+               for label in range(calibration_scores.shape[-1])]
+  return (np.array([q for q, _, _ in per_label]), np.array([n for _, n, _ in per_label]),
+          [[label, value] for label, (_, _, pooled) in enumerate(per_label) for value in pooled])
+
+
 def prediction_sets(probs: np.ndarray, quantiles: np.ndarray, xp=np) -> np.ndarray:
-  """(N, L, 2) boolean: value v (0 or 1) is in label l's set when 1 - p(v) <= quantiles[l].
+  """(N, L, 2) boolean: value v (0 or 1) is in label l's set when 1 - p(v) <= quantiles[l] (quantiles (L,)), or
+  quantiles[l, v] (class-conditional quantiles (L, 2)).
 
   The two scores sum to 1, so a threshold of 1/2 or more never leaves a set
   empty; below 1/2 (alpha large, the model sure) an example with p near 1/2
@@ -219,4 +232,6 @@ def prediction_sets(probs: np.ndarray, quantiles: np.ndarray, xp=np) -> np.ndarr
   """
   if xp is np:
     probs = np.asarray(probs, np.float64)
-  return conformal.prediction_sets(_two_class(probs, xp), xp.asarray(quantiles)[..., None], 'thr', xp=xp)
+  quantiles = xp.asarray(quantiles)
+  return conformal.prediction_sets(_two_class(probs, xp), quantiles if quantiles.ndim == 2 else quantiles[..., None],
+                                   'thr', xp=xp)

@@ -403,6 +403,24 @@ def conformal_covers_fresh_data(cell: Cell, lab: Lab, chain: str):
     # Each target's, each label's, or marginal over the examples (a dense task's labelled positions).
     coverage = np.atleast_1d(ens.task.covered(ens.predict(x), y).mean(0))
     assert ((low <= coverage) & (coverage <= high)).all(), (repr(ens), coverage, (low, high))
+    if ens.conformal_calibration.get('class_conditional'):  # and each class's, within its own bounds
+      for hits, examples in _each_class(ens, x, y):
+        low_c, high_c = conformal.coverage_bounds(examples, hits.size, CONFORMAL_ALPHA, probability=1 - 1e-6)
+        assert low_c <= hits.mean() <= high_c, (repr(ens), examples, hits.mean(), (low_c, high_c))
+
+
+def _each_class(ens: 'ensemble.Ensemble', x: np.ndarray, y: np.ndarray) -> list[tuple[np.ndarray, int]]:
+  """(whether each fresh example of the class is covered, the class's calibration examples) of each class with a
+  quantile of its own: a multi-label ensemble's each label and value."""
+  covered, found = ens.task.covered(ens.predict(x), y), ens.conformal_calibration
+  examples, pooled = np.asarray(found['class_examples']), [tuple(np.atleast_1d(g)) for g in found['pooled']]
+  if covered.ndim == 1:
+    classes = ens.task.labelled(y)
+    groups = [((c,), covered[classes == c]) for c in range(len(examples))]
+  else:
+    groups = [((label, value), covered[y[:, label] == value, label]) for label in range(len(examples))
+              for value in (0, 1)]
+  return [(hits, int(examples[group])) for group, hits in groups if group not in pooled and hits.size]
 
 
 AFTER_FIT = {check.__name__: check for check in (the_value_is_the_same_wherever_it_goes, conformal_covers_fresh_data)}

@@ -108,24 +108,31 @@ def problem(task: str, seed: int = 0, scale: float = 1.0, features: int = 3):
 # Life after fit: the post-hoc steps, each fitted on its own fresh rows of the problem (CALIBRATION_ROWS, drawn
 # from a seed of its own), and the chains of them that every method and task's ensemble goes through (matrix.py).
 # A new post-hoc step joins with one line here, and the chains that end with it.
-CALIBRATION_ROWS = {'calibrate': (300, 11), 'conformal': (1000, 12), 'flags': (300, 13), 'fresh': (4000, 14),
-                    'distance': (300, 15)}
+CALIBRATION_ROWS = {'calibrate': (300, 11), 'conformal': (1000, 12), 'class_conditional': (1000, 12),
+                    'flags': (300, 13), 'fresh': (4000, 14), 'distance': (300, 15)}
 CONFORMAL_ALPHA = 0.1
 POSTHOC = {
     'calibrate': lambda ens, x, y: ens.calibrate(x, y),
     'conformal': lambda ens, x, y: ens.conformal(x, y, alpha=CONFORMAL_ALPHA),
+    'class_conditional': lambda ens, x, y: ens.conformal(x, y, alpha=CONFORMAL_ALPHA, class_conditional=True),
     'flags': lambda ens, x, y: ens.flags(x, y, target_risk=0.2),
     'distance': lambda ens, x, y: ens.distance(x, y),
 }
 CHAINS = {'none': (), 'calibrate': ('calibrate',), 'conformal': ('conformal',),
           'calibrate_then_conformal': ('calibrate', 'conformal'),
           'conformal_then_calibrate': ('conformal', 'calibrate'), 'flags': ('flags',),
-          'distance_then_conformal': ('distance', 'conformal')}
-# The chains that only some methods go through, to keep the suite's time: the distance step's every cell passes (58
-# cases, 200 s on 2 cores, ENSEMBLE_CONTRACT_CHAINS=all), and the deep ensemble on every task and a method that
-# refuses it (mimo: one line naming it) stand for them.
+          'distance_then_conformal': ('distance', 'conformal'),
+          'calibrate_then_class_conditional': ('calibrate', 'class_conditional'),
+          'class_conditional_then_calibrate': ('class_conditional', 'calibrate')}
+# The chains that only some methods go through, to keep the suite's time. The distance step's every cell passes (58
+# cases, 200 s on 2 cores, ENSEMBLE_CONTRACT_CHAINS=all); the deep ensemble on every task and a method that refuses
+# it (mimo: one line naming it) stand for them. The class-conditional chains' steps see nothing of the method but
+# the outputs it gives: the deep ensemble stands for every method (the others' outputs go through the same steps in
+# the chains above).
 CHAIN_METHODS = ({} if os.environ.get('ENSEMBLE_CONTRACT_CHAINS') == 'all'
-                 else {'distance_then_conformal': ('independent', 'mimo')})
+                 else {'distance_then_conformal': ('independent', 'mimo'),
+                       'calibrate_then_class_conditional': ('independent',),
+                       'class_conditional_then_calibrate': ('independent',)})
 
 
 def as_source(split):

@@ -86,6 +86,6 @@ def after_fit_cases():
         if method not in CHAIN_METHODS.get(chain, (method,)):
           continue
         for check in AFTER_FIT_CHECKS:
-          if check == 'conformal_covers_fresh_data' and 'conformal' not in steps:
+          if check == 'conformal_covers_fresh_data' and not {'conformal', 'class_conditional'} & set(steps):
             continue
           yield pytest.param(check, Cell(method, task, 'arrays'), chain, id=f'{check}[{method}-{task}-{chain}]')
