@@ -43,7 +43,8 @@ def member(config: Any, data_info: dict[str, Any], steps_per_epoch: int = 1,
                       method=methods.create(config, steps_per_epoch), inputs=inputs,
                       dtype=config.dtype, task=tasks.create(config, data_info),
                       adversarial_epsilon=config.adversarial_epsilon, frozen=tuple(config.frozen),
-                      adapter_rank=config.adapter_rank, positions=tuple(data_info.get('positions', ())))
+                      adapter_rank=config.adapter_rank, positions=tuple(data_info.get('positions', ())),
+                      horizon=tuple(int(v) for v in optim.horizon(config, steps_per_epoch)))
 
 
 def data_info(image_shape: Sequence[int], num_classes: int, mean: Sequence[float], std: Sequence[float],

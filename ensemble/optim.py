@@ -118,6 +118,8 @@ def scale_by_rate(by_step, fixed: np.ndarray | None = None) -> optax.GradientTra
       if fixed is None:
         raise ValueError('this optimizer reads the run\'s horizon (optim.horizon): pass update(..., horizon=...)')
       horizon = fixed
+    elif fixed is not None:  # a state whose horizon no run set (all zeros) follows the optimizer's own
+      horizon = jnp.where(jnp.asarray(horizon)[0] > 0, jnp.asarray(horizon), jnp.asarray(fixed))
     step_size = -by_step(state.count, jnp.asarray(horizon))
     updates = jax.tree.map(lambda g: jnp.array(step_size, dtype=g.dtype) * g, updates)
     return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))

@@ -50,8 +50,8 @@ class TrainState(train_state.TrainState):
   key: jax.Array
   snapshots: Any = struct.field(default_factory=dict)
   # The run's `optim.horizon` (its steps, warmup, ...), which the schedule reads: data, not a constant of the
-  # programs, so that fits of other lengths share them. Each run sets it (`loop.with_horizon`); checkpoints do not
-  # keep it.
+  # programs, so that fits of other lengths share them. Each run sets it (`loop.with_horizon`; a fresh member has
+  # the one it was built for); checkpoints do not keep it. All zeros: the optimizer's own (`optim.create`'s).
   horizon: jax.Array = struct.field(default_factory=lambda: jnp.zeros(len(optim.HORIZON), jnp.int32))
 
   def apply_gradients(self, *, grads, **kwargs):
@@ -96,6 +96,9 @@ class Member:
   frozen: tuple[str, ...] = ()  # module paths of parameters not trained (ensemble/sharing.py)
   adapter_rank: int = 0  # > 0: each member a rank-r adapter of the shared kernels (ensemble/sharing.py)
   positions: tuple[int, ...] = ()  # a dense task's: the labels' shape per input, a class at each position
+  # The horizon a fresh member's state starts with (`optim.horizon` of the run it was built for): a run sets its
+  # own (`loop.with_horizon`), so that one program serves runs of any length; () leaves it to the optimizer's own.
+  horizon: tuple[int, ...] = ()
 
   def prepare(self, images: jnp.ndarray, key: jax.Array | None = None) -> jnp.ndarray:
     """Inputs as they arrive -> the model's input; images with a `key` are augmented first (training only)."""
@@ -159,7 +162,8 @@ class Member:
     init_key, own_key = jax.random.split(key)
     params, variables = self.initial_params(init_key)
     state = TrainState.create(apply_fn=self.model.apply, params=params, tx=self.tx,
-                              batch_stats=_held(variables), key=jax.random.key_data(own_key))
+                              batch_stats=_held(variables), key=jax.random.key_data(own_key),
+                              horizon=jnp.asarray(self.horizon or (0,) * len(optim.HORIZON), jnp.int32))
     # A typed step, as a trained or restored state has (flax's 0 is weakly typed): one program serves all three.
     state = state.replace(step=jnp.zeros((), jnp.int32))
     return self.method.init(self, state, key, keys.seed_key(0) if seed_key is None else seed_key)
