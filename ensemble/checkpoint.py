@@ -57,9 +57,9 @@ _MAX_FOUND_CHARS = 300  # what a warning quotes of the error that a damaged chec
 _TENSORSTORE_STATUS = re.compile(r'[A-Z]+(_[A-Z]+)*: ')  # how TensorStore's errors begin, e.g. 'DATA_LOSS: '
 
 
-# TrainState fields a run sets for itself (`loop.with_horizon`), never saved: a run of another length restores the
+# TrainState fields a run sets for itself (`loop.with_run`), never saved: a run of another length restores the
 # same members, and checkpoints written before a field existed restore as they were.
-UNSAVED = ('horizon',)
+UNSAVED = ('horizon', 'inputs')
 
 
 def saved_dict(state: Any) -> dict[str, Any]:

@@ -122,10 +122,16 @@ _PROGRAMS: 'collections.OrderedDict[Any, Programs]' = collections.OrderedDict()
 def _program_key(recipe: Recipe, program_info: dict, model: Any, devices: Sequence[jax.Device],
                  steps_per_epoch: int) -> Any:
   """What the programs depend on: the recipe but what they do not read (`recipe.for_programs`), the data's shapes,
-  the model, the devices, and the method, whose fields may count steps (snapshot's cycles). Not the run's length:
-  the schedule reads it from the members' state (`with_horizon`)."""
-  return (recipe_lib.for_programs(recipe), json.dumps(program_info, sort_keys=True), user.key(model),
+  the model, the devices, and the method, whose fields may count steps (snapshot's cycles). Not the run's length
+  nor its images' statistics: the programs read them from the members' state (`with_run`)."""
+  images = program_info.get('inputs') == 'images'
+  shapes = {k: v for k, v in program_info.items() if not (images and k in IMAGE_STATS)}
+  return (recipe_lib.for_programs(recipe), json.dumps(shapes, sort_keys=True), user.key(model),
           tuple(d.id for d in devices), methods.create(recipe, steps_per_epoch))
+
+
+# What the programs take of images' statistics as data (`steps.TrainState.inputs`), not in their key.
+IMAGE_STATS = ('mean', 'std')
 
 
 def _programs(recipe: Recipe, program_info: dict, model: Any, devices, steps_per_epoch: int) -> Programs:
@@ -295,11 +301,15 @@ def total_steps(config: Recipe, steps_per_epoch: int) -> int:
   return config.num_train_steps or config.num_epochs * steps_per_epoch
 
 
-def with_horizon(state: Any, horizon: np.ndarray) -> Any:
-  """`state` (any layout) with every member's horizon set to the run's (`optim.horizon`), placed as it was."""
-  like = state.horizon
-  full = np.broadcast_to(horizon, like.shape)
-  return state.replace(horizon=jax.make_array_from_callback(like.shape, like.sharding, lambda index: full[index]))
+def with_run(state: Any, run: Run) -> Any:
+  """`state` (any layout) with what the programs take from the run as data, every member's alike, placed as it was:
+  the schedule's horizon (`optim.horizon`) and images' statistics (`steps.TrainState.inputs`)."""
+  def filled(like, value):
+    full = np.broadcast_to(np.asarray(value, like.dtype), like.shape)
+    return jax.make_array_from_callback(like.shape, like.sharding, lambda index: full[index])
+  stats = {'mean': run.data_info['mean'], 'std': run.data_info['std']}
+  return state.replace(horizon=filled(state.horizon, optim.horizon(run.recipe, run.steps_per_epoch)),
+                       inputs={name: filled(like, stats[name]) for name, like in state.inputs.items()})
 
 
 def _save_points(config: Recipe, first: int, last: int, per_dispatch: int) -> list[int]:
@@ -340,7 +350,7 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
   them, none is made.
   """
   config, backend, per_epoch = run.recipe, run.backend, run.steps_per_epoch
-  state = with_horizon(state, optim.horizon(config, per_epoch))
+  state = with_run(state, run)
   patience = config.early_stopping
   show = progress is not False and (progress or logging.level_info())
   if not patience and _at_once(run, start, hooks, show):

@@ -5,10 +5,8 @@ restored member does on the device instead (its data description records the sta
   train, test, data_info, program_info = standardise.splits(dataset, train, recipe)   # ensemble/loop.py
 """
 
-import contextlib
-import contextvars
 import functools
-from typing import Any, Iterator
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -38,8 +36,9 @@ def splits(dataset: data.Dataset, train: data.Split, recipe: Recipe):
   records those statistics for checkpoints (a restored member applies them on
   the device), while `program_info` leaves them out, so that the programs do
   not change when the data does: they compute in standardised units, for as
-  many targets as the data has. Images keep their per-channel statistics in
-  the programs (normalised after augmentation, on the device).
+  many targets as the data has. Images are normalised by their per-channel
+  statistics on the device, after augmentation, as data of the programs
+  (each member's `TrainState.inputs`, which the run sets), not constants.
   """
   test, sample = dataset.test, data.stream.sample(train)
   target_stats, task = None, tasks.create(recipe)  # the recipe's: a quantile task's outputs depend on its levels
@@ -56,8 +55,6 @@ def splits(dataset: data.Dataset, train: data.Split, recipe: Recipe):
       test = data.stream.transformed(test, label=functools.partial(_standardised, target_stats,
                                                                    'the test targets, standardised'))
   mean, std = input_stats(sample['image'], dataset.inputs, recipe.standardize_features)
-  if dataset.inputs == 'images' and _IMAGE_STATS.get() is not None:
-    mean, std = _IMAGE_STATS.get()
   outputs = task.model_outputs(dataset.num_classes)
   positions = ()
   if task.per_position:  # the labels' shape per input (a teacher's probabilities have their classes after it)
@@ -73,21 +70,6 @@ def splits(dataset: data.Dataset, train: data.Split, recipe: Recipe):
     train = data.stream.transformed(train, image=features('training'))
     test = data.stream.transformed(test, image=features('test')) if test is not None else None
   return train, test, data_info, program_info
-
-
-_IMAGE_STATS: contextvars.ContextVar = contextvars.ContextVar('image_stats', default=None)
-
-
-@contextlib.contextmanager
-def image_stats(mean: tuple[float, ...], std: tuple[float, ...]) -> Iterator[None]:
-  """Within it, fits normalise images by these per-channel statistics instead of their training split's: a loop
-  of fits on a growing set of images (ensemble/loops/active_learning.py) then keeps its compiled programs, which hold
-  the statistics, where each new set's own would compile them again (5 s a fit for a small CNN here)."""
-  token = _IMAGE_STATS.set((tuple(float(m) for m in mean), tuple(float(s) for s in std)))
-  try:
-    yield
-  finally:
-    _IMAGE_STATS.reset(token)
 
 
 def _standardised(stats: tuple[np.ndarray, np.ndarray], what: str, targets: np.ndarray) -> np.ndarray:

@@ -53,6 +53,10 @@ class TrainState(train_state.TrainState):
   # programs, so that fits of other lengths share them. Each run sets it (`loop.with_horizon`; a fresh member has
   # the one it was built for); checkpoints do not keep it. All zeros: the optimizer's own (`optim.create`'s).
   horizon: jax.Array = struct.field(default_factory=lambda: jnp.zeros(len(optim.HORIZON), jnp.int32))
+  # Images': the per-channel {'mean', 'std'} the run's training split gives (`Member.standardize`), data of the
+  # programs as the horizon is, so that fits on other images share them; not kept by checkpoints either (zeros:
+  # the member's own, from the data's description). {} for other inputs.
+  inputs: Any = struct.field(default_factory=dict)
 
   def apply_gradients(self, *, grads, **kwargs):
     """flax's, with the member's horizon passed to the optimizer (`optim.scale_by_rate`)."""
@@ -100,9 +104,10 @@ class Member:
   # own (`loop.with_horizon`), so that one program serves runs of any length; () leaves it to the optimizer's own.
   horizon: tuple[int, ...] = ()
 
-  def prepare(self, images: jnp.ndarray, key: jax.Array | None = None) -> jnp.ndarray:
-    """Inputs as they arrive -> the model's input; images with a `key` are augmented first (training only)."""
-    return self.standardize(self.unstandardized(images, key))
+  def prepare(self, images: jnp.ndarray, key: jax.Array | None = None, stats: Any = None) -> jnp.ndarray:
+    """Inputs as they arrive -> the model's input; images with a `key` are augmented first (training only).
+    `stats`: a state's `inputs` (`standardize`)."""
+    return self.standardize(self.unstandardized(images, key), stats)
 
   def unstandardized(self, images: jnp.ndarray, key: jax.Array | None = None) -> jnp.ndarray:
     """The first half of `prepare`: images as floats in [0, 1] (augmented, with a `key`), features as float32,
@@ -117,12 +122,23 @@ class Member:
       images = transform(key, images)
     return images
 
-  def standardize(self, inputs: jnp.ndarray) -> jnp.ndarray:
+  def standardize(self, inputs: jnp.ndarray, stats: Any = None) -> jnp.ndarray:
     """The second half of `prepare`: images per channel, features per feature when `mean` and `std` have one value
-    per feature; token ids as they are."""
+    per feature; token ids as they are. Images by `stats` (a state's `inputs`: the run's statistics, arguments of
+    the programs) where it holds them, else by the member's own."""
     if self.inputs == 'tokens':
       return inputs
-    return augment_lib.normalize(inputs, self._per_input(self.mean, inputs), self._per_input(self.std, inputs))
+    mean, std = self._per_input(self.mean, inputs), self._per_input(self.std, inputs)
+    if stats:
+      given = stats['std'] > 0  # zeros: a restored state, which no run set
+      mean, std = jnp.where(given, stats['mean'], jnp.asarray(mean)), jnp.where(given, stats['std'], jnp.asarray(std))
+    return augment_lib.normalize(inputs, mean, std)
+
+  def input_stats(self, mean: Any, std: Any) -> dict[str, jax.Array]:
+    """A state's `inputs` for these per-channel statistics: images' only ({} for other inputs)."""
+    if self.inputs != 'images':
+      return {}
+    return {'mean': jnp.asarray(mean, jnp.float32), 'std': jnp.asarray(std, jnp.float32)}
 
   def _per_input(self, stats: tuple[float, ...], inputs: jnp.ndarray):
     """Features' per-feature statistics shaped as one input; a channel's or a single value as they are."""
@@ -163,7 +179,8 @@ class Member:
     params, variables = self.initial_params(init_key)
     state = TrainState.create(apply_fn=self.model.apply, params=params, tx=self.tx,
                               batch_stats=_held(variables), key=jax.random.key_data(own_key),
-                              horizon=jnp.asarray(self.horizon or (0,) * len(optim.HORIZON), jnp.int32))
+                              horizon=jnp.asarray(self.horizon or (0,) * len(optim.HORIZON), jnp.int32),
+                              inputs=self.input_stats(self.mean, self.std))
     # A typed step, as a trained or restored state has (flax's 0 is weakly typed): one program serves all three.
     state = state.replace(step=jnp.zeros((), jnp.int32))
     return self.method.init(self, state, key, keys.seed_key(0) if seed_key is None else seed_key)
@@ -232,7 +249,7 @@ class Member:
 
     def loss_fn(params, inputs):  # the method's grouping (MIMO's) inside: FGSM perturbs the batch as it arrived
       params = sharing.stop_frozen(self.frozen, params)
-      model_inputs, model_labels = self.method.training_batch(self.standardize(inputs), labels)
+      model_inputs, model_labels = self.method.training_batch(self.standardize(inputs, state.inputs), labels)
       logits, batch_stats = self.apply(state, params, model_inputs, train=True, key=dropout_key)
       batch_stats = sharing.kept_frozen(self.frozen, state.batch_stats, batch_stats)  # a frozen module's too
       loss, metrics = self.method.loss(self.task, logits, model_labels)
@@ -261,7 +278,7 @@ class Member:
   def logits(self, state: TrainState, images: jnp.ndarray, key: jax.Array | None = None) -> jnp.ndarray:
     """The logits of the member's current parameters (BatchNorm's running averages); `key` seeds the model's
     'dropout' stream, for MC dropout's passes (methods/mc_dropout.py)."""
-    logits, _ = self.apply(state, state.params, self.prepare(images), train=False, key=key)
+    logits, _ = self.apply(state, state.params, self.prepare(images, stats=state.inputs), train=False, key=key)
     return logits
 
   def eval_step(self, state: TrainState, images: jnp.ndarray, labels: jnp.ndarray, *,

@@ -218,31 +218,29 @@ def test_bad_optimisation_inputs_are_one_line(kwargs, message):
   assert '\n' not in str(raised.value)
 
 
-def test_fits_on_growing_images_keep_their_programs_under_the_loops_image_statistics():
-  """Images are normalised in the programs, by statistics a new set of images would change; the loop fixes them
-  (the seed rows' and the pool's), so a round compiles nothing that the last compiled, even where its epochs gain a
-  step (the schedule's length is data)."""
+def test_fits_on_other_images_keep_their_programs_and_normalise_by_their_own_statistics(tmp_path):
+  """Images are normalised on the device by their training rows' per-channel statistics, which are data of the
+  programs (each member's state holds them), as the schedule's length is: fits on other images, and on more of
+  them whose epochs gain a step, compile nothing that the first compiled. Each fit's ensemble normalises by its
+  own statistics, not by those of the fit that compiled the programs: it predicts as its saved and loaded copy
+  (whose member is built from its own description) does."""
   from conftest import compiles  # pylint: disable=g-import-not-at-top
-  from ensemble import standardise  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
-  images = lambda n: rng.integers(0, 256, (n, 8, 8, 1)).astype(np.uint8)
+  images = lambda n, high=256: rng.integers(0, high, (n, 8, 8, 1)).astype(np.uint8)
   labels = lambda n: rng.integers(0, 3, n).astype(np.int32)
   fit = {'ensemble_size': 2, 'epochs': 1, 'batch_size': 8, 'augment': 'none', 'progress': False}
-  with standardise.image_stats((0.5,), (0.25,)):
-    ensemble.fit('cnn', (images(16), labels(16)), **fit)
-    ensemble.fit('cnn', (images(20), labels(20)), **fit)  # padded to 32 rows: its draw of orders compiles once
-    with compiles() as counts:
-      ens = ensemble.fit('cnn', (images(16), labels(16)), **fit)
-      ensemble.fit('cnn', (images(24), labels(24)), **fit)  # a cosine schedule over epochs of 3 steps, not 2
+  ensemble.fit('cnn', (images(20), labels(20)), **fit)  # padded to 32 rows, as the fits below
+  with compiles() as counts:
+    dark = images(20, high=64)  # other statistics: mean about 32, not 128
+    ens = ensemble.fit('cnn', (dark, labels(20)), **fit)
+    ensemble.fit('cnn', (images(24), labels(24)), **fit)  # a cosine schedule over epochs of 3 steps, not 2
   assert not counts, f'{sum(counts.values())} programs compiled'
-  assert ens._data_info['mean'] == [0.5] and ens._data_info['std'] == [0.25]  # pylint: disable=protected-access
-  seed, pool = images(8), images(20)
-  result = ensemble.active_learning('cnn', (seed, labels(8)), pool, batch=4, rounds=1, acquisition='entropy',
-                                    label=lambda indices, inputs: labels(len(indices)),
-                                    **{k: v for k, v in fit.items() if k != 'progress'})
-  mean, std = data.channel_stats(np.concatenate([seed, pool]))  # the seed rows and the whole (small) pool
-  info = result.ensemble._data_info  # pylint: disable=protected-access
+  mean, std = data.channel_stats(dark)
+  info = ens._data_info  # pylint: disable=protected-access
   np.testing.assert_allclose([info['mean'], info['std']], [mean, std])
+  x = images(6, high=64)
+  loaded = ensemble.load(ens.save(str(tmp_path / 'dark')).workdir)
+  np.testing.assert_allclose(loaded.predict(x)['probs'], ens.predict(x)['probs'], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('heading', ['## Active learning: a worked example', '## Bayesian optimisation'])

@@ -191,11 +191,12 @@ class ShardMapBackend(_MeshBackend):
     fsdp_step = functools.partial(fsdp.train_step, axis_name=DATA_AXIS, num_minibatches=config.num_minibatches)
 
     def train(state, images, labels, seed):
-      state, metrics = fsdp_step(rebox(state), member.prepare(images), labels, dropout_key=seed)
+      state, metrics = fsdp_step(rebox(state), member.prepare(images, stats=state.inputs), labels, dropout_key=seed)
       return fsdp.unbox(state), _with_member_axis(metrics)
 
     def train_many(state, images, labels, indices, seed):  # indices: this device's columns of each batch
-      step = lambda state, images, labels: fsdp_step(state, member.prepare(images), labels, dropout_key=seed)
+      step = lambda state, images, labels: fsdp_step(state, member.prepare(images, stats=state.inputs), labels,
+                                                      dropout_key=seed)
       state, metrics = steps.train_steps(rebox(state), images, labels, indices, step_fn=step)
       return fsdp.unbox(state), _with_member_axis(metrics)
 

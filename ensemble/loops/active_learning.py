@@ -16,7 +16,6 @@ twice. A pool given with its labels, (x_pool, y_pool), simulates a labeller
 that reveals them.
 """
 
-import contextlib
 import functools
 import os
 from typing import Any, Callable, NamedTuple
@@ -25,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ensemble import acquire, data, errors, host_memory, sigterm, standardise, tasks
+from ensemble import acquire, data, errors, host_memory, sigterm, tasks
 from ensemble.loops import record as record_lib
 from ensemble.errors import UsageError
 
@@ -214,8 +213,7 @@ def active_learning(model: Any, train: Any, pool: Any, test: Any = None, *, acqu
                   'test rows': 'none' if test is None else record_lib.fingerprint(*test)}
   fields = record_lib.fit_fields(fit_fields, len(y_seed))
   program, key = acquisition_program(acquisition, task, batch), jax.random.key(seed)
-  with record_lib.Record(workdir, settings, fingerprints) as record, sigterm.interrupting(), \
-       _fixed_image_stats(x_seed, pool, seed):
+  with record_lib.Record(workdir, settings, fingerprints) as record, sigterm.interrupting():
     acquired = [i for entry in record.rounds for i in entry['acquired']]
     labels = [y for entry in record.rounds for y in entry['acquired_labels']]
     ens = record.last_ensemble(None if isinstance(model, str) else model) if warm and record.rounds else None
@@ -328,17 +326,6 @@ def _checked(model: Any, x_seed: np.ndarray, y_seed: np.ndarray, test: Any, task
     raise UsageError(f'test= holds targets of shape {test_split["label"].shape[1:]}, and the seed rows '
                      f'{seed_split["label"].shape[1:]}: give test targets of the seed rows\' shape')
   return test
-
-
-def _fixed_image_stats(x_seed: np.ndarray, pool: Pool, seed: int):
-  """Images normalised the same way in every round (by the seed rows' and up to 2,000 of the pool's statistics:
-  unlabelled inputs tell the inputs' scale as well), so that each round's fit keeps the programs compiled for the
-  last; other inputs as `fit` takes them."""
-  if data.arrays.kind_of(x_seed) != 'images':
-    return contextlib.nullcontext()
-  sample = np.random.default_rng(seed).choice(pool.size, min(pool.size, 2000), replace=False)
-  images = np.concatenate([x_seed, pool.read(np.sort(sample))[0].astype(x_seed.dtype)])
-  return standardise.image_stats(*data.channel_stats(data.base.as_images(images, 'the seed rows and the pool')))
 
 
 def _seed_rows(train: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -82,5 +82,6 @@ class MIMO(OneNetwork):
 
   def predict(self, member, state, images):
     """Head i's outputs for the member's inputs repeated in every slot."""
-    outputs, _ = member.apply(state, state.params, self.model_input(member.prepare(images)), train=False)
+    inputs = self.model_input(member.prepare(images, stats=state.inputs))
+    outputs, _ = member.apply(state, state.params, inputs, train=False)
     return jnp.take(outputs, state.snapshots['head'], axis=1)
