@@ -225,13 +225,13 @@ def test_a_deterministic_function_is_fitted_through_its_points_and_never_evaluat
   so the acquisition, which reads their disagreement, never proposes a point already evaluated."""
   result = ensemble.bayesian_optimization('mlp', _branin, [(-5.0, 10.0), (0.0, 15.0)], evaluations=16, initial=8,
                                           ensemble_size=4)
-  assert result.ensemble.task.loss_name == 'mse'
   repeats = [i for i in range(1, 16) if np.any(np.all(result.x[:i] == result.x[i], axis=1))]
   assert not repeats, f'evaluations {repeats} were at points evaluated before'
   fitted = result.x[:-1].astype(np.float32)  # the last fit's points: all but the last
   means = np.asarray(result.ensemble.apply(result.ensemble.params, fitted)[0])[..., 0]  # (K, N)
   np.testing.assert_allclose(means.mean(0), result.y[:-1], atol=0.05 * np.std(result.y[:-1]))
   assert means.std(0).max() < 0.05 * np.std(result.y[:-1])
+  assert result.ensemble.task.loss_name == 'mse'
 
 
 def test_the_randomised_prior_puts_the_members_disagreement_away_from_the_points():
