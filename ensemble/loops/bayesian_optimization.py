@@ -1,19 +1,22 @@
 """Bayesian optimisation with a regression ensemble as the surrogate: find the maximum of an expensive function of
 a box-bounded input in few evaluations.
 
-  result = ensemble.bayesian_optimization('mlp', f, bounds=[(0, 1)] * 6, evaluations=60, initial=10,
-                                          acquisition='ei', ensemble_size=4, epochs=200, workdir='/tmp/bo')
+  result = ensemble.bayesian_optimization('mlp', f, bounds=[(0, 1)] * 6, evaluations=50, initial=10,
+                                          workdir='/tmp/bo')
   result.best_x, result.best_y, result.curve
 
 After `initial` points drawn uniformly in the box, each round fits the
 ensemble (task='regression') on every evaluation so far, maximises the
-acquisition over the box and evaluates `function` there. The acquisition is
-maximised by a stated method: `candidates` points drawn uniformly, the best
-`starts` of them refined by `steps` steps of Adam on the acquisition's
-gradient through `Ensemble.apply` (clipped to the box), the best point found
-taken. Every evaluation is recorded as the active-learning loop's rounds are
-(ensemble/loops/record.py): a stopped loop run again with the same workdir never
-evaluates a recorded point twice.
+acquisition over the box and evaluates `function` there. The surrogate is
+made to do what a Gaussian process does on a small smooth problem: fit its
+observations (`train_steps` Adam steps a fit however few the points; for a
+deterministic function, `noise=False`, members through the points, so that
+their disagreement, which the acquisition reads, vanishes there) and be
+unsure between and beyond them (a randomised prior per member, `prior`). The
+acquisition is maximised by a stated method (`proposer`). Every evaluation is
+recorded as the active-learning loop's rounds are (ensemble/loops/record.py):
+a stopped loop run again with the same workdir never evaluates a recorded
+point twice.
 """
 
 import json
