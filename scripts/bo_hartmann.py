@@ -15,7 +15,7 @@ every row), then the rest of its evaluations chosen by the row:
   k4, k16     the defaults but ensemble_size=4, 16
   prior1, prior10  the defaults but prior=1, 10
   steps100    the defaults but train_steps=100
-  rank        the defaults but transform='rank'
+  rank, log   the defaults but transform='rank', 'log'
   before      da6b8ab's benchmark settings as far as they can still be set (noise=True, prior=0, K=4, 100 epochs
               of batches of 16, 8 starts of 50 steps); its maximiser's candidates about the best and its log EI
               are new and stay
@@ -86,7 +86,7 @@ PROBLEMS = {'hartmann6': Problem(hartmann6, [(0.0, 1.0)] * 6, -3.32237, 10, 50),
             'levy4': Problem(levy, [(-10.0, 10.0)] * 4, 0.0, 8, 40)}
 ROWS = {'ei': {}, 'thompson': {'acquisition': 'thompson'}, 'noise': {'noise': True}, 'no_prior': {'prior': 0.0},
         'k4': {'ensemble_size': 4}, 'k16': {'ensemble_size': 16}, 'prior1': {'prior': 1.0}, 'prior10': {'prior': 10.0},
-        'steps100': {'train_steps': 100}, 'rank': {'transform': 'rank'},
+        'steps100': {'train_steps': 100}, 'rank': {'transform': 'rank'}, 'log': {'transform': 'log'},
         'before': {'noise': True, 'prior': 0.0, 'ensemble_size': 4, 'epochs': 100, 'batch_size': 16, 'starts': 8,
                    'steps': 50},
         'random': {'acquisition': 'random'}}

@@ -220,7 +220,7 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
   low, high = _bounds(bounds)
   whole = record_lib.whole_number
   evaluations, initial = whole('evaluations', evaluations, 1), whole('initial', initial, 1)
-  candidates, seed = whole('candidates', candidates, 2), whole('seed', seed, 0)
+  candidates, seed = whole('candidates', candidates, 1), whole('seed', seed, 0)
   starts, steps = whole('starts', starts, 1), whole('steps', steps, 0)
   epochs_given = [key for key in ('epochs', 'num_epochs', 'num_train_steps') if key in fit_fields]
   if train_steps is not None and epochs_given:
