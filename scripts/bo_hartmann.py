@@ -1,23 +1,41 @@
-"""Bayesian optimisation of the Hartmann-6 function with a regression ensemble, against random search.
+"""Bayesian optimisation with a regression ensemble on small smooth test functions, against random search and
+BoTorch's standard Gaussian process: docs/benchmarks.md's table, one command.
 
-  python scripts/bo_hartmann.py [--acquisitions=ei,thompson,random] [--seeds=0,1,2,3,4] [--evaluations=50]
-      [--initial=10] [--ensemble_size=4] [--epochs=100] [--workdir=/tmp/bo_hartmann]
+  python scripts/bo_hartmann.py [--functions=hartmann6,branin,levy4] [--rows=ei,random,gp] [--seeds=0,1,2,3,4]
+      [--workdir=/tmp/bo_bench]
 
-Hartmann-6 on [0, 1]^6 (Surjanovic and Bingham's library of test functions),
-minimised: its minimum is -3.32237. Every run starts from `initial` uniform
-points drawn by its seed (the same for every acquisition), then evaluates
-where the acquisition is highest (`ensemble.bayesian_optimization`: 1,000
-uniform candidates, the best 8 refined by 50 Adam steps on the acquisition's
-gradient through `Ensemble.apply`), the members an MLP trained from scratch on
-every evaluation so far; 'random' is random search. The table gives the simple
-regret (the best value found less the minimum) after 10, 20, 30, ... evaluations,
-mean and standard deviation over the seeds, and the mean seconds an evaluation
-spent fitting and maximising the acquisition. Each run keeps its record in
-`workdir`/ACQUISITION-SEED, so a stopped benchmark goes on where it was.
+Each function is minimised from `initial` uniform points drawn by the seed
+(`np.random.default_rng(seed).uniform(low, high, (initial, D))`, the same for
+every row), then the rest of its evaluations chosen by the row:
+
+  ei          `ensemble.bayesian_optimization`'s defaults, nothing set per function
+  thompson    the same, acquisition='thompson'
+  noise       the defaults but noise=True (members trained by the Gaussian NLL, the mixture's EI)
+  no_prior    the defaults but prior=0
+  k4, k16     the defaults but ensemble_size=4, 16
+  prior1, prior10  the defaults but prior=1, 10
+  steps100    the defaults but train_steps=100
+  rank, log   the defaults but transform='rank', 'log'
+  before      da6b8ab's benchmark settings as far as they can still be set (noise=True, prior=0, K=4, 100 epochs
+              of batches of 16, 8 starts of 50 steps); its maximiser's candidates about the best and its log EI
+              are new and stay
+  random      random search
+  gp          BoTorch: SingleTaskGP on inputs scaled to the unit box and standardised values, its marginal
+              likelihood fitted, LogExpectedImprovement maximised by optimize_acqf (10 restarts, 512 raw
+              samples). A benchmark-only dependency, never the package's: pip install botorch
+
+The table gives the simple regret (the best value found less the minimum)
+at the end of the initial points, halfway and at the end, mean ± standard
+deviation over the seeds; how many evaluations were at a point already
+evaluated (all seeds together); and the mean seconds an evaluation spent
+fitting and maximising the acquisition. Each ensemble run keeps its record
+in `workdir`/FUNCTION-ROW-SEED, so a stopped benchmark goes on where it was.
 """
 
 import os
+import time
 import warnings
+from typing import Callable, NamedTuple
 
 from absl import flags
 import numpy as np
@@ -25,11 +43,11 @@ import numpy as np
 from ensemble import cli
 from ensemble.errors import EnsembleWarning
 from ensemble.loops import bayesian_optimization
-import loop_flags
 
-loop_flags.define_flags(['ei', 'thompson', 'random'], seeds=5, epochs=100, workdir='/tmp/bo_hartmann')
-flags.DEFINE_integer('evaluations', 50, 'Evaluations of the function in all.')
-flags.DEFINE_integer('initial', 10, 'Uniform points evaluated first.')
+flags.DEFINE_list('functions', ['hartmann6', 'branin', 'levy4'], 'Test functions, a table each.')
+flags.DEFINE_list('rows', ['ei', 'random', 'gp'], 'Rows: ROWS\' names (the docstring says what each is).')
+flags.DEFINE_list('seeds', [str(s) for s in range(5)], 'Seeds; each row is the mean over them.')
+flags.DEFINE_string('workdir', '/tmp/bo_bench', 'Where each run keeps its record (and resumes from).')
 FLAGS = flags.FLAGS
 
 _A = np.array([[10, 3, 17, 3.5, 1.7, 8], [0.05, 10, 17, 0.1, 8, 14], [3, 3.5, 1.7, 10, 17, 8],
@@ -37,30 +55,109 @@ _A = np.array([[10, 3, 17, 3.5, 1.7, 8], [0.05, 10, 17, 0.1, 8, 14], [3, 3.5, 1.
 _P = 1e-4 * np.array([[1312, 1696, 5569, 124, 8283, 5886], [2329, 4135, 8307, 3736, 1004, 9991],
                       [2348, 1451, 3522, 2883, 3047, 6650], [4047, 8828, 8732, 5743, 1091, 381]])
 _ALPHA = np.array([1.0, 1.2, 3.0, 3.2])
-MINIMUM = -3.32237
 
 
 def hartmann6(x: np.ndarray) -> float:
   return -float(np.sum(_ALPHA * np.exp(-np.sum(_A * (x - _P) ** 2, axis=1))))
 
 
+def branin(x: np.ndarray) -> float:
+  b, c, t = 5.1 / (4 * np.pi ** 2), 5 / np.pi, 1 / (8 * np.pi)
+  return float((x[1] - b * x[0] ** 2 + c * x[0] - 6) ** 2 + 10 * (1 - t) * np.cos(x[0]) + 10)
+
+
+def levy(x: np.ndarray) -> float:
+  w = 1 + (x - 1) / 4
+  middle = np.sum((w[:-1] - 1) ** 2 * (1 + 10 * np.sin(np.pi * w[:-1] + 1) ** 2))
+  return float(np.sin(np.pi * w[0]) ** 2 + middle + (w[-1] - 1) ** 2 * (1 + np.sin(2 * np.pi * w[-1]) ** 2))
+
+
+class Problem(NamedTuple):
+  function: Callable[[np.ndarray], float]
+  bounds: list[tuple[float, float]]
+  minimum: float
+  initial: int
+  evaluations: int
+
+
+# Surjanovic and Bingham's library of test functions, on their usual boxes.
+PROBLEMS = {'hartmann6': Problem(hartmann6, [(0.0, 1.0)] * 6, -3.32237, 10, 50),
+            'branin': Problem(branin, [(-5.0, 10.0), (0.0, 15.0)], 0.397887, 8, 24),
+            'levy4': Problem(levy, [(-10.0, 10.0)] * 4, 0.0, 8, 40)}
+ROWS = {'ei': {}, 'thompson': {'acquisition': 'thompson'}, 'noise': {'noise': True}, 'no_prior': {'prior': 0.0},
+        'k4': {'ensemble_size': 4}, 'k16': {'ensemble_size': 16}, 'prior1': {'prior': 1.0}, 'prior10': {'prior': 10.0},
+        'steps100': {'train_steps': 100}, 'rank': {'transform': 'rank'}, 'log': {'transform': 'log'},
+        'before': {'noise': True, 'prior': 0.0, 'ensemble_size': 4, 'epochs': 100, 'batch_size': 16, 'starts': 8,
+                   'steps': 50},
+        'random': {'acquisition': 'random'}}
+
+
+def ensemble_run(name: str, row: str, seed: int) -> tuple[list[float], dict[str, float], np.ndarray]:
+  """The best value after each evaluation, an evaluation's mean seconds fitting and acquiring, and the points."""
+  problem = PROBLEMS[name]
+  result = bayesian_optimization.bayesian_optimization(
+      'mlp', problem.function, problem.bounds, evaluations=problem.evaluations, initial=problem.initial,
+      maximize=False, seed=seed, **ROWS[row], workdir=os.path.join(FLAGS.workdir, f'{name}-{row}-{seed}'))
+  chosen = result.curve[problem.initial:]
+  seconds = {part: float(np.mean([e['seconds'].get(part, 0.0) for e in chosen])) for part in ('fit', 'acquire')}
+  return [e['best'] for e in result.curve], seconds, result.x
+
+
+def gp_run(problem: Problem, seed: int) -> tuple[list[float], dict[str, float], np.ndarray]:
+  """BoTorch's standard loop from the same initial points: the GP on the unit box, the values negated (BoTorch
+  maximises) and standardised."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    from botorch import fit, models, optim  # pylint: disable=g-import-not-at-top
+    from botorch.acquisition import analytic  # pylint: disable=g-import-not-at-top
+    from botorch.models import transforms  # pylint: disable=g-import-not-at-top
+    from gpytorch.mlls import ExactMarginalLogLikelihood  # pylint: disable=g-import-not-at-top
+  except ImportError as error:
+    raise SystemExit(f'row gp needs BoTorch ({error}): pip install botorch (a benchmark-only dependency)') from None
+  torch.manual_seed(seed)
+  low, high = (np.asarray(side, np.float64) for side in zip(*problem.bounds))
+  xs = list(np.random.default_rng(seed).uniform(low, high, (problem.initial, len(low))))
+  ys = [problem.function(x) for x in xs]
+  unit_box = torch.tensor([[0.0] * len(low), [1.0] * len(low)], dtype=torch.float64)
+  seconds = []
+  while len(ys) < problem.evaluations:
+    start = time.perf_counter()
+    train_x = torch.tensor((np.stack(xs) - low) / (high - low))
+    train_y = -torch.tensor(ys, dtype=torch.float64)[:, None]
+    gp = models.SingleTaskGP(train_x, train_y, outcome_transform=transforms.outcome.Standardize(1))
+    fit.fit_gpytorch_mll(ExactMarginalLogLikelihood(gp.likelihood, gp))
+    acquisition = analytic.LogExpectedImprovement(gp, best_f=train_y.max())
+    point, _ = optim.optimize_acqf(acquisition, bounds=unit_box, q=1, num_restarts=10, raw_samples=512)
+    xs.append(low + point[0].detach().numpy() * (high - low))
+    ys.append(problem.function(xs[-1]))
+    seconds.append(time.perf_counter() - start)
+  return list(np.minimum.accumulate(ys)), {'fit': float(np.mean(seconds)), 'acquire': 0.0}, np.stack(xs)
+
+
+def repeats(x: np.ndarray) -> int:
+  """Evaluations at a point evaluated before (to 1e-9 of the box's width)."""
+  return sum(bool(np.any(np.all(np.abs(x[:i] - x[i]) < 1e-9, axis=1))) for i in range(1, len(x)))
+
+
 def main(argv):
   del argv
   warnings.simplefilter('ignore', EnsembleWarning)  # a batch of all the rows while there are few, as meant
-  marks = list(range(10, FLAGS.evaluations + 1, 10))
-  print(f'| acquisition | {" | ".join(f"regret at {n}" for n in marks)} | fit s | acquire s |')
-  print(f'| --- |{" ---: |" * (len(marks) + 2)}')
-  for acquisition in FLAGS.acquisitions:
-    runs = [bayesian_optimization.bayesian_optimization(
-        'mlp', hartmann6, [(0.0, 1.0)] * 6, evaluations=FLAGS.evaluations, initial=FLAGS.initial,
-        acquisition=acquisition, maximize=False, seed=int(seed), ensemble_size=FLAGS.ensemble_size,
-        epochs=FLAGS.epochs, batch_size=16, workdir=os.path.join(FLAGS.workdir, f'{acquisition}-{seed}'))
-            for seed in FLAGS.seeds]
-    regret = np.array([[run.curve[n - 1]['best'] - MINIMUM for n in marks] for run in runs])
-    seconds = lambda part, runs=runs: np.mean([e['seconds'].get(part, 0.0) for run in runs
-                                              for e in run.curve[FLAGS.initial:]])
-    cells = [f'{m:.3f} ± {s:.3f}' for m, s in zip(regret.mean(0), regret.std(0))]
-    print(f'| {acquisition} | {" | ".join(cells)} | {seconds("fit"):.2f} | {seconds("acquire"):.2f} |', flush=True)
+  for name in FLAGS.functions:
+    problem = PROBLEMS[name]
+    marks = [problem.initial, (problem.initial + problem.evaluations) // 2, problem.evaluations]
+    print(f'\n{name}: {problem.initial} uniform points + {problem.evaluations - problem.initial} chosen, '
+          f'{len(FLAGS.seeds)} seeds\n')
+    print(f'| row | {" | ".join(f"regret at {n}" for n in marks)} | repeats | fit s | acquire s |')
+    print(f'| --- |{" ---: |" * (len(marks) + 3)}')
+    for row in FLAGS.rows:
+      runs = [gp_run(problem, int(seed)) if row == 'gp' else ensemble_run(name, row, int(seed))
+              for seed in FLAGS.seeds]
+      regret = np.array([[best[n - 1] - problem.minimum for n in marks] for best, _, _ in runs])
+      cells = [f'{m:.3f} ± {s:.3f}' for m, s in zip(regret.mean(0), regret.std(0))]
+      seconds = {part: np.mean([s[part] for _, s, _ in runs]) for part in ('fit', 'acquire')}
+      print(f'| {row} | {" | ".join(cells)} | {sum(repeats(x) for _, _, x in runs)} | {seconds["fit"]:.2f} | '
+            f'{seconds["acquire"]:.2f} |', flush=True)
+      print(f'  per seed at {marks[-1]}: {" / ".join(f"{r:.3f}" for r in regret[:, -1])}', flush=True)
 
 
 if __name__ == '__main__':

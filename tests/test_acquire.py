@@ -108,6 +108,25 @@ def test_regression_acquisitions_on_the_members_mixture_match_monte_carlo():
                              acquire.expected_improvement(outputs, best), rtol=1e-6)
 
 
+def test_log_expected_improvement_is_its_log_where_ei_is_representable_and_climbable_where_it_underflows():
+  means, variances = _mixture()
+  outputs = (jnp.asarray(means), jnp.asarray(variances))
+  for best in (-1.0, 0.3, 2.0):
+    np.testing.assert_allclose(acquire.log_expected_improvement(outputs, best),
+                               np.log(acquire.expected_improvement(outputs, best)), rtol=2e-5, atol=2e-5)
+  # Far below the best, EI is a flat 0 in float32; its log is finite, close to float64's, and rises toward it.
+  far = (jnp.asarray([[-15.0, -20.0, -40.0]]), jnp.ones((1, 3)))
+  assert (np.asarray(acquire.expected_improvement(far, 0.0)) == 0.0).all()
+  z = np.array([-15.0, -20.0, -40.0])
+  with np.errstate(divide='ignore'):  # float64's EI underflows at z = -40 too: its series is taken there
+    exact = np.log(np.exp(-0.5 * z ** 2) / math.sqrt(2 * math.pi) + z * 0.5 * np.asarray(
+        [math.erfc(-v / math.sqrt(2)) for v in z]))
+  exact = np.where(np.isfinite(exact), exact, -0.5 * z ** 2 - 0.5 * math.log(2 * math.pi) - 2 * np.log(-z))
+  np.testing.assert_allclose(acquire.log_expected_improvement(far, 0.0), exact, rtol=1e-3)
+  gradient = jax.grad(lambda m: acquire.log_expected_improvement((m, far[1]), 0.0).sum())(far[0])
+  assert (np.asarray(gradient) > 0).all()
+
+
 def test_regression_acquisitions_have_gradients_with_respect_to_inputs():
   def outputs(x):  # two members, means and variances smooth in x
     means = jnp.stack([jnp.sin(x).sum(-1), jnp.cos(x).sum(-1)])

@@ -1,37 +1,50 @@
 """Bayesian optimisation with a regression ensemble as the surrogate: find the maximum of an expensive function of
 a box-bounded input in few evaluations.
 
-  result = ensemble.bayesian_optimization('mlp', f, bounds=[(0, 1)] * 6, evaluations=60, initial=10,
-                                          acquisition='ei', ensemble_size=4, epochs=200, workdir='/tmp/bo')
+  result = ensemble.bayesian_optimization('mlp', f, bounds=[(0, 1)] * 6, evaluations=50, initial=10,
+                                          workdir='/tmp/bo')
   result.best_x, result.best_y, result.curve
 
 After `initial` points drawn uniformly in the box, each round fits the
 ensemble (task='regression') on every evaluation so far, maximises the
-acquisition over the box and evaluates `function` there. The acquisition is
-maximised by a stated method: `candidates` points drawn uniformly, the best
-`starts` of them refined by `steps` steps of Adam on the acquisition's
-gradient through `Ensemble.apply` (clipped to the box), the best point found
-taken. Every evaluation is recorded as the active-learning loop's rounds are
-(ensemble/loops/record.py): a stopped loop run again with the same workdir never
-evaluates a recorded point twice.
+acquisition over the box and evaluates `function` there. The surrogate is
+made to do what a Gaussian process does on a small smooth problem: fit its
+observations (`train_steps` Adam steps a fit however few the points; for a
+deterministic function, `noise=False`, members through the points, so that
+their disagreement, which the acquisition reads, vanishes there) and be
+unsure between and beyond them (a randomised prior per member, `prior`). The
+acquisition is maximised by a stated method (`proposer`). Every evaluation is
+recorded as the active-learning loop's rounds are (ensemble/loops/record.py):
+a stopped loop run again with the same workdir never evaluates a recorded
+point twice.
 """
 
 import json
+import math
+import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from scipy import special, stats
 
 from ensemble import acquire, host_memory, sigterm, tasks
 from ensemble.loops import record as record_lib
+from ensemble.models import prior as prior_lib
+from ensemble.models.prior import RandomPrior
+from ensemble.tasks import regression
 from ensemble.errors import UsageError
 
 __all__ = ['Result', 'bayesian_optimization']
 
 ACQUISITIONS = ('ei', 'pi', 'ucb', 'thompson', 'epistemic_std', 'random')
 _LOOP_KEYWORDS = ('init', 'workdir', 'test', 'validation', 'early_stopping', 'task')
+TRANSFORMS = (None, 'rank', 'log')
+# The surrogate's defaults, measured on Hartmann-6 (docs/benchmarks.md, "Bayesian optimisation"): Adam steps per fit,
+# members, and the randomised prior's scale.
+TRAIN_STEPS, ENSEMBLE_SIZE, PRIOR = 1000, 8, 3.0
 
 
 class Result(NamedTuple):
@@ -73,22 +86,49 @@ def evaluated(function: Callable, x: np.ndarray) -> float:
 
 
 def proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candidates: int, starts: int,
-             steps: int, learning_rate: float = 0.05) -> Callable[[Any, jax.Array, float], tuple[np.ndarray, float]]:
-  """f(ens, key, best) -> (the point maximising `ens`'s acquisition found, its value): `candidates` uniform points
-  scored, the best `starts` refined by `steps` steps of Adam on the acquisition's gradient in the unit box (clipped
-  to it). One program, compiled once for every ensemble of `template`'s shapes (a loop's fits): the ensemble's
-  parameters, state and statistics are its arguments (`Ensemble.apply_variables`), not its constants."""
+             steps: int, noise: bool, learning_rate: float = 0.05
+             ) -> Callable[[Any, jax.Array, float, np.ndarray], tuple[np.ndarray, float]]:
+  """f(ens, key, best, best_x) -> (the point maximising `ens`'s acquisition found, its value).
+
+  `candidates` points scored, half uniform in the box and half scattered
+  about the best point so far (at scales from 0.5% to 20% of the box, log-
+  uniformly: where an improvement is likeliest once the best is good, and
+  what uniform points in six dimensions almost never reach, as BoTorch's
+  `sample_around_best`); the best `starts` refined by `steps` steps of Adam on
+  the acquisition's gradient in the unit box (clipped to it), its rate decayed
+  by a cosine to 1% so that the last steps settle. EI is climbed in logs
+  (`acquire.log_expected_improvement`), which has a gradient where EI has
+  underflowed to 0. Without `noise`, the members are posterior draws of a
+  deterministic function: the acquisition reads the Gaussian of their means'
+  mean and spread (their own variances, untrained, are no noise), except
+  Thompson's, which draws a member.
+
+  One program, compiled once for every ensemble of `template`'s shapes (a
+  loop's fits): the ensemble's parameters, state and statistics are its
+  arguments (`Ensemble.apply_variables`), not its constants."""
   score = acquire.REGRESSION[name]
+  if name == 'ei':
+    score = lambda outputs, key, best: acquire.log_expected_improvement(outputs, best)
   low_j, width = jnp.asarray(low, jnp.float32), jnp.asarray(high - low, jnp.float32)
+  dimensions, near = len(low), candidates // 2
+
+  def surrogate(variables, params, unit):
+    means, variances = template.apply_variables(variables, params, low_j + unit * width)
+    if noise or name == 'thompson':
+      return means, variances
+    scale = variables['statistics'].get('target_std', jnp.ones(1)) ** 2  # the floor in the targets' units
+    return means.mean(0, keepdims=True), means.var(0, keepdims=True) + regression.VARIANCE_FLOOR * scale
 
   @jax.jit
-  def propose(variables, params, key, best):
-    draw, acquisition_key = jax.random.split(key)
-    values = lambda unit: score(template.apply_variables(variables, params, low_j + unit * width),
-                                acquisition_key, best)
-    unit = jax.random.uniform(draw, (candidates, len(low)))
+  def propose(variables, params, key, best, best_unit):
+    uniform_key, near_key, scale_key, acquisition_key = jax.random.split(key, 4)
+    values = lambda unit: score(surrogate(variables, params, unit), acquisition_key, best)
+    scales = jnp.exp(jax.random.uniform(scale_key, (near, 1), minval=math.log(0.005), maxval=math.log(0.2)))
+    unit = jnp.concatenate([
+        jax.random.uniform(uniform_key, (candidates - near, dimensions)),
+        jnp.clip(best_unit + scales * jax.random.normal(near_key, (near, dimensions)), 0.0, 1.0)])
     unit = unit[acquire.top(values(unit), starts)]
-    optimizer = optax.adam(learning_rate)
+    optimizer = optax.adam(optax.cosine_decay_schedule(learning_rate, max(steps, 1), alpha=0.01))
     gain = lambda u: -jnp.sum(values(u))  # each start's own value: their gradients are apart
 
     def step(carry, _):
@@ -99,29 +139,70 @@ def proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candid
     (unit, _), _ = jax.lax.scan(step, (unit, optimizer.init(unit)), None, length=steps)
     refined = values(unit)
     best_index = jnp.argmax(refined)
-    return low_j + unit[best_index] * width, refined[best_index]
+    value = jnp.exp(refined[best_index]) if name == 'ei' else refined[best_index]
+    return low_j + unit[best_index] * width, value
 
-  def run(ens, key, best):
-    point, value = propose(ens.variables, ens.params, key, jnp.float32(best))
+  def run(ens, key, best, best_x):
+    unit = jnp.asarray((best_x - low) / (high - low), jnp.float32)
+    point, value = propose(ens.variables, ens.params, key, jnp.float32(best), unit)
     return np.clip(np.asarray(point, np.float64), low, high), float(value)
   return run
 
 
+def transformed(values: np.ndarray, transform: str | None) -> np.ndarray:
+  """The values to maximise as the surrogate is fitted to them: as they are (None); 'rank', their ranks mapped to
+  a standard normal's quantiles (a Gaussian copula: only their order counts, so one extreme value cannot flatten
+  the rest); 'log', -log(best - value + s), s a tenth of their standard deviation (or 1 where all are equal):
+  the differences among the best values stretched and the worst ones' compressed, for a function whose values
+  span orders of magnitude. Both keep the order, so the best point is the same and EI improves on its image."""
+  if transform is None:
+    return values
+  if transform == 'rank':
+    ranks = stats.rankdata(values)  # ties share their mean rank
+    return special.ndtri((ranks - 0.5) / len(values))
+  spread = float(np.std(values)) / 10 or 1.0
+  return -np.log(values.max() - values + spread)
+
+
+def surrogate_model(model: Any, prior: float) -> Any:
+  """`model` as each fit takes it: with `prior` > 0, the built-in MLP plus a randomised prior of its kind
+  (ensemble/models/prior.py); a model of the caller's is taken as it is, and a prior for it is refused."""
+  if not prior:
+    return model
+  if model != 'mlp':
+    raise UsageError(f'prior={prior} adds a random network to the built-in model, and model={model!r} is another: '
+                     "give model='mlp', or prior=0 for a model of your own")
+  from ensemble.models import mlp  # pylint: disable=g-import-not-at-top
+  return RandomPrior(mlp.Plain(num_classes=2), mlp.Plain(num_classes=1), float(prior))
+
+
 @sigterm.stops_in_one_line
 def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evaluations: int = 50, initial: int = 10,
-                          acquisition: str = 'ei', candidates: int = 1000, starts: int = 8, steps: int = 50,
-                          maximize: bool = True, warm: bool = False, workdir: str | None = None, seed: int = 0,
-                          **fit_fields) -> Result:
+                          acquisition: str = 'ei', noise: bool = False, prior: float = PRIOR,
+                          train_steps: int | None = None, transform: str | None = None, candidates: int = 1000,
+                          starts: int = 10, steps: int = 100, maximize: bool = True, warm: bool = False,
+                          workdir: str | None = None, seed: int = 0, **fit_fields) -> Result:
   """Evaluates `function` `evaluations` times in all, at `initial` uniform points of `bounds` and then where the
   ensemble's `acquisition` ('ei', 'pi', 'ucb', 'thompson', 'epistemic_std'; 'random': random search, no fit) is
   highest; returns the ensemble, the record and the best point.
 
   `function(x) -> float` takes one point, a (D,) float64 array within
   `bounds` ([(low, high)] per dimension); `maximize=False` minimises it.
-  `model` and `fit_fields` are `ensemble.fit`'s (ensemble_size=, epochs=,
-  ...; the task is regression). `warm` starts each fit from the last one's
-  members; `workdir` keeps the record and resumes from it; `seed` seeds the
-  initial points, the fits and the acquisition's draws.
+  `noise=False` (the default) says it is deterministic: its value at a point
+  is known once evaluated, so the members are fitted through the points (loss
+  'mse') and the acquisition reads their disagreement alone, which vanishes
+  there: a point is not evaluated twice. `noise=True`: each member also
+  predicts the noise (the Gaussian NLL) and the acquisition takes the members'
+  mixture. `prior` scales each member's randomised prior (a fixed random
+  network added to it; 0: none), what puts the members' disagreement between
+  and beyond the points. Each fit is `train_steps` steps (1,000; batches of
+  the `initial` points' number of rows), whatever the number of points, unless
+  `epochs=` is given. `transform` (None, 'rank', 'log') is what the members are
+  fitted to (`transformed`). `model` and `fit_fields` are `ensemble.fit`'s
+  (ensemble_size=, 8 by default; ...; the task is regression). `warm` starts
+  each fit from the last one's members; `workdir` keeps the record and resumes
+  from it; `seed` seeds the initial points, the fits and the acquisition's
+  draws.
   """
   from ensemble import api  # pylint: disable=g-import-not-at-top
   from ensemble.trained import check_flag  # pylint: disable=g-import-not-at-top
@@ -133,27 +214,39 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
                        'last); leave it out')
   if acquisition not in ACQUISITIONS:
     raise UsageError(f'acquisition={acquisition!r}: give one of {", ".join(ACQUISITIONS)}')
+  if transform not in TRANSFORMS:
+    raise UsageError(f'transform={transform!r}: give None (the values as they are), \'rank\' or \'log\'')
+  if isinstance(prior, bool) or not isinstance(prior, numbers.Real) or not 0 <= prior < math.inf:
+    raise UsageError(f'prior={prior!r} must be a number >= 0 (the random prior network\'s scale; 0: none)')
   low, high = _bounds(bounds)
   whole = record_lib.whole_number
   evaluations, initial = whole('evaluations', evaluations, 1), whole('initial', initial, 1)
   candidates, seed = whole('candidates', candidates, 1), whole('seed', seed, 0)
   starts, steps = whole('starts', starts, 1), whole('steps', steps, 0)
+  epochs_given = [key for key in ('epochs', 'num_epochs', 'num_train_steps') if key in fit_fields]
+  if train_steps is not None and epochs_given:
+    raise UsageError(f'train_steps={train_steps} and {epochs_given[0]}= both say how long each fit trains: give one')
+  train_steps = None if epochs_given else whole('train_steps', TRAIN_STEPS if train_steps is None else train_steps, 1)
   if starts > candidates:
     raise UsageError(f'starts={starts} refines that many of the candidates={candidates}: give starts <= candidates')
-  for name, value in (('maximize', maximize), ('warm', warm)):
+  for name, value in (('maximize', maximize), ('warm', warm), ('noise', noise)):
     check_flag(name, value)
   settings = {'loop': 'bayesian_optimization', 'acquisition': acquisition, 'bounds': np.stack([low, high], 1).tolist(),
               'evaluations': evaluations, 'initial': initial, 'candidates': candidates, 'starts': starts,
-              'steps': steps, 'maximize': maximize, 'warm': warm, 'seed': seed,
-              'fit': record_lib.recorded(fit_fields)}
-  fields = record_lib.fit_fields({**fit_fields, 'task': tasks.DEFAULT_FOR_TARGETS}, initial)
+              'steps': steps, 'maximize': maximize, 'warm': warm, 'seed': seed, 'noise': noise, 'prior': prior,
+              'train_steps': train_steps, 'transform': transform, 'fit': record_lib.recorded(fit_fields)}
+  surrogate = surrogate_model(model, prior) if acquisition != 'random' else model
+  defaults = {'ensemble_size': ENSEMBLE_SIZE, **({} if noise else {'loss': 'mse'}),
+              **({'frozen': (prior_lib.PRIOR,)} if surrogate is not model else {})}
+  fields = record_lib.fit_fields({**defaults, **fit_fields, 'task': tasks.DEFAULT_FOR_TARGETS}, initial)
   sign = 1.0 if maximize else -1.0
   key = jax.random.key(seed)
   uniform = np.random.default_rng(seed).uniform(low, high, (initial, len(low)))
+  loaded = None if isinstance(surrogate, str) else surrogate
   with record_lib.Record(workdir, settings) as record, sigterm.interrupting():
     xs = [np.asarray(entry['x'], np.float64) for entry in record.rounds]
     ys = [entry['y'] for entry in record.rounds]
-    ens = record.last_ensemble(None if isinstance(model, str) else model) if warm and record.rounds else None
+    ens = record.last_ensemble(loaded) if warm and record.rounds else None
     propose = None  # built on the first fit, for all of them
     for n in range(len(record.rounds), evaluations):
       clock, entry = record_lib.Clock(), {'evaluation': n + 1}
@@ -161,15 +254,18 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
         x = uniform[n] if n < initial else np.random.default_rng([seed, n]).uniform(low, high)
         entry['acquisition'] = 'initial' if n < initial else 'random'
       else:
+        targets = transformed(sign * np.asarray(ys), transform)
+        length = {} if train_steps is None else {'epochs': -(-train_steps // (n // fields['batch_size']))}
         with clock.part('fit'):
-          ens = api.fit(model, (np.stack(xs), sign * np.asarray(ys)), init=ens if warm else None, seed=seed,
-                        **{'progress': False, **fields})
+          ens = api.fit(surrogate, (np.stack(xs), targets), init=ens if warm else None, seed=seed,
+                        **{'progress': False, **fields, **length})
         if warm or n == evaluations - 1:  # kept once the evaluation is recorded: the next warm fit starts from it
           with clock.part('save'):
             record.stage(ens)
         with clock.part('acquire'):
-          propose = propose or proposer(ens, acquisition, low, high, candidates, starts, steps)
-          x, value = propose(ens, jax.random.fold_in(key, n), max(sign * y for y in ys))
+          propose = propose or proposer(ens, acquisition, low, high, candidates, starts, steps, noise)
+          leader = int(np.argmax(targets))
+          x, value = propose(ens, jax.random.fold_in(key, n), targets[leader], xs[leader])
         entry.update(acquisition=acquisition, acquisition_value=value)
       with clock.part('function'):
         y = float(record.answers([json.dumps(x.tolist())], lambda at, x=x: [evaluated(function, x)], 'function')[0])
@@ -180,6 +276,6 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
         host_memory.release_compiled_programs_if_many()  # a loop of many rounds compiles many programs
       record.add({**entry, 'x': x.tolist(), 'y': y, 'best': ys[best], 'seconds': clock.seconds()})
     if ens is None and acquisition != 'random':  # a finished loop run again: the ensemble its last fit kept
-      ens = record.last_ensemble(None if isinstance(model, str) else model)
+      ens = record.last_ensemble(loaded)
   best = int(np.argmax(sign * np.asarray(ys)))
   return Result(ens, record.rounds, np.stack(xs), np.asarray(ys), xs[best], float(ys[best]))
