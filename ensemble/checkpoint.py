@@ -57,29 +57,28 @@ _MAX_FOUND_CHARS = 300  # what a warning quotes of the error that a damaged chec
 _TENSORSTORE_STATUS = re.compile(r'[A-Z]+(_[A-Z]+)*: ')  # how TensorStore's errors begin, e.g. 'DATA_LOSS: '
 
 
-# TrainState fields a run sets for itself (`loop.with_run`), never saved: a run of another length restores the
-# same members, and checkpoints written before a field existed restore as they were.
-UNSAVED = ('horizon', 'inputs')
+# TrainState fields a run sets for itself (`loop.with_run`): saved, so that a state restored is the state saved, but
+# not in the signature, and restored as zeros (what a run sets again, what a member reads as its own) from a
+# checkpoint written before they existed.
+RUN_FIELDS = ('horizon', 'inputs')
 
 
-def saved_dict(state: Any) -> dict[str, Any]:
-  """The state dict that checkpoints hold: the state's, without the `UNSAVED` fields."""
-  return {k: v for k, v in serialization.to_state_dict(state).items() if k not in UNSAVED}
-
-
-def _unsaved_filled(abstract: dict[str, Any], restored: dict[str, Any]) -> dict[str, Any]:
-  """`restored` with each `UNSAVED` field of `abstract` (its shapes and shardings) as zeros, placed as it is."""
+def _run_fields_filled(abstract: dict[str, Any], restored: dict[str, Any]) -> dict[str, Any]:
+  """`restored` with each `RUN_FIELDS` field it lacks as zeros of `abstract`'s (shapes and shardings)."""
   def zeros(x):
     values = np.zeros(x.shape, x.dtype)
     if getattr(x, 'sharding', None) is None:
       return jnp.asarray(values)
     return jax.make_array_from_callback(x.shape, x.sharding, lambda index: values[index])
-  return {**restored, **{k: jax.tree.map(zeros, abstract[k]) for k in UNSAVED if k in abstract}}
+  return {**restored, **{k: jax.tree.map(zeros, abstract[k]) for k in RUN_FIELDS
+                         if k in abstract and k not in restored}}
 
 
 def signature(state: Any) -> dict[str, list]:
-  """{'params/Conv_0/kernel': [shape, dtype], ...}: what must match for a restore to make sense."""
-  flat = traverse_util.flatten_dict(saved_dict(state), sep='/')
+  """{'params/Conv_0/kernel': [shape, dtype], ...}: what must match for a restore to make sense (not the run's own
+  `RUN_FIELDS`)."""
+  fields = {k: v for k, v in serialization.to_state_dict(state).items() if k not in RUN_FIELDS}
+  flat = traverse_util.flatten_dict(fields, sep='/')
   return {path: [list(leaf.shape), str(leaf.dtype)] for path, leaf in sorted(flat.items())}
 
 
@@ -94,7 +93,7 @@ def _fit_to_disk(target: Any, on_disk: Any) -> Any:
   if not isinstance(target, dict) or not isinstance(on_disk, dict):
     return target
   return {key: _fit_to_disk(value, on_disk.get(key)) for key, value in target.items()
-          if not (_empty(value) and key not in on_disk)}
+          if not ((_empty(value) or key in RUN_FIELDS) and key not in on_disk)}
 
 
 def _with_empty_fields(target: Any, restored: Any) -> Any:
@@ -102,7 +101,7 @@ def _with_empty_fields(target: Any, restored: Any) -> Any:
   if not isinstance(target, dict):
     return restored
   return {key: {} if _empty(value) and key not in restored else _with_empty_fields(value, restored[key])
-          for key, value in target.items()}
+          for key, value in target.items() if key in restored or _empty(value)}
 
 
 class DamagedCheckpoint(Exception):
@@ -364,12 +363,12 @@ class Checkpointer:
     saved = self._read_meta(epoch)
     on_disk = shared_once(self.method, abstract_state)
     self._check_compatible(epoch, saved, {**meta, 'signature': signature(on_disk)})
-    target = saved_dict(on_disk)
+    target = serialization.to_state_dict(on_disk)
 
     def read(path):
       fitted = _fit_to_disk(target, self._state_handler.metadata(path).tree)
       return _with_empty_fields(target, self._state_handler.restore(path, args=ocp.args.StandardRestore(fitted)))
-    restored = _unsaved_filled(serialization.to_state_dict(on_disk), self._read(epoch, 'state', read))
+    restored = _run_fields_filled(target, self._read(epoch, 'state', read))
     return shared_repeated(self.method, serialization.from_state_dict(on_disk, restored), abstract_state)
 
   def check_fits(self, abstract_state: Any, meta: dict[str, Any]):
@@ -471,7 +470,7 @@ class Checkpointer:
       os.makedirs(self.directory, exist_ok=True)
       self._in_flight = epoch
       self._manager.save(epoch, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(saved_dict(state)), meta=ocp.args.JsonSave(record)))
+          state=ocp.args.StandardSave(serialization.to_state_dict(state)), meta=ocp.args.JsonSave(record)))
     if wait:
       self.wait()
 

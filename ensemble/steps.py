@@ -50,12 +50,12 @@ class TrainState(train_state.TrainState):
   key: jax.Array
   snapshots: Any = struct.field(default_factory=dict)
   # The run's `optim.horizon` (its steps, warmup, ...), which the schedule reads: data, not a constant of the
-  # programs, so that fits of other lengths share them. Each run sets it (`loop.with_horizon`; a fresh member has
-  # the one it was built for); checkpoints do not keep it. All zeros: the optimizer's own (`optim.create`'s).
+  # programs, so that fits of other lengths share them. Each run sets it (`loop.with_run`; a fresh member has
+  # the one it was built for); all zeros (a checkpoint's from before it existed): the optimizer's own.
   horizon: jax.Array = struct.field(default_factory=lambda: jnp.zeros(len(optim.HORIZON), jnp.int32))
   # Images': the per-channel {'mean', 'std'} the run's training split gives (`Member.standardize`), data of the
-  # programs as the horizon is, so that fits on other images share them; not kept by checkpoints either (zeros:
-  # the member's own, from the data's description). {} for other inputs.
+  # programs as the horizon is, so that fits on other images share them (zeros: the member's own, from the data's
+  # description). {} for other inputs.
   inputs: Any = struct.field(default_factory=dict)
 
   def apply_gradients(self, *, grads, **kwargs):
@@ -101,7 +101,7 @@ class Member:
   adapter_rank: int = 0  # > 0: each member a rank-r adapter of the shared kernels (ensemble/sharing.py)
   positions: tuple[int, ...] = ()  # a dense task's: the labels' shape per input, a class at each position
   # The horizon a fresh member's state starts with (`optim.horizon` of the run it was built for): a run sets its
-  # own (`loop.with_horizon`), so that one program serves runs of any length; () leaves it to the optimizer's own.
+  # own (`loop.with_run`), so that one program serves runs of any length; () leaves it to the optimizer's own.
   horizon: tuple[int, ...] = ()
 
   def prepare(self, images: jnp.ndarray, key: jax.Array | None = None, stats: Any = None) -> jnp.ndarray:
