@@ -360,7 +360,7 @@ def train(run: Run, state: Any, *, start: Position = Position(), hooks: Sequence
   per_dispatch = run.steps_per_dispatch
   resident = None
   if per_dispatch:
-    resident = backend.put_dataset(pad_rows(run.train))
+    resident = backend.put_dataset(data.batches.padded_rows(run.train))
   per_dispatch = per_epoch if per_dispatch < 0 else per_dispatch or 1
   last_step = total_steps(config, per_epoch)
   step, summary, canonical, dispatches, stopping = start.step, {}, None, 0, False
@@ -555,7 +555,7 @@ def _train_at_once(run: Run, state: Any) -> tuple[Any, dict[str, float]]:
   """
   config, backend, per_epoch = run.recipe, run.backend, run.steps_per_epoch
   started = time.perf_counter()
-  resident = backend.put_dataset(pad_rows(run.train))
+  resident = backend.put_dataset(data.batches.padded_rows(run.train))
   state, metrics, finite = backend.train_epochs(state, resident, config.seed, 1, config.num_epochs, run.num_train,
                                                 per_epoch, config.batch_size, config.member_data == 'bootstrap')
   metrics, finite = backend.to_host((metrics, finite))  # (K, epochs, most steps) per name; (K,)
@@ -596,13 +596,3 @@ def _keep(run: Run, hooks: Sequence[Hook], epoch: int, state: Any, summary: dict
   for hook in hooks:
     (hook.stop_point if stop else hook.save_point)(epoch, position, canonical, summary)
   return canonical
-
-
-def pad_rows(split: data.Split) -> data.Split:
-  """`split` with zero rows appended up to its size bucket (`data.bucket_rows`): the programs that take it stay the
-  same while a training set grows by a few rows. The padded rows are never drawn into a batch."""
-  n = len(split['label'])
-  pad = data.bucket_rows(n) - n
-  if not pad:
-    return split
-  return {k: np.concatenate([v, np.zeros((pad, *v.shape[1:]), v.dtype)]) for k, v in split.items()}

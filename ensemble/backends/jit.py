@@ -28,9 +28,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
-from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, MODEL_AXIS, EpochPrograms, SharedSplit,
+from ensemble.backends.epochs import EpochPrograms, train_epochs_function
+from ensemble.backends import (DATA_AXIS, ENSEMBLE_AXIS, MODEL_AXIS, SharedSplit,
                                abstract_member_state, devices_per_member, ensemble_mesh, evaluate_members,
-                               gathering_batches, init_members, train_epochs_function, train_functions, train_program)
+                               gathering_batches, init_members, train_functions, train_program)
 from ensemble.keys import seed_key
 from ensemble.parallel import logical
 

@@ -19,8 +19,9 @@ from flax import jax_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ensemble import distributed, steps
-from ensemble.backends import (ENSEMBLE_AXIS, EpochPrograms, abstract_member_state, evaluate_members,
-                               gathering_batches, init_members, member_sharding, train_epochs_function,
+from ensemble.backends.epochs import EpochPrograms, train_epochs_function
+from ensemble.backends import (ENSEMBLE_AXIS, abstract_member_state, evaluate_members,
+                               gathering_batches, init_members, member_sharding,
                                train_functions, train_program)
 from ensemble.keys import seed_key
 

@@ -51,9 +51,19 @@ _BOOTSTRAP = 0xB007
 
 
 def bucket_rows(n: int) -> int:
-  """The next power of two: the rows a resident training set is padded to (`loop.pad_rows`), so that a set that
+  """The next power of two: the rows a resident training set is padded to (`padded_rows`), so that a set that
   grows by a few rows keeps its programs; it changes bucket once per doubling, at most twice its memory."""
   return 1 << max(n - 1, 0).bit_length()
+
+
+def padded_rows(split: Split) -> Split:
+  """`split` with zero rows appended up to its size bucket (`bucket_rows`): the programs that take it stay the
+  same while a training set grows by a few rows. The padded rows are never drawn into a batch."""
+  n = len(split['label'])
+  pad = bucket_rows(n) - n
+  if not pad:
+    return split
+  return {k: np.concatenate([v, np.zeros((pad, *v.shape[1:]), v.dtype)]) for k, v in split.items()}
 
 
 def _order(key: jax.Array, num_examples: jax.Array, rows: int) -> jax.Array:

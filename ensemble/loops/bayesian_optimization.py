@@ -178,7 +178,7 @@ def surrogate_model(model: Any, prior: float) -> Any:
 
 @sigterm.stops_in_one_line
 def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evaluations: int = 50, initial: int = 10,
-                          acquisition: str = 'ei', noise: bool = False, prior: float = PRIOR,
+                          acquisition: str = 'ei', noise: bool = False, prior: float | None = None,
                           train_steps: int | None = None, transform: str | None = None, candidates: int = 1000,
                           starts: int = 10, steps: int = 100, maximize: bool = True, warm: bool = False,
                           workdir: str | None = None, seed: int = 0, **fit_fields) -> Result:
@@ -195,7 +195,8 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
   predicts the noise (the Gaussian NLL) and the acquisition takes the members'
   mixture. `prior` scales each member's randomised prior (a fixed random
   network added to it; 0: none), what puts the members' disagreement between
-  and beyond the points. Each fit is `train_steps` steps (1,000; batches of
+  and beyond the points; None: 3 for the built-in 'mlp', none for a model of
+  the caller's (which has no prior network of its kind). Each fit is `train_steps` steps (1,000; batches of
   the `initial` points' number of rows), whatever the number of points, unless
   `epochs=` is given. `transform` (None, 'rank', 'log') is what the members are
   fitted to (`transformed`). `model` and `fit_fields` are `ensemble.fit`'s
@@ -216,6 +217,8 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
     raise UsageError(f'acquisition={acquisition!r}: give one of {", ".join(ACQUISITIONS)}')
   if transform not in TRANSFORMS:
     raise UsageError(f'transform={transform!r}: give None (the values as they are), \'rank\' or \'log\'')
+  if prior is None:
+    prior = PRIOR if isinstance(model, str) and model == 'mlp' else 0.0
   if isinstance(prior, bool) or not isinstance(prior, numbers.Real) or not 0 <= prior < math.inf:
     raise UsageError(f'prior={prior!r} must be a number >= 0 (the random prior network\'s scale; 0: none)')
   low, high = _bounds(bounds)
