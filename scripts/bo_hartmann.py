@@ -22,7 +22,7 @@ every row), then the rest of its evaluations chosen by the row:
   random      random search
   gp          BoTorch: SingleTaskGP on inputs scaled to the unit box and standardised values, its marginal
               likelihood fitted, LogExpectedImprovement maximised by optimize_acqf (10 restarts, 512 raw
-              samples). A benchmark-only dependency, never the package's: pip install botorch
+              samples). A benchmark-only dependency, never the package's: pip install -e '.[bo]'
 
 The table gives the simple regret (the best value found less the minimum)
 at the end of the initial points, halfway and at the end, mean ± standard
@@ -113,7 +113,7 @@ def gp_run(problem: Problem, seed: int) -> tuple[list[float], dict[str, float], 
     from botorch.models import transforms  # pylint: disable=g-import-not-at-top
     from gpytorch.mlls import ExactMarginalLogLikelihood  # pylint: disable=g-import-not-at-top
   except ImportError as error:
-    raise SystemExit(f'row gp needs BoTorch ({error}): pip install botorch (a benchmark-only dependency)') from None
+    raise SystemExit(f'row gp needs BoTorch ({error}): pip install -e ".[bo]" (a benchmark-only extra)') from None
   torch.manual_seed(seed)
   low, high = (np.asarray(side, np.float64) for side in zip(*problem.bounds))
   xs = list(np.random.default_rng(seed).uniform(low, high, (problem.initial, len(low))))
