@@ -158,12 +158,14 @@ class Record:
     os.replace(os.path.join(self.workdir, _STAGED), path)
     shutil.rmtree(old, ignore_errors=True)
 
-  def last_ensemble(self, model: Any = None) -> Any:
-    """The ensemble the last recorded round fitted, as saved (`stage`), or None."""
+  def last_ensemble(self, model: Any = None, fitted_at: int | None = None) -> Any:
+    """The ensemble the last recorded round fitted, as saved (`stage`), or None. `fitted_at`: the entry its round's
+    fit was staged before (a round of several entries' first), the last entry's by default."""
     path = None if self.workdir is None else os.path.join(self.workdir, LAST)
     if path is None or not os.path.isdir(path) or not self.rounds:
       return None
-    if self._round_of(LAST) not in (None, len(self.rounds) - 1):  # None: kept before ensembles recorded their round
+    fitted_at = len(self.rounds) - 1 if fitted_at is None else fitted_at
+    if self._round_of(LAST) not in (None, fitted_at):  # None: kept before ensembles recorded their round
       return None
     from ensemble import api  # pylint: disable=g-import-not-at-top
     return api.load(path, model=model)
