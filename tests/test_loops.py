@@ -473,6 +473,14 @@ def test_thompson_batches_take_distinct_members_optima_and_random_ones_uniform_p
     np.testing.assert_array_equal(result.x, _optimise(evaluations=13, acquisition='random').x)
 
 
+def test_a_noisy_function_s_batch_draws_its_noise_from_the_members_variances():
+  """noise=True: each point's draws add the members' mean variance (the noise), as the mixture's EI does."""
+  result = _optimise(evaluations=11, batch=3, noise=True)
+  assert result.ensemble.task.loss_name == 'nll' and [entry['round'] for entry in result.curve[8:]] == [1] * 3
+  values = [entry['acquisition_value'] for entry in result.curve[8:]]
+  assert all(np.isfinite(values)) and values[0] > values[1] > 0 and len(np.unique(result.x, axis=0)) == 11
+
+
 def test_a_batch_optimisation_compiles_its_acquisition_once_for_all_its_fits(optimised_in_batches):
   from conftest import compiles  # pylint: disable=g-import-not-at-top
   with compiles() as counts:

@@ -7,8 +7,9 @@ pool's inputs, the test set; written once), `answers.json` (every answer the
 labeller or the function gave, written the moment it returns, before anything
 can refuse it), `curve.jsonl` (one line per finished round: the labels or
 evaluations so far, the test scores, what was acquired and what it was
-labelled, the seconds each part took) and the last round's ensemble
-(`ensemble/`). Each file is rewritten whole and renamed into place, so an
+labelled, the seconds each part took; an optimisation's, one per evaluation,
+a round of several points' first staging its fit) and the last round's
+ensemble (`ensemble/`). Each file is rewritten whole and renamed into place, so an
 interruption at any moment leaves the rounds before it complete and never half
 a line; a round's ensemble is staged (`ensemble.new/`) before its round is
 recorded and takes the place of the last once it is, so that a warm loop
