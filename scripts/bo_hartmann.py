@@ -19,7 +19,12 @@ every row), then the rest of its evaluations chosen by the row:
   before      da6b8ab's benchmark settings as far as they can still be set (noise=True, prior=0, K=4, 100 epochs
               of batches of 16, 8 starts of 50 steps); its maximiser's candidates about the best and its log EI
               are new and stay
+  ei_q5       the defaults in rounds of 5 points chosen jointly (batch=5: greedy q-EI over the members' joint draws)
+  ei_q5_k16   batch=5 with ensemble_size=16: the joint draws span 15 directions, not 7
+  thompson_q5  acquisition='thompson', batch=5: 5 distinct members' optima a round
   random      random search
+  gp_q5       BoTorch's GP in rounds of 5: qLogExpectedImprovement (its default 512 quasi-random draws), the 5 points
+              maximised jointly by optimize_acqf(q=5) (10 restarts, 512 raw samples), the GP refitted each round
   gp          BoTorch: SingleTaskGP on inputs scaled to the unit box and standardised values, its marginal
               likelihood fitted, LogExpectedImprovement maximised by optimize_acqf (10 restarts, 512 raw
               samples). A benchmark-only dependency, never the package's: pip install -e '.[bo]'
@@ -89,7 +94,9 @@ ROWS = {'ei': {}, 'thompson': {'acquisition': 'thompson'}, 'noise': {'noise': Tr
         'steps100': {'train_steps': 100}, 'rank': {'transform': 'rank'}, 'log': {'transform': 'log'},
         'before': {'noise': True, 'prior': 0.0, 'ensemble_size': 4, 'epochs': 100, 'batch_size': 16, 'starts': 8,
                    'steps': 50},
-        'random': {'acquisition': 'random'}}
+        'random': {'acquisition': 'random'}, 'ei_q5': {'batch': 5}, 'ei_q5_k16': {'batch': 5, 'ensemble_size': 16},
+        'thompson_q5': {'acquisition': 'thompson', 'batch': 5}}
+GP_BATCHES = {'gp': 1, 'gp_q5': 5}
 
 
 def ensemble_run(name: str, row: str, seed: int) -> tuple[list[float], dict[str, float], np.ndarray]:
@@ -103,13 +110,14 @@ def ensemble_run(name: str, row: str, seed: int) -> tuple[list[float], dict[str,
   return [e['best'] for e in result.curve], seconds, result.x
 
 
-def gp_run(problem: Problem, seed: int) -> tuple[list[float], dict[str, float], np.ndarray]:
+def gp_run(problem: Problem, seed: int, batch: int = 1) -> tuple[list[float], dict[str, float], np.ndarray]:
   """BoTorch's standard loop from the same initial points: the GP on the unit box, the values negated (BoTorch
-  maximises) and standardised."""
+  maximises) and standardised; `batch` > 1: qLogEI's points maximised jointly, a last round what is left. The
+  seconds are a round's over its points."""
   try:
     import torch  # pylint: disable=g-import-not-at-top
     from botorch import fit, models, optim  # pylint: disable=g-import-not-at-top
-    from botorch.acquisition import analytic  # pylint: disable=g-import-not-at-top
+    from botorch.acquisition import analytic, logei  # pylint: disable=g-import-not-at-top
     from botorch.models import transforms  # pylint: disable=g-import-not-at-top
     from gpytorch.mlls import ExactMarginalLogLikelihood  # pylint: disable=g-import-not-at-top
   except ImportError as error:
@@ -126,11 +134,14 @@ def gp_run(problem: Problem, seed: int) -> tuple[list[float], dict[str, float], 
     train_y = -torch.tensor(ys, dtype=torch.float64)[:, None]
     gp = models.SingleTaskGP(train_x, train_y, outcome_transform=transforms.outcome.Standardize(1))
     fit.fit_gpytorch_mll(ExactMarginalLogLikelihood(gp.likelihood, gp))
-    acquisition = analytic.LogExpectedImprovement(gp, best_f=train_y.max())
-    point, _ = optim.optimize_acqf(acquisition, bounds=unit_box, q=1, num_restarts=10, raw_samples=512)
-    xs.append(low + point[0].detach().numpy() * (high - low))
-    ys.append(problem.function(xs[-1]))
-    seconds.append(time.perf_counter() - start)
+    size = min(batch, problem.evaluations - len(ys))
+    acquisition = (analytic.LogExpectedImprovement(gp, best_f=train_y.max()) if batch == 1 else
+                   logei.qLogExpectedImprovement(gp, best_f=train_y.max()))
+    points, _ = optim.optimize_acqf(acquisition, bounds=unit_box, q=size, num_restarts=10, raw_samples=512)
+    for point in points.detach().numpy():
+      xs.append(low + point * (high - low))
+      ys.append(problem.function(xs[-1]))
+    seconds.append((time.perf_counter() - start) / size)
   return list(np.minimum.accumulate(ys)), {'fit': float(np.mean(seconds)), 'acquire': 0.0}, np.stack(xs)
 
 
@@ -150,7 +161,7 @@ def main(argv):
     print(f'| row | {" | ".join(f"regret at {n}" for n in marks)} | repeats | fit s | acquire s |')
     print(f'| --- |{" ---: |" * (len(marks) + 3)}')
     for row in FLAGS.rows:
-      runs = [gp_run(problem, int(seed)) if row == 'gp' else ensemble_run(name, row, int(seed))
+      runs = [gp_run(problem, int(seed), GP_BATCHES[row]) if row in GP_BATCHES else ensemble_run(name, row, int(seed))
               for seed in FLAGS.seeds]
       regret = np.array([[best[n - 1] - problem.minimum for n in marks] for best, _, _ in runs])
       cells = [f'{m:.3f} ± {s:.3f}' for m, s in zip(regret.mean(0), regret.std(0))]

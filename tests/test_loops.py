@@ -409,6 +409,99 @@ def test_an_optimisation_compiles_its_acquisition_once_for_all_its_fits():
 
 
 
+def _repeats(x):
+  return [i for i in range(1, len(x)) if np.any(np.all(x[:i] == x[i], axis=1))]
+
+
+@pytest.fixture(scope='module')
+def optimised_in_batches():
+  return _optimise(evaluations=14, batch=3)
+
+
+def test_a_batch_s_first_point_is_the_sequential_one_and_none_is_evaluated_twice(optimised, optimised_in_batches):
+  """batch=3: rounds of three points chosen from one fit (recorded one entry each, with their round). The first is
+  the point the sequential loop chooses from the same fit; no point is one evaluated before."""
+  _, sequential = optimised
+  result = optimised_in_batches
+  assert [entry['round'] for entry in result.curve] == [0] * 8 + [1] * 3 + [2] * 3
+  assert [entry['acquisition'] for entry in result.curve] == ['initial'] * 8 + ['ei'] * 6
+  np.testing.assert_array_equal(result.x[8], sequential.x[8])
+  assert not _repeats(result.x), f'evaluations {_repeats(result.x)} were at points evaluated before'
+  assert all(np.isfinite(entry['acquisition_value']) for entry in result.curve[8:])
+  firsts = [result.curve[i]['seconds'] for i in (8, 11)]  # a round's fit and acquisition are its first's seconds
+  assert all(seconds['fit'] > 0 and seconds['acquire'] > 0 for seconds in firsts)
+  assert result.best_y == max(result.y) == result.curve[-1]['best']
+
+
+class _Bumps:
+  """An ensemble's stand-in: members f_k(x) = a_k bump(x - 0.3) + b_k bump(x - 0.7) on [0, 1], which disagree more
+  at 0.3 than at 0.7 and say nothing at one about the other."""
+  size = 8
+
+  def __init__(self):
+    rng = np.random.default_rng(0)
+    heights = np.stack([rng.normal(0.0, 1.0, self.size), rng.normal(0.0, 0.7, self.size)], 1)
+    self.variables, self.params = {'statistics': {}, 'heights': heights.astype(np.float32)}, {}
+
+  def apply_variables(self, variables, params, x):
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    means = variables['heights'] @ jnp.exp(-((x[:, :1] - jnp.array([0.3, 0.7])) / 0.05) ** 2).T  # (K, N)
+    return means[..., None], jnp.ones_like(means)[..., None]
+
+
+def test_a_batch_s_next_point_is_where_the_members_draws_are_not_those_of_the_points_before_it():
+  """Greedy q-EI over the members' joint draws: the first point is the sequential choice (0.3, where the members
+  disagree most); next to it the draws move with it and add nothing, so the second is the other bump (0.7). EI
+  that ignores the points chosen (the draws' thresholds left at the best) takes 0.3 three times."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from ensemble.loops import bayesian_optimization as bo_lib  # pylint: disable=g-import-not-at-top
+  bumps, box = _Bumps(), (np.zeros(1), np.ones(1))
+  sequential, _ = bo_lib.proposer(bumps, 'ei', *box, 200, 5, 50, False)(bumps, jax.random.key(0), 0.0, np.ones(1) / 2)
+  points, gains = bo_lib.batch_proposer(bumps, 'ei', *box, 200, 5, 50, False, 3)(bumps, jax.random.key(0), 0.0,
+                                                                                 np.ones(1) / 2)
+  np.testing.assert_array_equal(points[0], sequential)
+  assert abs(points[0, 0] - 0.3) < 0.01 and abs(points[1, 0] - 0.7) < 0.01, points.ravel()
+  assert gains[0] > gains[1] > gains[2] > 0  # each the batch's expected improvement over the points before it
+
+
+@pytest.mark.parametrize('acquisition', ['thompson', 'random'])
+def test_thompson_batches_take_distinct_members_optima_and_random_ones_uniform_points(acquisition):
+  result = _optimise(evaluations=13, batch=3, acquisition=acquisition, ensemble_size=3)
+  assert [entry['round'] for entry in result.curve] == [0] * 8 + [1] * 3 + [2] * 2  # the last round what is left
+  assert not _repeats(result.x)
+  if acquisition == 'random':  # the same uniform points as one a round
+    np.testing.assert_array_equal(result.x, _optimise(evaluations=13, acquisition='random').x)
+
+
+def test_a_noisy_function_s_batch_draws_its_noise_from_the_members_variances():
+  """noise=True: each point's draws add the members' mean variance (the noise), as the mixture's EI does."""
+  result = _optimise(evaluations=11, batch=3, noise=True)
+  assert result.ensemble.task.loss_name == 'nll' and [entry['round'] for entry in result.curve[8:]] == [1] * 3
+  values = [entry['acquisition_value'] for entry in result.curve[8:]]
+  assert all(np.isfinite(values)) and values[0] > values[1] > 0 and len(np.unique(result.x, axis=0)) == 11
+
+
+def test_a_batch_optimisation_compiles_its_acquisition_once_for_all_its_fits(optimised_in_batches):
+  from conftest import compiles  # pylint: disable=g-import-not-at-top
+  with compiles() as counts:
+    result = _optimise(evaluations=14, batch=3, seed=1)
+  assert [entry['acquisition'] for entry in result.curve[8:]] == ['ei'] * 6
+  assert sum(counts.values()) == 1, f'{sum(counts.values())} programs compiled'
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    ({'batch': 0}, r'batch=0 must be a whole number >= 1'),
+    ({'batch': 2, 'acquisition': 'ucb'}, r"batch=2 chooses points jointly by ei, thompson, random, and "
+                                         r"acquisition='ucb' one at a time: give one of those, or batch=1"),
+    ({'batch': 3, 'acquisition': 'thompson', 'ensemble_size': 2},
+     r'batch=3 Thompson draws take as many distinct members, and ensemble_size=2: give ensemble_size >= batch'),
+])
+def test_bad_batches_are_one_line(kwargs, message):
+  with pytest.raises(UsageError, match=message) as raised:
+    _optimise(**kwargs)
+  assert '\n' not in str(raised.value)
+
+
 class ThreeClasses(nn.Module):
   """A model object of a fixed width: outputs for classes 0, 1 and 2 only."""
 

@@ -7,7 +7,8 @@ a box-bounded input in few evaluations.
 
 After `initial` points drawn uniformly in the box, each round fits the
 ensemble (task='regression') on every evaluation so far, maximises the
-acquisition over the box and evaluates `function` there. The surrogate is
+acquisition over the box and evaluates `function` there (at `batch` points
+chosen jointly, where the evaluations can run at once). The surrogate is
 made to do what a Gaussian process does on a small smooth problem: fit its
 observations (`train_steps` Adam steps a fit however few the points; for a
 deterministic function, `noise=False`, members through the points, so that
@@ -86,7 +87,7 @@ def evaluated(function: Callable, x: np.ndarray) -> float:
 
 
 def proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candidates: int, starts: int,
-             steps: int, noise: bool, learning_rate: float = 0.05
+             steps: int, noise: bool, learning_rate: float = 0.05, joint: Callable | None = None
              ) -> Callable[[Any, jax.Array, float, np.ndarray], tuple[np.ndarray, float]]:
   """f(ens, key, best, best_x) -> (the point maximising `ens`'s acquisition found, its value).
 
@@ -105,16 +106,22 @@ def proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candid
 
   One program, compiled once for every ensemble of `template`'s shapes (a
   loop's fits): the ensemble's parameters, state and statistics are its
-  arguments (`Ensemble.apply_variables`), not its constants."""
+  arguments (`Ensemble.apply_variables`), not its constants.
+
+  `joint(members' (means, variances), key, context) -> (N,)` replaces the
+  score (in logs for 'ei'), `context` any arrays, given where `best` is: what
+  `batch_proposer` climbs for each point after a batch's first. The program
+  is `run.program`, to be called inside another."""
   score = acquire.REGRESSION[name]
   if name == 'ei':
     score = lambda outputs, key, best: acquire.log_expected_improvement(outputs, best)
+  score = joint or score
   low_j, width = jnp.asarray(low, jnp.float32), jnp.asarray(high - low, jnp.float32)
   dimensions, near = len(low), candidates // 2
 
   def surrogate(variables, params, unit):
     means, variances = template.apply_variables(variables, params, low_j + unit * width)
-    if noise or name == 'thompson':
+    if noise or name == 'thompson' or joint:
       return means, variances
     scale = variables['statistics'].get('target_std', jnp.ones(1)) ** 2  # the floor in the targets' units
     return means.mean(0, keepdims=True), means.var(0, keepdims=True) + regression.VARIANCE_FLOOR * scale
@@ -146,7 +153,96 @@ def proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candid
     unit = jnp.asarray((best_x - low) / (high - low), jnp.float32)
     point, value = propose(ens.variables, ens.params, key, jnp.float32(best), unit)
     return np.clip(np.asarray(point, np.float64), low, high), float(value)
+  run.program = propose
   return run
+
+
+# Joint draws of a batch's values that its greedy expected improvement averages over (BoTorch's qEI takes 256-512).
+JOINT_DRAWS = 256
+BATCH_ACQUISITIONS = ('ei', 'thompson', 'random')
+
+
+def _members(outputs: Any) -> tuple[jax.Array, jax.Array]:
+  """The members' (means, variances) at N points, each (K, N): one target's."""
+  return tuple(jnp.reshape(array, array.shape[:2]) for array in outputs)
+
+
+def batch_proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candidates: int, starts: int,
+                   steps: int, noise: bool, batch: int
+                   ) -> Callable[[Any, jax.Array, float, np.ndarray], tuple[np.ndarray, list[float]]]:
+  """f(ens, key, best, best_x) -> ((batch, D) points chosen jointly, their values), each maximised as `proposer`'s.
+
+  'ei': greedy q-EI. The members are K joint draws of the function, so the
+  Gaussian they span (their mean, and their deviations from it as the
+  covariance's factor: K - 1 directions) is a joint posterior over any set
+  of points, as a GP's is. Its `JOINT_DRAWS` draws are fixed for the round
+  (sample average approximation); the first point is `proposer`'s, and each
+  next one maximises the expected improvement of the batch's best over what
+  the points before it reach in each draw (the draw's own threshold, its
+  Gaussian part for the noise, or the variance floor, in closed form and in
+  logs): a point next to one chosen gains little where the draws agree they
+  move together, and the point itself nothing. 'thompson': the optima of
+  `batch` distinct members drawn at random (each a draw of the function).
+
+  One program for every ensemble of `template`'s shapes, as `proposer`'s."""
+  if name == 'thompson':
+    joint = lambda outputs, key, member: _members(outputs)[0][member]
+  else:
+    def joint(outputs, key, context):
+      threshold, weights, floor = context
+      means, variances = _members(outputs)
+      variance = variances.mean(0) if noise else floor
+      draws = _drawn(means, weights)
+      return acquire.log_expected_improvement((draws, jnp.broadcast_to(variance, draws.shape)), threshold[:, None])
+  single = proposer(template, name, low, high, candidates, starts, steps, noise)
+  chosen = proposer(template, name, low, high, candidates, starts, steps, noise, joint=joint)
+
+  size = template.size  # the members
+
+  @jax.jit
+  def propose(variables, params, key, best, best_unit):
+    if name == 'thompson':
+      order = jax.random.permutation(jax.random.fold_in(key, batch), size)
+      return jax.lax.map(lambda j: chosen.program(variables, params, jax.random.fold_in(key, j), order[j], best_unit),
+                         jnp.arange(batch))
+    first, value = single.program(variables, params, key, best, best_unit)
+    weights_key, noise_key = jax.random.split(jax.random.fold_in(key, batch))
+    weights = jax.random.normal(weights_key, (JOINT_DRAWS, size))
+    noises = jax.random.normal(noise_key, (batch, JOINT_DRAWS))
+    floor = regression.VARIANCE_FLOOR * variables['statistics'].get('target_std', jnp.ones(1))[0] ** 2
+
+    def reached(point, noise_draws):  # (JOINT_DRAWS,): each draw's value at `point`, its noise drawn
+      means, variances = _members(template.apply_variables(variables, params, point[None]))
+      variance = variances.mean(0) if noise else floor
+      return _drawn(means, weights)[:, 0] + jnp.sqrt(variance) * noise_draws
+
+    def step(threshold, j):
+      point, gain = chosen.program(variables, params, jax.random.fold_in(key, j), (threshold, weights, floor),
+                                   best_unit)
+      return jnp.maximum(threshold, reached(point, noises[j])), (point, gain)
+    _, (points, gains) = jax.lax.scan(step, jnp.maximum(best, reached(first, noises[0])), jnp.arange(1, batch))
+    return jnp.concatenate([first[None], points]), jnp.concatenate([value[None], gains])
+
+  def run(ens, key, best, best_x):
+    unit = jnp.asarray((best_x - low) / (high - low), jnp.float32)
+    points, values = propose(ens.variables, ens.params, key, jnp.float32(best), unit)
+    return np.clip(np.asarray(points, np.float64), low, high), np.asarray(values, np.float64).tolist()
+  return run
+
+
+def _drawn(means: jax.Array, weights: jax.Array) -> jax.Array:
+  """(S, N): S joint draws of the Gaussian the K members' means (K, N) span, one a row of `weights` (S, K), standard
+  normals: their mean plus the weighted deviations from it / sqrt(K), whose variance is the members' spread."""
+  mean = means.mean(0)
+  return mean + weights @ (means - mean) / math.sqrt(means.shape[0])
+
+
+def rounds_of(evaluations: int, initial: int, batch: int) -> list[tuple[int, int]]:
+  """(first evaluation, evaluations) of each round: the initial points one at a time, then `batch` at a time, the
+  last round what is left."""
+  uniform = min(initial, evaluations)
+  return [(n, 1) for n in range(uniform)] + [(n, min(batch, evaluations - n))
+                                             for n in range(uniform, evaluations, batch)]
 
 
 def transformed(values: np.ndarray, transform: str | None) -> np.ndarray:
@@ -178,7 +274,7 @@ def surrogate_model(model: Any, prior: float) -> Any:
 
 @sigterm.stops_in_one_line
 def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evaluations: int = 50, initial: int = 10,
-                          acquisition: str = 'ei', noise: bool = False, prior: float | None = None,
+                          acquisition: str = 'ei', batch: int = 1, noise: bool = False, prior: float | None = None,
                           train_steps: int | None = None, transform: str | None = None, candidates: int = 1000,
                           starts: int = 10, steps: int = 100, maximize: bool = True, warm: bool = False,
                           workdir: str | None = None, seed: int = 0, **fit_fields) -> Result:
@@ -204,6 +300,13 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
   each fit from the last one's members; `workdir` keeps the record and resumes
   from it; `seed` seeds the initial points, the fits and the acquisition's
   draws.
+
+  `batch` points are evaluated a round, chosen jointly from one fit
+  (`batch_proposer`: 'ei', 'thompson' or 'random'), for evaluations that can
+  run at once; `evaluations` counts them all, a last round taking what is
+  left. Each keeps its own entry of the record, with its 'round' (0: the
+  initial points), answered and recorded one by one: a loop stopped inside a
+  round resumes to the same points.
   """
   from ensemble import api  # pylint: disable=g-import-not-at-top
   from ensemble.trained import check_flag  # pylint: disable=g-import-not-at-top
@@ -226,6 +329,10 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
   evaluations, initial = whole('evaluations', evaluations, 1), whole('initial', initial, 1)
   candidates, seed = whole('candidates', candidates, 1), whole('seed', seed, 0)
   starts, steps = whole('starts', starts, 1), whole('steps', steps, 0)
+  batch = whole('batch', batch, 1)
+  if batch > 1 and acquisition not in BATCH_ACQUISITIONS:
+    raise UsageError(f'batch={batch} chooses points jointly by {", ".join(BATCH_ACQUISITIONS)}, and '
+                     f'acquisition={acquisition!r} one at a time: give one of those, or batch=1')
   epochs_given = [key for key in ('epochs', 'num_epochs', 'num_train_steps') if key in fit_fields]
   if train_steps is not None and epochs_given:
     raise UsageError(f'train_steps={train_steps} and {epochs_given[0]}= both say how long each fit trains: give one')
@@ -237,11 +344,15 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
   settings = {'loop': 'bayesian_optimization', 'acquisition': acquisition, 'bounds': np.stack([low, high], 1).tolist(),
               'evaluations': evaluations, 'initial': initial, 'candidates': candidates, 'starts': starts,
               'steps': steps, 'maximize': maximize, 'warm': warm, 'seed': seed, 'noise': noise, 'prior': prior,
-              'train_steps': train_steps, 'transform': transform, 'fit': record_lib.recorded(fit_fields)}
+              'train_steps': train_steps, 'transform': transform, 'fit': record_lib.recorded(fit_fields),
+              **({'batch': batch} if batch > 1 else {})}  # batch=1: a record from before batches resumes
   surrogate = surrogate_model(model, prior) if acquisition != 'random' else model
   defaults = {'ensemble_size': ENSEMBLE_SIZE, **({} if noise else {'loss': 'mse'}),
               **({'frozen': (prior_lib.PRIOR,)} if surrogate is not model else {})}
   fields = record_lib.fit_fields({**defaults, **fit_fields, 'task': tasks.DEFAULT_FOR_TARGETS}, initial)
+  if acquisition == 'thompson' and batch > fields['ensemble_size']:
+    raise UsageError(f"batch={batch} Thompson draws take as many distinct members, and ensemble_size="
+                     f"{fields['ensemble_size']}: give ensemble_size >= batch")
   sign = 1.0 if maximize else -1.0
   key = jax.random.key(seed)
   uniform = np.random.default_rng(seed).uniform(low, high, (initial, len(low)))
@@ -249,36 +360,58 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
   with record_lib.Record(workdir, settings) as record, sigterm.interrupting():
     xs = [np.asarray(entry['x'], np.float64) for entry in record.rounds]
     ys = [entry['y'] for entry in record.rounds]
-    ens = record.last_ensemble(loaded) if warm and record.rounds else None
+    done, schedule = len(record.rounds), rounds_of(evaluations, initial, batch)
+    fitted_at = {n: first for first, size in schedule for n in range(first, first + size)}  # each round's first
+    # Warm: the last recorded round's fit, what the next fit starts from (or, stopped inside a round, that round's).
+    ens = record.last_ensemble(loaded, fitted_at[done - 1]) if warm and done else None
     propose = None  # built on the first fit, for all of them
-    for n in range(len(record.rounds), evaluations):
-      clock, entry = record_lib.Clock(), {'evaluation': n + 1}
-      if n < initial or acquisition == 'random':
-        x = uniform[n] if n < initial else np.random.default_rng([seed, n]).uniform(low, high)
-        entry['acquisition'] = 'initial' if n < initial else 'random'
+    for first, size in schedule:
+      if first + size <= done:
+        continue
+      clock, entry = record_lib.Clock(), {}
+      if batch > 1:
+        entry['round'] = 0 if first < initial else 1 + (first - initial) // batch
+      if first < initial or acquisition == 'random':
+        points = [uniform[n] if n < initial else np.random.default_rng([seed, n]).uniform(low, high)
+                  for n in range(first, first + size)]
+        entry['acquisition'], values = 'initial' if first < initial else 'random', None
       else:
-        targets = transformed(sign * np.asarray(ys), transform)
-        length = {} if train_steps is None else {'epochs': -(-train_steps // (n // fields['batch_size']))}
-        with clock.part('fit'):
-          ens = api.fit(surrogate, (np.stack(xs), targets), init=ens if warm else None, seed=seed,
-                        **{'progress': False, **fields, **length})
-        if warm or n == evaluations - 1:  # kept once the evaluation is recorded: the next warm fit starts from it
-          with clock.part('save'):
-            record.stage(ens)
+        targets = transformed(sign * np.asarray(ys[:first]), transform)
+        kept = warm and ens is not None and first < done  # resumed inside a warm round: its fit is the one kept
+        if not kept:
+          length = {} if train_steps is None else {'epochs': -(-train_steps // (first // fields['batch_size']))}
+          with clock.part('fit'):
+            ens = api.fit(surrogate, (np.stack(xs[:first]), targets), init=ens if warm else None, seed=seed,
+                          **{'progress': False, **fields, **length})
+          if (warm or first + size == evaluations) and first >= done:  # the last once its first evaluation is
+            with clock.part('save'):  # recorded: the next warm fit starts from it
+              record.stage(ens)
         with clock.part('acquire'):
-          propose = propose or proposer(ens, acquisition, low, high, candidates, starts, steps, noise)
           leader = int(np.argmax(targets))
-          x, value = propose(ens, jax.random.fold_in(key, n), targets[leader], xs[leader])
-        entry.update(acquisition=acquisition, acquisition_value=value)
-      with clock.part('function'):
-        y = float(record.answers([json.dumps(x.tolist())], lambda at, x=x: [evaluated(function, x)], 'function')[0])
-      xs.append(x)
-      ys.append(y)
-      best = int(np.argmax(sign * np.asarray(ys)))
-      with clock.part('loop'):
-        host_memory.release_compiled_programs_if_many()  # a loop of many rounds compiles many programs
-      record.add({**entry, 'x': x.tolist(), 'y': y, 'best': ys[best], 'seconds': clock.seconds()})
+          build, shape = (proposer, ()) if batch == 1 else (batch_proposer, (batch,))
+          # A loaded ensemble standardises its inputs itself, a fitted one by its statistics (both as
+          # `apply_variables` takes them): the loop's program is a fitted one's, a kept one has its own.
+          program = propose if propose and not kept else build(ens, acquisition, low, high, candidates, starts,
+                                                                steps, noise, *shape)
+          propose = propose if kept else program
+          points, values = program(ens, jax.random.fold_in(key, first), targets[leader], xs[leader])
+          points, values = (points, values) if batch > 1 else ([points], [values])
+        entry['acquisition'] = acquisition
+      for n in range(max(first, done), first + size):  # those of a round stopped inside it: recorded, not asked
+        x = points[n - first]
+        with clock.part('function'):
+          y = float(record.answers([json.dumps(x.tolist())], lambda at, x=x: [evaluated(function, x)],
+                                   'function')[0])
+        xs.append(x)
+        ys.append(y)
+        best = int(np.argmax(sign * np.asarray(ys)))
+        with clock.part('loop'):
+          host_memory.release_compiled_programs_if_many()  # a loop of many rounds compiles many programs
+        chosen = {} if values is None else {'acquisition_value': values[n - first]}
+        record.add({'evaluation': n + 1, **entry, **chosen, 'x': x.tolist(), 'y': y, 'best': ys[best],
+                    'seconds': clock.seconds()})
+        clock = record_lib.Clock()  # a round's next evaluation: its own seconds
     if ens is None and acquisition != 'random':  # a finished loop run again: the ensemble its last fit kept
-      ens = record.last_ensemble(loaded)
+      ens = record.last_ensemble(loaded, fitted_at.get(evaluations - 1))
   best = int(np.argmax(sign * np.asarray(ys)))
   return Result(ens, record.rounds, np.stack(xs), np.asarray(ys), xs[best], float(ys[best]))

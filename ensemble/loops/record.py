@@ -7,8 +7,9 @@ pool's inputs, the test set; written once), `answers.json` (every answer the
 labeller or the function gave, written the moment it returns, before anything
 can refuse it), `curve.jsonl` (one line per finished round: the labels or
 evaluations so far, the test scores, what was acquired and what it was
-labelled, the seconds each part took) and the last round's ensemble
-(`ensemble/`). Each file is rewritten whole and renamed into place, so an
+labelled, the seconds each part took; an optimisation's, one per evaluation,
+a round of several points' first staging its fit) and the last round's
+ensemble (`ensemble/`). Each file is rewritten whole and renamed into place, so an
 interruption at any moment leaves the rounds before it complete and never half
 a line; a round's ensemble is staged (`ensemble.new/`) before its round is
 recorded and takes the place of the last once it is, so that a warm loop
@@ -158,12 +159,14 @@ class Record:
     os.replace(os.path.join(self.workdir, _STAGED), path)
     shutil.rmtree(old, ignore_errors=True)
 
-  def last_ensemble(self, model: Any = None) -> Any:
-    """The ensemble the last recorded round fitted, as saved (`stage`), or None."""
+  def last_ensemble(self, model: Any = None, fitted_at: int | None = None) -> Any:
+    """The ensemble the last recorded round fitted, as saved (`stage`), or None. `fitted_at`: the entry its round's
+    fit was staged before (a round of several entries' first), the last entry's by default."""
     path = None if self.workdir is None else os.path.join(self.workdir, LAST)
     if path is None or not os.path.isdir(path) or not self.rounds:
       return None
-    if self._round_of(LAST) not in (None, len(self.rounds) - 1):  # None: kept before ensembles recorded their round
+    fitted_at = len(self.rounds) - 1 if fitted_at is None else fitted_at
+    if self._round_of(LAST) not in (None, fitted_at):  # None: kept before ensembles recorded their round
       return None
     from ensemble import api  # pylint: disable=g-import-not-at-top
     return api.load(path, model=model)

@@ -1,6 +1,8 @@
-"""The contract's loops axis: every loop (active learning on classes and on targets, Bayesian optimisation), cold
-and warm, stopped at every point of a round and run again, records what a loop never stopped records, never asks
-a labeller or a function the same question twice, and refuses other data and a busy workdir in one line.
+"""The contract's loops axis: every loop (active learning on classes and on targets; Bayesian optimisation one point
+a round, in rounds of points chosen jointly, and with every other setting of its surrogate), cold and warm, stopped
+at every point of a round (inside a round of several points too) and run again, records what a loop never stopped
+records, never asks a labeller or a function the same question twice, and refuses other data and a busy workdir in
+one line.
 
 A stop is a KeyboardInterrupt (what SIGTERM becomes in a loop: ensemble/sigterm.py) raised at the point named:
 before the round's fit, after it (its work lost), in the acquisition, in the labeller or the function (no answer
@@ -20,7 +22,7 @@ from ensemble.loops import active_learning as al_lib
 from ensemble.loops import bayesian_optimization as bo_lib
 from ensemble.loops import record as record_lib
 
-LOOPS = ('classes', 'targets', 'optimisation')
+LOOPS = ('classes', 'targets', 'optimisation', 'optimisation_batch', 'optimisation_options')
 STOPS = ('before_fit', 'after_fit', 'acquisition', 'answer', 'after_answer')
 FIT = {'ensemble_size': 2, 'epochs': 3, 'batch_size': 8}
 
@@ -40,6 +42,14 @@ def _curve(n, seed):
 DATA = {'classes': (_blobs(9, 0), _blobs(40, 1), _blobs(30, 2)),
         'targets': (_curve(8, 0), _curve(40, 1), _curve(30, 2))}
 BOUNDS = [(-1.0, 2.0), (0.0, 1.0)]
+# Each optimisation's keywords besides the first's: rounds of 3 chosen jointly (5 initial points, then 3 and the 2
+# left), stopped inside a round as between them; and every other setting of the surrogate at once, minimised.
+OPTIMISATIONS = {'optimisation': {'evaluations': 8, 'epochs': 10},
+                 'optimisation_batch': {'evaluations': 10, 'batch': 3, 'epochs': 10},
+                 'optimisation_options': {'evaluations': 8, 'noise': True, 'transform': 'log', 'prior': 0.0,
+                                          'train_steps': 30, 'maximize': False, 'acquisition': 'thompson'}}
+# Where a stop in the function or after its answer fires: the first chosen point's; the batch's second of its 3.
+FIRST_CHOSEN = {'optimisation': 5, 'optimisation_batch': 6, 'optimisation_options': 5}
 
 
 def _peak(x):
@@ -56,9 +66,9 @@ class Asked:
     if self.stop_at is not None and len(self.answered) == self.stop_at:
       self.stop_at = None
       raise KeyboardInterrupt('stopped in the labeller')
-    if self.kind == 'optimisation':
+    if self.kind in OPTIMISATIONS:
       self.answered.append(json.dumps(args[0].tolist()))
-      return _peak(args[0])
+      return _peak(args[0]) * (-1 if self.kind == 'optimisation_options' else 1)
     indices, inputs = args
     self.answered.extend(indices.tolist())
     pool = DATA[self.kind][1]
@@ -66,9 +76,9 @@ class Asked:
 
 
 def _run(kind, warm, workdir, asked, **changes):
-  if kind == 'optimisation':
-    settings = {'evaluations': 8, 'initial': 5, 'acquisition': 'ei', 'candidates': 64, 'steps': 5,
-                'ensemble_size': 2, 'epochs': 10, **changes}
+  if kind in OPTIMISATIONS:
+    settings = {'initial': 5, 'acquisition': 'ei', 'candidates': 64, 'steps': 5, 'ensemble_size': 2,
+                **OPTIMISATIONS[kind], **changes}
     return ensemble.bayesian_optimization('mlp', asked, BOUNDS, warm=warm, workdir=workdir, **settings)
   rows = dict(zip(('seed_rows', 'pool_rows', 'test_rows'), DATA[kind]))
   rows.update({key: changes.pop(key) for key in list(changes) if key in rows})
@@ -99,7 +109,8 @@ def uninterrupted(tmp_path_factory):
 def _stopping(monkeypatch, kind, stop, asked):
   """Arms the stop: it fires once, in the first round that fits (the second of a pool loop, the first chosen point
   of an optimisation)."""
-  loop = bo_lib if kind == 'optimisation' else al_lib
+  optimisation = kind in OPTIMISATIONS
+  loop = bo_lib if optimisation else al_lib
   fits = {'n': 0}
   real_fit = ensemble.api.fit
 
@@ -113,7 +124,7 @@ def _stopping(monkeypatch, kind, stop, asked):
     return result
   monkeypatch.setattr(ensemble.api, 'fit', fit)
   if stop == 'acquisition':
-    name = 'proposer' if kind == 'optimisation' else 'acquisition_program'
+    name = {'optimisation_batch': 'batch_proposer'}.get(kind, 'proposer' if optimisation else 'acquisition_program')
     real = getattr(loop, name)
     calls = {'n': 0}
 
@@ -122,19 +133,19 @@ def _stopping(monkeypatch, kind, stop, asked):
 
       def stopped(*a, **k):
         calls['n'] += 1
-        if calls['n'] == (1 if kind == 'optimisation' else 2):
+        if calls['n'] == (1 if optimisation else 2):
           raise KeyboardInterrupt('stopped in the acquisition')
         return run(*a, **k)
       return stopped
     monkeypatch.setattr(loop, name, program)
   if stop == 'answer':
-    asked.stop_at = 5 if kind == 'optimisation' else 3  # the first chosen point's; the second batch's
+    asked.stop_at = FIRST_CHOSEN[kind] if optimisation else 3  # the second batch's in a pool loop
   if stop == 'after_answer':
     real_add, adds = record_lib.Record.add, {'n': 0}
 
     def add(self, entry):
       adds['n'] += 1
-      if adds['n'] == (6 if kind == 'optimisation' else 2):
+      if adds['n'] == (FIRST_CHOSEN[kind] + 1 if optimisation else 2):
         raise KeyboardInterrupt('stopped after the answer')
       return real_add(self, entry)
     monkeypatch.setattr(record_lib.Record, 'add', add)
@@ -152,7 +163,7 @@ def test_a_stopped_loop_resumes_to_the_same_record_and_asks_nothing_twice(kind, 
       _run(kind, warm, workdir, asked)
   resumed = _run(kind, warm, workdir, asked)
   assert _timeless(resumed.curve) == _timeless(whole.curve)
-  if kind == 'optimisation':
+  if kind in OPTIMISATIONS:
     np.testing.assert_array_equal(resumed.x, whole.x)
   else:
     np.testing.assert_array_equal(resumed.acquired, whole.acquired)
@@ -166,7 +177,7 @@ def test_a_stopped_loop_resumes_to_the_same_record_and_asks_nothing_twice(kind, 
 
 
 def _predicted(kind, ens):
-  inputs = np.array([[0.0, 0.5], [1.5, 0.2]], np.float32) if kind == 'optimisation' else DATA[kind][2][0][:5]
+  inputs = np.array([[0.0, 0.5], [1.5, 0.2]], np.float32) if kind in OPTIMISATIONS else DATA[kind][2][0][:5]
   return ens.predict(inputs)['probs' if kind == 'classes' else 'mean'].ravel().tolist()
 
 
