@@ -201,6 +201,17 @@ def test_minimising_and_random_search():
   assert [entry['acquisition'] for entry in result.curve] == ['initial'] * 8 + ['random']
 
 
+@pytest.mark.parametrize('noise', [False, True], ids=['deterministic', 'noisy'])
+@pytest.mark.parametrize('acquisition', ['ei', 'pi', 'ucb', 'thompson', 'epistemic_std'])
+def test_every_acquisition_proposes_new_points_within_the_bounds(acquisition, noise):
+  """Each acquisition climbed on either surrogate: epistemic_std of the deterministic one's single Gaussian was a
+  spread of 0, whose gradient made every proposal NaN."""
+  result = _optimise(acquisition=acquisition, noise=noise, evaluations=9, epochs=5)
+  chosen = result.x[8:]
+  assert np.isfinite(chosen).all() and ((chosen >= [-1, 0]) & (chosen <= [2, 1])).all()
+  assert all(np.isfinite(entry['acquisition_value']) for entry in result.curve[8:])
+
+
 @pytest.mark.parametrize('kwargs, message', [
     ({'bounds': [(0, 1, 2)]}, r'give one \(low, high\) pair per dimension'),
     ({'bounds': [(1, 0), (0, 1)]}, r'each \(low, high\) must be finite with low < high'),

@@ -33,6 +33,7 @@ from scipy import special, stats
 
 from ensemble import acquire, host_memory, sigterm, tasks
 from ensemble.loops import record as record_lib
+from ensemble.loops import trust_region as trust_region_lib
 from ensemble.models import prior as prior_lib
 from ensemble.models.prior import RandomPrior
 from ensemble.tasks import regression
@@ -88,8 +89,9 @@ def evaluated(function: Callable, x: np.ndarray) -> float:
 
 def proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candidates: int, starts: int,
              steps: int, noise: bool, learning_rate: float = 0.05, joint: Callable | None = None
-             ) -> Callable[[Any, jax.Array, float, np.ndarray], tuple[np.ndarray, float]]:
-  """f(ens, key, best, best_x) -> (the point maximising `ens`'s acquisition found, its value).
+             ) -> Callable[..., tuple[np.ndarray, float]]:
+  """f(ens, key, best, best_x, region=None) -> (the point maximising `ens`'s acquisition found, its value), within
+  `region` ((low, high) in the unit box, a trust region's: ensemble/loops/trust_region.py) or the whole box.
 
   `candidates` points scored, half uniform in the box and half scattered
   about the best point so far (at scales from 0.5% to 20% of the box, log-
@@ -102,7 +104,7 @@ def proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candid
   underflowed to 0. Without `noise`, the members are posterior draws of a
   deterministic function: the acquisition reads the Gaussian of their means'
   mean and spread (their own variances, untrained, are no noise), except
-  Thompson's, which draws a member.
+  Thompson's, which draws a member, and epistemic_std, the spread itself.
 
   One program, compiled once for every ensemble of `template`'s shapes (a
   loop's fits): the ensemble's parameters, state and statistics are its
@@ -121,19 +123,20 @@ def proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candid
 
   def surrogate(variables, params, unit):
     means, variances = template.apply_variables(variables, params, low_j + unit * width)
-    if noise or name == 'thompson' or joint:
+    if noise or name in ('thompson', 'epistemic_std') or joint:  # what reads the members themselves
       return means, variances
     scale = variables['statistics'].get('target_std', jnp.ones(1)) ** 2  # the floor in the targets' units
     return means.mean(0, keepdims=True), means.var(0, keepdims=True) + regression.VARIANCE_FLOOR * scale
 
   @jax.jit
-  def propose(variables, params, key, best, best_unit):
+  def propose(variables, params, key, best, best_unit, region_low, region_high):
     uniform_key, near_key, scale_key, acquisition_key = jax.random.split(key, 4)
     values = lambda unit: score(surrogate(variables, params, unit), acquisition_key, best)
     scales = jnp.exp(jax.random.uniform(scale_key, (near, 1), minval=math.log(0.005), maxval=math.log(0.2)))
+    uniform = jax.random.uniform(uniform_key, (candidates - near, dimensions))
     unit = jnp.concatenate([
-        jax.random.uniform(uniform_key, (candidates - near, dimensions)),
-        jnp.clip(best_unit + scales * jax.random.normal(near_key, (near, dimensions)), 0.0, 1.0)])
+        region_low + uniform * (region_high - region_low),
+        jnp.clip(best_unit + scales * jax.random.normal(near_key, (near, dimensions)), region_low, region_high)])
     unit = unit[acquire.top(values(unit), starts)]
     optimizer = optax.adam(optax.cosine_decay_schedule(learning_rate, max(steps, 1), alpha=0.01))
     gain = lambda u: -jnp.sum(values(u))  # each start's own value: their gradients are apart
@@ -142,16 +145,16 @@ def proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candid
       u, state = carry
       grads = jax.grad(gain)(u)
       updates, state = optimizer.update(grads, state, u)
-      return (jnp.clip(optax.apply_updates(u, updates), 0.0, 1.0), state), None
+      return (jnp.clip(optax.apply_updates(u, updates), region_low, region_high), state), None
     (unit, _), _ = jax.lax.scan(step, (unit, optimizer.init(unit)), None, length=steps)
     refined = values(unit)
     best_index = jnp.argmax(refined)
     value = jnp.exp(refined[best_index]) if name == 'ei' else refined[best_index]
     return low_j + unit[best_index] * width, value
 
-  def run(ens, key, best, best_x):
+  def run(ens, key, best, best_x, region=None):
     unit = jnp.asarray((best_x - low) / (high - low), jnp.float32)
-    point, value = propose(ens.variables, ens.params, key, jnp.float32(best), unit)
+    point, value = propose(ens.variables, ens.params, key, jnp.float32(best), unit, *_region(region, dimensions))
     return np.clip(np.asarray(point, np.float64), low, high), float(value)
   run.program = propose
   return run
@@ -162,6 +165,11 @@ JOINT_DRAWS = 256
 BATCH_ACQUISITIONS = ('ei', 'thompson', 'random')
 
 
+def _region(region: tuple[np.ndarray, np.ndarray] | None, dimensions: int) -> tuple[np.ndarray, np.ndarray]:
+  """Where a proposal may be, (low, high) in the unit box: a trust region's, or the whole box."""
+  return region or (np.zeros(dimensions, np.float32), np.ones(dimensions, np.float32))
+
+
 def _members(outputs: Any) -> tuple[jax.Array, jax.Array]:
   """The members' (means, variances) at N points, each (K, N): one target's."""
   return tuple(jnp.reshape(array, array.shape[:2]) for array in outputs)
@@ -170,7 +178,8 @@ def _members(outputs: Any) -> tuple[jax.Array, jax.Array]:
 def batch_proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candidates: int, starts: int,
                    steps: int, noise: bool, batch: int
                    ) -> Callable[[Any, jax.Array, float, np.ndarray], tuple[np.ndarray, list[float]]]:
-  """f(ens, key, best, best_x) -> ((batch, D) points chosen jointly, their values), each maximised as `proposer`'s.
+  """f(ens, key, best, best_x, region=None) -> ((batch, D) points chosen jointly, their values), each maximised as
+  `proposer`'s, in its `region`.
 
   'ei': greedy q-EI. The members are K joint draws of the function, so the
   Gaussian they span (their mean, and their deviations from it as the
@@ -200,12 +209,12 @@ def batch_proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, 
   size = template.size  # the members
 
   @jax.jit
-  def propose(variables, params, key, best, best_unit):
+  def propose(variables, params, key, best, best_unit, *region):
     if name == 'thompson':
       order = jax.random.permutation(jax.random.fold_in(key, batch), size)
-      return jax.lax.map(lambda j: chosen.program(variables, params, jax.random.fold_in(key, j), order[j], best_unit),
-                         jnp.arange(batch))
-    first, value = single.program(variables, params, key, best, best_unit)
+      return jax.lax.map(lambda j: chosen.program(variables, params, jax.random.fold_in(key, j), order[j], best_unit,
+                                                  *region), jnp.arange(batch))
+    first, value = single.program(variables, params, key, best, best_unit, *region)
     weights_key, noise_key = jax.random.split(jax.random.fold_in(key, batch))
     weights = jax.random.normal(weights_key, (JOINT_DRAWS, size))
     noises = jax.random.normal(noise_key, (batch, JOINT_DRAWS))
@@ -218,14 +227,14 @@ def batch_proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, 
 
     def step(threshold, j):
       point, gain = chosen.program(variables, params, jax.random.fold_in(key, j), (threshold, weights, floor),
-                                   best_unit)
+                                   best_unit, *region)
       return jnp.maximum(threshold, reached(point, noises[j])), (point, gain)
     _, (points, gains) = jax.lax.scan(step, jnp.maximum(best, reached(first, noises[0])), jnp.arange(1, batch))
     return jnp.concatenate([first[None], points]), jnp.concatenate([value[None], gains])
 
-  def run(ens, key, best, best_x):
+  def run(ens, key, best, best_x, region=None):
     unit = jnp.asarray((best_x - low) / (high - low), jnp.float32)
-    points, values = propose(ens.variables, ens.params, key, jnp.float32(best), unit)
+    points, values = propose(ens.variables, ens.params, key, jnp.float32(best), unit, *_region(region, len(low)))
     return np.clip(np.asarray(points, np.float64), low, high), np.asarray(values, np.float64).tolist()
   return run
 
@@ -276,8 +285,8 @@ def surrogate_model(model: Any, prior: float) -> Any:
 def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evaluations: int = 50, initial: int = 10,
                           acquisition: str = 'ei', batch: int = 1, noise: bool = False, prior: float | None = None,
                           train_steps: int | None = None, transform: str | None = None, candidates: int = 1000,
-                          starts: int = 10, steps: int = 100, maximize: bool = True, warm: bool = False,
-                          workdir: str | None = None, seed: int = 0, **fit_fields) -> Result:
+                          starts: int = 10, steps: int = 100, trust_region: bool = False, maximize: bool = True,
+                          warm: bool = False, workdir: str | None = None, seed: int = 0, **fit_fields) -> Result:
   """Evaluates `function` `evaluations` times in all, at `initial` uniform points of `bounds` and then where the
   ensemble's `acquisition` ('ei', 'pi', 'ucb', 'thompson', 'epistemic_std'; 'random': random search, no fit) is
   highest; returns the ensemble, the record and the best point.
@@ -287,7 +296,11 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
   `noise=False` (the default) says it is deterministic: its value at a point
   is known once evaluated, so the members are fitted through the points (loss
   'mse') and the acquisition reads their disagreement alone, which vanishes
-  there: a point is not evaluated twice. `noise=True`: each member also
+  there: a point is not evaluated twice. `trust_region=True` maximises the
+  acquisition in a box about the best point that grows while rounds improve on
+  it and shrinks while they do not (TuRBO's; ensemble/loops/trust_region.py):
+  for many dimensions, where a global acquisition spends its evaluations on the
+  domain's far corners. `noise=True`: each member also
   predicts the noise (the Gaussian NLL) and the acquisition takes the members'
   mixture. `prior` scales each member's randomised prior (a fixed random
   network added to it; 0: none), what puts the members' disagreement between
@@ -318,6 +331,9 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
                        'last); leave it out')
   if acquisition not in ACQUISITIONS:
     raise UsageError(f'acquisition={acquisition!r}: give one of {", ".join(ACQUISITIONS)}')
+  if trust_region is True and acquisition == 'random':
+    raise UsageError("trust_region=True narrows where the acquisition is maximised, and acquisition='random' has "
+                     "none: give another acquisition, or trust_region=False")
   if transform not in TRANSFORMS:
     raise UsageError(f'transform={transform!r}: give None (the values as they are), \'rank\' or \'log\'')
   if prior is None:
@@ -339,13 +355,14 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
   train_steps = None if epochs_given else whole('train_steps', TRAIN_STEPS if train_steps is None else train_steps, 1)
   if starts > candidates:
     raise UsageError(f'starts={starts} refines that many of the candidates={candidates}: give starts <= candidates')
-  for name, value in (('maximize', maximize), ('warm', warm), ('noise', noise)):
+  for name, value in (('maximize', maximize), ('warm', warm), ('noise', noise), ('trust_region', trust_region)):
     check_flag(name, value)
   settings = {'loop': 'bayesian_optimization', 'acquisition': acquisition, 'bounds': np.stack([low, high], 1).tolist(),
               'evaluations': evaluations, 'initial': initial, 'candidates': candidates, 'starts': starts,
               'steps': steps, 'maximize': maximize, 'warm': warm, 'seed': seed, 'noise': noise, 'prior': prior,
               'train_steps': train_steps, 'transform': transform, 'fit': record_lib.recorded(fit_fields),
-              **({'batch': batch} if batch > 1 else {})}  # batch=1: a record from before batches resumes
+              **({'batch': batch} if batch > 1 else {}),  # batch=1: a record from before batches resumes
+              **({'trust_region': True} if trust_region else {})}
   surrogate = surrogate_model(model, prior) if acquisition != 'random' else model
   defaults = {'ensemble_size': ENSEMBLE_SIZE, **({} if noise else {'loss': 'mse'}),
               **({'frozen': (prior_lib.PRIOR,)} if surrogate is not model else {})}
@@ -394,7 +411,13 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
           program = propose if propose and not kept else build(ens, acquisition, low, high, candidates, starts,
                                                                 steps, noise, *shape)
           propose = propose if kept else program
-          points, values = program(ens, jax.random.fold_in(key, first), targets[leader], xs[leader])
+          region = None
+          if trust_region:  # replayed from the rounds recorded before this one
+            rounds = [sign * np.asarray(ys[f:f + size]) for f, size in schedule if initial <= f < first]
+            side = trust_region_lib.side(float(np.max(sign * np.asarray(ys[:initial]))), rounds, len(low))
+            region = trust_region_lib.box((xs[leader] - low) / (high - low), side)
+            entry['trust_region'] = side
+          points, values = program(ens, jax.random.fold_in(key, first), targets[leader], xs[leader], region)
           points, values = (points, values) if batch > 1 else ([points], [values])
         entry['acquisition'] = acquisition
       for n in range(max(first, done), first + size):  # those of a round stopped inside it: recorded, not asked
