@@ -399,6 +399,24 @@ def test_an_own_acquisition_gets_the_candidates_outputs_unpadded_and_may_be_nump
     _learn(acquisition=bad, candidates=20, rounds=1)
 
 
+def test_a_record_from_before_batches_and_trust_regions_resumes_as_one_point_a_round_in_the_whole_box(tmp_path):
+  workdir = str(tmp_path / 'loop')
+  settings = {'evaluations': 3, 'initial': 3, 'workdir': workdir}
+  first = _optimise(**settings)
+  path = os.path.join(workdir, record_lib.SETTINGS)
+  with open(path) as f:
+    kept = json.load(f)
+  assert kept['batch'] == 1 and kept['trust_region'] is False
+  with open(path, 'w') as f:  # as a loop wrote it before either setting existed
+    json.dump({k: v for k, v in kept.items() if k not in ('batch', 'trust_region')}, f)
+  asked = []
+  again = _optimise(lambda x: asked.append(x) or _peak(x), **settings)
+  assert not asked and _timeless(again.curve) == _timeless(first.curve)
+  with pytest.raises(UsageError, match=r"holds a loop with batch=1, and this one has batch=2") as raised:
+    _optimise(**settings, batch=2)
+  assert '\n' not in str(raised.value)
+
+
 def test_a_finished_optimisation_keeps_its_last_ensemble_and_returns_it_when_run_again(optimised):
   workdir, result = optimised
   assert os.path.isdir(os.path.join(workdir, record_lib.LAST))

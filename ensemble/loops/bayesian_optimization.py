@@ -44,6 +44,9 @@ __all__ = ['Result', 'bayesian_optimization']
 ACQUISITIONS = ('ei', 'pi', 'ucb', 'thompson', 'epistemic_std', 'random')
 _LOOP_KEYWORDS = ('init', 'workdir', 'test', 'validation', 'early_stopping', 'task')
 TRANSFORMS = (None, 'rank', 'log')
+# Settings that a loop recorded before they existed ran as: such a record resumes with them, and with others is
+# refused as any other change of settings.
+SINCE = {'batch': 1, 'trust_region': False}
 # The surrogate's defaults, measured on Hartmann-6 (docs/benchmarks.md, "Bayesian optimisation"): Adam steps per fit,
 # members, and the randomised prior's scale.
 TRAIN_STEPS, ENSEMBLE_SIZE, PRIOR = 1000, 8, 3.0
@@ -361,8 +364,7 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
               'evaluations': evaluations, 'initial': initial, 'candidates': candidates, 'starts': starts,
               'steps': steps, 'maximize': maximize, 'warm': warm, 'seed': seed, 'noise': noise, 'prior': prior,
               'train_steps': train_steps, 'transform': transform, 'fit': record_lib.recorded(fit_fields),
-              **({'batch': batch} if batch > 1 else {}),  # batch=1: a record from before batches resumes
-              **({'trust_region': True} if trust_region else {})}
+              'batch': batch, 'trust_region': trust_region}
   surrogate = surrogate_model(model, prior) if acquisition != 'random' else model
   defaults = {'ensemble_size': ENSEMBLE_SIZE, **({} if noise else {'loss': 'mse'}),
               **({'frozen': (prior_lib.PRIOR,)} if surrogate is not model else {})}
@@ -374,7 +376,7 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
   key = jax.random.key(seed)
   uniform = np.random.default_rng(seed).uniform(low, high, (initial, len(low)))
   loaded = None if isinstance(surrogate, str) else surrogate
-  with record_lib.Record(workdir, settings) as record, sigterm.interrupting():
+  with record_lib.Record(workdir, settings, since=SINCE) as record, sigterm.interrupting():
     xs = [np.asarray(entry['x'], np.float64) for entry in record.rounds]
     ys = [entry['y'] for entry in record.rounds]
     done, schedule = len(record.rounds), rounds_of(evaluations, initial, batch)

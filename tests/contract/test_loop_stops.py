@@ -43,7 +43,8 @@ DATA = {'classes': (_blobs(9, 0), _blobs(40, 1), _blobs(30, 2)),
         'targets': (_curve(8, 0), _curve(40, 1), _curve(30, 2))}
 BOUNDS = [(-1.0, 2.0), (0.0, 1.0)]
 # Each optimisation's keywords besides the first's: rounds of 3 chosen jointly (5 initial points, then 3 and the 2
-# left) in a trust region, stopped inside a round as between them; and every other setting of the surrogate at once, minimised.
+# left) in a trust region, stopped inside a round as between them; and every other setting of the surrogate at
+# once, minimised.
 OPTIMISATIONS = {'optimisation': {'evaluations': 8, 'epochs': 10},
                  'optimisation_batch': {'evaluations': 10, 'batch': 3, 'epochs': 10, 'trust_region': True},
                  'optimisation_options': {'evaluations': 8, 'noise': True, 'transform': 'log', 'prior': 0.0,
