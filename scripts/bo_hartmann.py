@@ -3,6 +3,11 @@ BoTorch's standard Gaussian process: docs/benchmarks.md's table, one command.
 
   python scripts/bo_hartmann.py [--functions=hartmann6,branin,levy4] [--rows=ei,random,gp] [--seeds=0,1,2,3,4]
       [--workdir=/tmp/bo_bench]
+  python scripts/bo_hartmann.py --functions=ackley20 --rows=ei_tr_q4,turbo_q4,gp_q4 --seeds=0,1,2
+
+Ackley-20 on [-5, 10]^20 is where a GP breaks, as BoTorch's TuRBO tutorial runs
+it: 40 initial points, then rounds of 4, 396 evaluations in all (the tutorial's
+initial points are Sobol's, these uniform ones, the same for every row).
 
 Each function is minimised from `initial` uniform points drawn by the seed
 (`np.random.default_rng(seed).uniform(low, high, (initial, D))`, the same for
@@ -22,9 +27,15 @@ every row), then the rest of its evaluations chosen by the row:
   ei_q5       the defaults in rounds of 5 points chosen jointly (batch=5: greedy q-EI over the members' joint draws)
   ei_q5_k16   batch=5 with ensemble_size=16: the joint draws span 15 directions, not 7
   thompson_q5  acquisition='thompson', batch=5: 5 distinct members' optima a round
+  ei_tr_q4    batch=4 in a trust region (trust_region=True: TuRBO's box about the best point)
+  thompson_tr_q4  acquisition='thompson', batch=4, trust_region=True (TuRBO-1's own acquisition, by members)
+  ei_q4       batch=4 in the whole box
   random      random search
-  gp_q5       BoTorch's GP in rounds of 5: qLogExpectedImprovement (its default 512 quasi-random draws), the 5 points
-              maximised jointly by optimize_acqf(q=5) (10 restarts, 512 raw samples), the GP refitted each round
+  turbo_q4    TuRBO-1 (Eriksson et al. 2019) as BoTorch's tutorial builds it: an ARD Matern-5/2 GP, Thompson
+              samples in a trust region stretched by its lengthscales, 4 a round (`turbo_run`)
+  gp_q4, gp_q5  BoTorch's GP in rounds of 4, 5: qLogExpectedImprovement (its default 512 quasi-random draws), the
+              points maximised jointly by optimize_acqf(q=...) (10 restarts, 512 raw samples), the GP refitted each
+              round
   gp          BoTorch: SingleTaskGP on inputs scaled to the unit box and standardised values, its marginal
               likelihood fitted, LogExpectedImprovement maximised by optimize_acqf (10 restarts, 512 raw
               samples). A benchmark-only dependency, never the package's: pip install -e '.[bo]'
@@ -47,7 +58,7 @@ import numpy as np
 
 from ensemble import cli
 from ensemble.errors import EnsembleWarning
-from ensemble.loops import bayesian_optimization
+from ensemble.loops import bayesian_optimization, trust_region
 
 flags.DEFINE_list('functions', ['hartmann6', 'branin', 'levy4'], 'Test functions, a table each.')
 flags.DEFINE_list('rows', ['ei', 'random', 'gp'], 'Rows: ROWS\' names (the docstring says what each is).')
@@ -77,6 +88,10 @@ def levy(x: np.ndarray) -> float:
   return float(np.sin(np.pi * w[0]) ** 2 + middle + (w[-1] - 1) ** 2 * (1 + np.sin(2 * np.pi * w[-1]) ** 2))
 
 
+def ackley(x: np.ndarray) -> float:
+  return float(-20 * np.exp(-0.2 * np.sqrt(np.mean(x ** 2))) - np.exp(np.mean(np.cos(2 * np.pi * x))) + 20 + np.e)
+
+
 class Problem(NamedTuple):
   function: Callable[[np.ndarray], float]
   bounds: list[tuple[float, float]]
@@ -88,15 +103,17 @@ class Problem(NamedTuple):
 # Surjanovic and Bingham's library of test functions, on their usual boxes.
 PROBLEMS = {'hartmann6': Problem(hartmann6, [(0.0, 1.0)] * 6, -3.32237, 10, 50),
             'branin': Problem(branin, [(-5.0, 10.0), (0.0, 15.0)], 0.397887, 8, 24),
-            'levy4': Problem(levy, [(-10.0, 10.0)] * 4, 0.0, 8, 40)}
+            'levy4': Problem(levy, [(-10.0, 10.0)] * 4, 0.0, 8, 40),
+            'ackley20': Problem(ackley, [(-5.0, 10.0)] * 20, 0.0, 40, 396)}
 ROWS = {'ei': {}, 'thompson': {'acquisition': 'thompson'}, 'noise': {'noise': True}, 'no_prior': {'prior': 0.0},
         'k4': {'ensemble_size': 4}, 'k16': {'ensemble_size': 16}, 'prior1': {'prior': 1.0}, 'prior10': {'prior': 10.0},
         'steps100': {'train_steps': 100}, 'rank': {'transform': 'rank'}, 'log': {'transform': 'log'},
         'before': {'noise': True, 'prior': 0.0, 'ensemble_size': 4, 'epochs': 100, 'batch_size': 16, 'starts': 8,
                    'steps': 50},
         'random': {'acquisition': 'random'}, 'ei_q5': {'batch': 5}, 'ei_q5_k16': {'batch': 5, 'ensemble_size': 16},
-        'thompson_q5': {'acquisition': 'thompson', 'batch': 5}}
-GP_BATCHES = {'gp': 1, 'gp_q5': 5}
+        'thompson_q5': {'acquisition': 'thompson', 'batch': 5}, 'ei_q4': {'batch': 4},
+        'ei_tr_q4': {'batch': 4, 'trust_region': True},
+        'thompson_tr_q4': {'acquisition': 'thompson', 'batch': 4, 'trust_region': True}}
 
 
 def ensemble_run(name: str, row: str, seed: int) -> tuple[list[float], dict[str, float], np.ndarray]:
@@ -110,18 +127,26 @@ def ensemble_run(name: str, row: str, seed: int) -> tuple[list[float], dict[str,
   return [e['best'] for e in result.curve], seconds, result.x
 
 
+def _botorch():
+  """What the GP rows import, or a one-line exit that says how to install it."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    from botorch import fit, models  # pylint: disable=g-import-not-at-top
+    from botorch.models import transforms  # pylint: disable=g-import-not-at-top
+    from gpytorch.mlls import ExactMarginalLogLikelihood  # pylint: disable=g-import-not-at-top
+  except ImportError as error:
+    raise SystemExit(f'the gp and turbo rows need BoTorch ({error}): pip install -e ".[bo]" (a benchmark-only '
+                     'extra)') from None
+  return torch, fit, models, transforms, ExactMarginalLogLikelihood
+
+
 def gp_run(problem: Problem, seed: int, batch: int = 1) -> tuple[list[float], dict[str, float], np.ndarray]:
   """BoTorch's standard loop from the same initial points: the GP on the unit box, the values negated (BoTorch
   maximises) and standardised; `batch` > 1: qLogEI's points maximised jointly, a last round what is left. The
   seconds are a round's over its points."""
-  try:
-    import torch  # pylint: disable=g-import-not-at-top
-    from botorch import fit, models, optim  # pylint: disable=g-import-not-at-top
-    from botorch.acquisition import analytic, logei  # pylint: disable=g-import-not-at-top
-    from botorch.models import transforms  # pylint: disable=g-import-not-at-top
-    from gpytorch.mlls import ExactMarginalLogLikelihood  # pylint: disable=g-import-not-at-top
-  except ImportError as error:
-    raise SystemExit(f'row gp needs BoTorch ({error}): pip install -e ".[bo]" (a benchmark-only extra)') from None
+  torch, fit, models, transforms, ExactMarginalLogLikelihood = _botorch()
+  from botorch import optim  # pylint: disable=g-import-not-at-top
+  from botorch.acquisition import analytic, logei  # pylint: disable=g-import-not-at-top
   torch.manual_seed(seed)
   low, high = (np.asarray(side, np.float64) for side in zip(*problem.bounds))
   xs = list(np.random.default_rng(seed).uniform(low, high, (problem.initial, len(low))))
@@ -145,6 +170,61 @@ def gp_run(problem: Problem, seed: int, batch: int = 1) -> tuple[list[float], di
   return list(np.minimum.accumulate(ys)), {'fit': float(np.mean(seconds)), 'acquire': 0.0}, np.stack(xs)
 
 
+def turbo_run(problem: Problem, seed: int, batch: int) -> tuple[list[float], dict[str, float], np.ndarray]:
+  """TuRBO-1 (Eriksson et al. 2019) as BoTorch's tutorial builds it, from the same initial points: a GP with an ARD
+  Matern-5/2 kernel on the unit box, a trust region about the best point (its side replayed by the package's own
+  rule, ensemble/loops/trust_region.py, so that both boxes grow and shrink alike) stretched per dimension by the
+  GP's lengthscales, and `batch` Thompson samples among 2,000-5,000 candidates that change a random subset of the
+  best point's coordinates (each with chance min(1, 20 / D))."""
+  torch, fit, models, transforms, ExactMarginalLogLikelihood = _botorch()
+  from botorch.generation import MaxPosteriorSampling  # pylint: disable=g-import-not-at-top
+  from gpytorch import constraints, kernels, likelihoods  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(seed)
+  low, high = (np.asarray(side, np.float64) for side in zip(*problem.bounds))
+  dimensions = len(low)
+  xs = list(np.random.default_rng(seed).uniform(low, high, (problem.initial, dimensions)))
+  ys = [problem.function(x) for x in xs]
+  rounds, seconds = [], []
+  while len(ys) < problem.evaluations:
+    start = time.perf_counter()
+    size = min(batch, problem.evaluations - len(ys))
+    train_x = torch.tensor((np.stack(xs) - low) / (high - low))
+    train_y = -torch.tensor(ys, dtype=torch.float64)[:, None]
+    kernel = kernels.ScaleKernel(kernels.MaternKernel(
+        nu=2.5, ard_num_dims=dimensions, lengthscale_constraint=constraints.Interval(0.005, 4.0)))
+    likelihood = likelihoods.GaussianLikelihood(noise_constraint=constraints.Interval(1e-8, 1e-3))
+    gp = models.SingleTaskGP(train_x, train_y, covar_module=kernel, likelihood=likelihood,
+                             outcome_transform=transforms.outcome.Standardize(1))
+    fit.fit_gpytorch_mll(ExactMarginalLogLikelihood(gp.likelihood, gp))
+    side = trust_region.side(float(train_y[:problem.initial].max()), rounds, dimensions)
+    centre = train_x[train_y.argmax()]
+    scales = gp.covar_module.base_kernel.lengthscale.detach().reshape(-1)
+    scales = scales / scales.mean() / torch.prod(scales / scales.mean()) ** (1.0 / dimensions)
+    box_low = torch.clamp(centre - scales * side / 2, 0.0, 1.0)
+    box_high = torch.clamp(centre + scales * side / 2, 0.0, 1.0)
+    count = min(5000, max(2000, 200 * dimensions))
+    sobol = torch.quasirandom.SobolEngine(dimensions, scramble=True, seed=seed * 100_003 + len(ys))
+    moved = box_low + (box_high - box_low) * sobol.draw(count).to(torch.float64)
+    changed = torch.rand(count, dimensions, dtype=torch.float64) <= min(1.0, 20.0 / dimensions)
+    unchanged = torch.where(changed.sum(1) == 0)[0]
+    changed[unchanged, torch.randint(0, dimensions, (len(unchanged),))] = True
+    candidates = torch.where(changed, moved, centre.expand(count, dimensions))
+    with torch.no_grad():
+      points = MaxPosteriorSampling(model=gp, replacement=False)(candidates, num_samples=size)
+    values = []
+    for point in points.numpy():
+      xs.append(low + point * (high - low))
+      ys.append(problem.function(xs[-1]))
+      values.append(-ys[-1])
+    rounds.append(values)
+    seconds.append((time.perf_counter() - start) / size)
+  return list(np.minimum.accumulate(ys)), {'fit': float(np.mean(seconds)), 'acquire': 0.0}, np.stack(xs)
+
+
+# The BoTorch rows: how each runs, and its points a round.
+PEERS = {'gp': (gp_run, 1), 'gp_q4': (gp_run, 4), 'gp_q5': (gp_run, 5), 'turbo_q4': (turbo_run, 4)}
+
+
 def repeats(x: np.ndarray) -> int:
   """Evaluations at a point evaluated before (to 1e-9 of the box's width)."""
   return sum(bool(np.any(np.all(np.abs(x[:i] - x[i]) < 1e-9, axis=1))) for i in range(1, len(x)))
@@ -161,14 +241,15 @@ def main(argv):
     print(f'| row | {" | ".join(f"regret at {n}" for n in marks)} | repeats | fit s | acquire s |')
     print(f'| --- |{" ---: |" * (len(marks) + 3)}')
     for row in FLAGS.rows:
-      runs = [gp_run(problem, int(seed), GP_BATCHES[row]) if row in GP_BATCHES else ensemble_run(name, row, int(seed))
+      runs = [PEERS[row][0](problem, int(seed), PEERS[row][1]) if row in PEERS else ensemble_run(name, row, int(seed))
               for seed in FLAGS.seeds]
       regret = np.array([[best[n - 1] - problem.minimum for n in marks] for best, _, _ in runs])
       cells = [f'{m:.3f} ± {s:.3f}' for m, s in zip(regret.mean(0), regret.std(0))]
       seconds = {part: np.mean([s[part] for _, s, _ in runs]) for part in ('fit', 'acquire')}
       print(f'| {row} | {" | ".join(cells)} | {sum(repeats(x) for _, _, x in runs)} | {seconds["fit"]:.2f} | '
             f'{seconds["acquire"]:.2f} |', flush=True)
-      print(f'  per seed at {marks[-1]}: {" / ".join(f"{r:.3f}" for r in regret[:, -1])}', flush=True)
+      print(f'  per seed at {marks[-1]}: {" / ".join(f"{r:.3f}" for r in regret[:, -1])} (median '
+            f'{np.median(regret[:, -1]):.3f})', flush=True)
 
 
 if __name__ == '__main__':
