@@ -206,7 +206,7 @@ def test_minimising_and_random_search():
 def test_every_acquisition_proposes_new_points_within_the_bounds(acquisition, noise):
   """Each acquisition climbed on either surrogate: epistemic_std of the deterministic one's single Gaussian was a
   spread of 0, whose gradient made every proposal NaN."""
-  result = _optimise(acquisition=acquisition, noise=noise, evaluations=9, epochs=5)
+  result = _optimise(acquisition=acquisition, noise=noise, evaluations=9, epochs=5, candidates=64, steps=5)
   chosen = result.x[8:]
   assert np.isfinite(chosen).all() and ((chosen >= [-1, 0]) & (chosen <= [2, 1])).all()
   assert all(np.isfinite(entry['acquisition_value']) for entry in result.curve[8:])
