@@ -96,7 +96,10 @@ def proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candid
   what uniform points in six dimensions almost never reach, as BoTorch's
   `sample_around_best`); the best `starts` refined by `steps` steps of Adam on
   the acquisition's gradient in the unit box (clipped to it), its rate decayed
-  by a cosine to 1% so that the last steps settle. EI is climbed in logs
+  by a cosine to 1% so that the last steps settle, each start kept where it
+  began if its steps ended lower (in the last fits of five Hartmann-6 runs, a
+  fifth of the maximisations' refined best was below their best candidate,
+  by up to 0.65 in log EI). EI is climbed in logs
   (`acquire.log_expected_improvement`), which has a gradient where EI has
   underflowed to 0. Without `noise`, the members are posterior draws of a
   deterministic function: the acquisition reads the Gaussian of their means'
@@ -136,7 +139,8 @@ def proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candid
       grads = jax.grad(gain)(u)
       updates, state = optimizer.update(grads, state, u)
       return (jnp.clip(optax.apply_updates(u, updates), 0.0, 1.0), state), None
-    (unit, _), _ = jax.lax.scan(step, (unit, optimizer.init(unit)), None, length=steps)
+    (refined_unit, _), _ = jax.lax.scan(step, (unit, optimizer.init(unit)), None, length=steps)
+    unit = jnp.concatenate([unit, refined_unit])  # a start whose steps went downhill keeps where it began
     refined = values(unit)
     best_index = jnp.argmax(refined)
     value = jnp.exp(refined[best_index]) if name == 'ei' else refined[best_index]
