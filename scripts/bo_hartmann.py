@@ -27,6 +27,8 @@ every row), then the rest of its evaluations chosen by the row:
   maximiser   zero initial biases (the defaults before BIAS), the acquisition maximised harder: 4,000
               candidates, 20 starts of 200 steps
   bias1_k16, bias1_maximiser  bias1 with ensemble_size=16; with the maximiser row's settings
+  bias1_prior15, bias1_prior5  bias1 with prior=1.5, 5
+  sin_prior15  sin with prior=1.5
   random      random search
   gp          BoTorch: SingleTaskGP on inputs scaled to the unit box and standardised values, its marginal
               likelihood fitted, LogExpectedImprovement maximised by optimize_acqf (10 restarts, 512 raw
@@ -118,7 +120,9 @@ ROWS.update({'tanh': surrogate(nn.tanh), 'silu': surrogate(nn.silu), 'scales': s
              'bias1': surrogate(bias=1.0), 'sin': surrogate(jnp.sin, bias=1.0),
              'bias05': surrogate(bias=0.5), 'bias2': surrogate(bias=2.0),
              'bias1_k16': {**surrogate(bias=1.0), 'ensemble_size': 16},
-             'bias1_maximiser': {**surrogate(bias=1.0), 'candidates': 4000, 'starts': 20, 'steps': 200}})
+             'bias1_maximiser': {**surrogate(bias=1.0), 'candidates': 4000, 'starts': 20, 'steps': 200},
+             'bias1_prior15': surrogate(bias=1.0, scale=1.5), 'bias1_prior5': surrogate(bias=1.0, scale=5.0),
+             'sin_prior15': surrogate(jnp.sin, bias=1.0, scale=1.5)})
 
 
 def ensemble_run(name: str, row: str, seed: int) -> tuple[list[float], dict[str, float], np.ndarray]:
