@@ -46,7 +46,7 @@ TRANSFORMS = (None, 'rank', 'log')
 # The surrogate's defaults, measured on Hartmann-6 (docs/benchmarks.md, "Bayesian optimisation"): Adam steps per fit,
 # members, the randomised prior's scale, and the standard deviation of the built-in MLP's initial biases (its and its
 # prior's: `surrogate_model`).
-TRAIN_STEPS, ENSEMBLE_SIZE, PRIOR, BIAS = 1000, 8, 3.0, 1.0
+TRAIN_STEPS, ENSEMBLE_SIZE, PRIOR, BIAS = 1000, 8, 1.5, 1.0
 ACTIVATION = nn.relu  # the built-in MLP's and its prior's hidden layers'
 
 
@@ -209,7 +209,7 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
   predicts the noise (the Gaussian NLL) and the acquisition takes the members'
   mixture. `prior` scales each member's randomised prior (a fixed random
   network added to it; 0: none), what puts the members' disagreement between
-  and beyond the points; None: 3 for the built-in 'mlp' (whose networks then
+  and beyond the points; None: 1.5 for the built-in 'mlp' (whose networks then
   start from random biases, `surrogate_model`), none for a model of
   the caller's (which has no prior network of its kind). Each fit is `train_steps` steps (1,000; batches of
   the `initial` points' number of rows), whatever the number of points, unless
