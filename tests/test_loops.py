@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import flax.linen as nn
+import jax
 import numpy as np
 import pytest
 
@@ -416,6 +417,21 @@ def test_a_finished_optimisation_keeps_its_last_ensemble_and_returns_it_when_run
   points = np.array([[0.0, 0.5], [1.5, 0.2]], np.float32)
   np.testing.assert_allclose(again.ensemble.predict(points)['mean'], result.ensemble.predict(points)['mean'],
                              rtol=1e-6)
+
+
+def test_the_maximiser_never_ends_below_its_best_candidate(optimised):
+  """Each start keeps where it began if its Adam steps ended lower: steps of a rate far too large, which bounce
+  the starts to the box's corners, still end at the best candidate's value or above (without it they ended
+  below it)."""
+  from ensemble.loops import bayesian_optimization as bo_lib  # pylint: disable=g-import-not-at-top
+  _, result = optimised
+  low, high = np.array(BOUNDS).T
+  leader = int(np.argmax(result.y[:-1]))
+  found = {}
+  for steps in (0, 20):
+    propose = bo_lib.proposer(result.ensemble, 'ei', low, high, 256, 10, steps, False, learning_rate=10.0)
+    found[steps] = propose(result.ensemble, jax.random.key(3), result.y[leader], result.x[leader])[1]
+  assert found[20] >= found[0] > 0, found
 
 
 def test_an_optimisation_compiles_its_acquisition_once_for_all_its_fits():
