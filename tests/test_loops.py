@@ -284,6 +284,23 @@ def test_the_members_part_amid_the_points_as_well_as_at_the_box_s_corners(monkey
   assert bo_lib.BIAS > 0 and ratio[bo_lib.BIAS] > 0.4 > 0.2 > ratio[0.0], ratio
 
 
+def test_each_member_s_input_scales_are_its_own_and_frozen_with_its_prior():
+  """RandomPrior(input_scales=(low, high)): each member's model and prior see the inputs times its own scales, one a
+  dimension drawn log-uniformly in [low, high], never trained when frozen with the prior (the script's `scales`
+  row: an ensemble over lengthscales)."""
+  from ensemble.models import mlp, prior as prior_lib  # pylint: disable=g-import-not-at-top
+  model = prior_lib.RandomPrior(mlp.Plain(num_classes=2), mlp.Plain(num_classes=1), 3.0, input_scales=(0.5, 4.0))
+  scales = []
+  for train_steps in (1, 100):
+    result = ensemble.bayesian_optimization(model, lambda x: float(np.sin(3 * x[0]) + x[1]), [(0.0, 1.0)] * 3,
+                                            evaluations=9, initial=8, ensemble_size=4, train_steps=train_steps,
+                                            frozen=(prior_lib.PRIOR, prior_lib.INPUT_SCALES))
+    scales.append(np.asarray(result.ensemble.params[prior_lib.INPUT_SCALES]))
+  np.testing.assert_array_equal(scales[0], scales[1])
+  assert scales[0].shape == (4, 3) and ((scales[0] >= 0.5) & (scales[0] <= 4.0)).all()
+  assert len(np.unique(scales[0])) == 12  # each member's own, each dimension's own
+
+
 @pytest.mark.parametrize('transform', ['rank', 'log'])
 def test_the_surrogate_is_fitted_to_the_transformed_values(transform):
   """transform='rank' (normal quantiles of the ranks) or 'log': the members are fitted to the values so
