@@ -30,6 +30,15 @@ every row), then the rest of its evaluations chosen by the row:
   ei_tr_q4    batch=4 in a trust region (trust_region=True: TuRBO's box about the best point)
   thompson_tr_q4  acquisition='thompson', batch=4, trust_region=True (TuRBO-1's own acquisition, by members)
   ei_q4       batch=4 in the whole box
+  tanh        a surrogate of tanh layers (the MLP and its prior), zero initial biases, prior=3
+  bias05, bias1, bias2  the MLP and its prior with initial biases N(0, 0.5² / 1 / 2²), not zeros, prior=3
+  sin         sine layers with initial biases N(0, 1), prior=3
+  scales      each member's own input scales, log-uniform in [0.5, 4] a dimension, for its MLP and its prior
+              (zero biases, prior=3)
+  maximiser   zero initial biases, prior=3 (the defaults before BIAS), the acquisition maximised harder: 4,000
+              candidates, 20 starts of 200 steps
+  bias1_k16, bias1_maximiser  bias1 with ensemble_size=16; with the maximiser row's settings
+  bias1_prior15, bias1_prior5  bias1 with prior=1.5 (the defaults since: `bayesian_optimization.BIAS`, `PRIOR`), 5
   random      random search
   turbo_q4    TuRBO-1 (Eriksson et al. 2019) as BoTorch's tutorial builds it: an ARD Matern-5/2 GP, Thompson
               samples in a trust region stretched by its lengthscales, 4 a round (`turbo_run`)
@@ -54,11 +63,14 @@ import warnings
 from typing import Callable, NamedTuple
 
 from absl import flags
+import flax.linen as nn
+import jax.numpy as jnp
 import numpy as np
 
 from ensemble import cli
 from ensemble.errors import EnsembleWarning
 from ensemble.loops import bayesian_optimization, trust_region
+from ensemble.models import mlp, prior
 
 flags.DEFINE_list('functions', ['hartmann6', 'branin', 'levy4'], 'Test functions, a table each.')
 flags.DEFINE_list('rows', ['ei', 'random', 'gp'], 'Rows: ROWS\' names (the docstring says what each is).')
@@ -116,12 +128,34 @@ ROWS = {'ei': {}, 'thompson': {'acquisition': 'thompson'}, 'noise': {'noise': Tr
         'thompson_tr_q4': {'acquisition': 'thompson', 'batch': 4, 'trust_region': True}}
 
 
+def surrogate(activation=nn.relu, input_scales=None, scale=3.0, bias=0.0) -> dict:
+  """A row's fields for a surrogate other than the built-in one: the MLP and its randomised prior with another
+  activation, initial biases or each member's own input scales, given as a model object (its prior frozen); the
+  prior's scale and the biases are a4b95ee's defaults (3, zeros) unless given, as the rows were measured."""
+  layers = {'activation': activation, 'bias_init': nn.initializers.normal(bias) if bias else nn.initializers.zeros}
+  model = prior.RandomPrior(mlp.Plain(num_classes=2, **layers), mlp.Plain(num_classes=1, **layers), scale,
+                            input_scales=input_scales)
+  frozen = (prior.PRIOR,) + ((prior.INPUT_SCALES,) if input_scales else ())
+  return {'model': model, 'prior': 0.0, 'frozen': frozen}
+
+
+ROWS.update({'tanh': surrogate(nn.tanh), 'scales': surrogate(input_scales=(0.5, 4.0)),
+             'maximiser': {**surrogate(), 'candidates': 4000, 'starts': 20, 'steps': 200},
+             'bias1': surrogate(bias=1.0), 'sin': surrogate(jnp.sin, bias=1.0),
+             'bias05': surrogate(bias=0.5), 'bias2': surrogate(bias=2.0),
+             'bias1_k16': {**surrogate(bias=1.0), 'ensemble_size': 16},
+             'bias1_maximiser': {**surrogate(bias=1.0), 'candidates': 4000, 'starts': 20, 'steps': 200},
+             'bias1_prior15': surrogate(bias=1.0, scale=1.5), 'bias1_prior5': surrogate(bias=1.0, scale=5.0)})
+
+
 def ensemble_run(name: str, row: str, seed: int) -> tuple[list[float], dict[str, float], np.ndarray]:
   """The best value after each evaluation, an evaluation's mean seconds fitting and acquiring, and the points."""
   problem = PROBLEMS[name]
+  fields = {'model': 'mlp', **ROWS[row]}
   result = bayesian_optimization.bayesian_optimization(
-      'mlp', problem.function, problem.bounds, evaluations=problem.evaluations, initial=problem.initial,
-      maximize=False, seed=seed, **ROWS[row], workdir=os.path.join(FLAGS.workdir, f'{name}-{row}-{seed}'))
+      fields.pop('model'), problem.function, problem.bounds, evaluations=problem.evaluations,
+      initial=problem.initial, maximize=False, seed=seed, **fields,
+      workdir=os.path.join(FLAGS.workdir, f'{name}-{row}-{seed}'))
   chosen = result.curve[problem.initial:]
   seconds = {part: float(np.mean([e['seconds'].get(part, 0.0) for e in chosen])) for part in ('fit', 'acquire')}
   return [e['best'] for e in result.curve], seconds, result.x

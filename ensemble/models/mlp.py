@@ -14,7 +14,8 @@ The annotations come in two spellings, chosen by `logical`:
 Under `parallel.logical.DEFAULT_RULES` the two give the same shardings.
 """
 
-from typing import Sequence
+import functools
+from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -108,6 +109,8 @@ class Plain(nn.Module):
   other setting. With `rank1`, BatchEnsemble's layers (models/rank1.py).
   With `groups` (method packed), the hidden layers after the first are grouped. With `per_position` (a dense
   task), the inputs keep their positions, (N, *positions, features): the layers act on each position's features.
+  `activation` and `bias_init` (zeros by default) are the hidden layers' nonlinearity and the plain layers' initial
+  biases: Bayesian optimisation's surrogate draws its biases at random (ensemble/loops/bayesian_optimization.py).
   """
   num_classes: int = 10
   widths: Sequence[int] = (128, 128)
@@ -115,13 +118,15 @@ class Plain(nn.Module):
   dropout_rate: float = 0.0
   groups: int = 1
   per_position: bool = False
+  activation: Callable[[jnp.ndarray], jnp.ndarray] = nn.relu
+  bias_init: nn.initializers.Initializer = nn.initializers.zeros_init()
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
-    dense = rank1_layers.Dense if self.rank1 else nn.Dense
+    dense = rank1_layers.Dense if self.rank1 else functools.partial(nn.Dense, bias_init=self.bias_init)
     if not self.per_position:
       x = x.reshape((x.shape[0], -1))
     for i, width in enumerate(self.widths):
       layer = packed.Dense(width, self.groups) if i and self.groups > 1 else dense(width)
-      x = nn.Dropout(self.dropout_rate, deterministic=not train)(nn.relu(layer(x)))
+      x = nn.Dropout(self.dropout_rate, deterministic=not train)(self.activation(layer(x)))
     return dense(self.num_classes)(x)

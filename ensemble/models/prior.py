@@ -13,24 +13,39 @@ bayesian_optimization.py) wraps its model in one; the loop freezes the prior
 prior as it was drawn.
 """
 
+import math
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 PRIOR = 'prior'  # the module path `frozen` names
+INPUT_SCALES = 'input_scales'  # and the parameter of each member's input scales, where it has them
+
+
+def _log_uniform(low: float, high: float):
+  def init(key, shape, dtype=jnp.float32):
+    return jnp.exp(jax.random.uniform(key, shape, dtype, math.log(low), math.log(high)))
+  return init
 
 
 class RandomPrior(nn.Module):
   """model(x) + scale x prior(x) on the first `targets` outputs (a regression member's means; its variances' raw
   scales are left to the model alone). `model` and `prior` are two modules of the same architecture: `prior` is
-  built with `targets` outputs."""
+  built with `targets` outputs. With `input_scales` (low, high), both see the inputs times each member's own
+  scales, one a dimension drawn log-uniformly in [low, high] and frozen with the prior: the members' priors vary
+  at their own lengthscales, as a GP's draws would over its lengthscales' posterior."""
   model: nn.Module
   prior: nn.Module
   scale: float
   targets: int = 1
+  input_scales: tuple[float, float] | None = None
 
   @nn.compact
   def __call__(self, x: jnp.ndarray, train: bool = False) -> Any:
+    if self.input_scales is not None:
+      x = x.reshape((x.shape[0], -1))
+      x = x * self.param(INPUT_SCALES, _log_uniform(*self.input_scales), x.shape[-1:])
     outputs = self.model(x, train=train)
     return outputs.at[..., :self.targets].add(self.scale * self.prior(x, train=False))
