@@ -22,7 +22,7 @@ keeps its record in `workdir`/ACQUISITION-SEED, so a stopped benchmark goes
 on where it was.
 
 `--protocol=kirsch` is BatchBALD's table (its Table 1, MNIST, batches of
-10): BatchBALD and random over 6 seeds, in a workdir of its own, and the
+10): BatchBALD and random over 6 seeds to 200 labels, in a workdir of its own, and the
 labels to each accuracy given as the paper gives them, the median and the
 quartiles over the seeds (numpy's percentiles with method='nearest', a seed
 that never reached it counting as beyond `max_labels`), with how many seeds
