@@ -157,6 +157,32 @@ def test_the_quantile_benchmark_prints_both_ensembles_rows(tmp_path):
   assert refused.returncode == 2 and "error: --csv=" in refused.stderr and "no column 'z'" in refused.stderr
 
 
+def test_active_mnist_gives_kirschs_table(mnist_dir, tmp_path):
+  """scripts/active_mnist.py --protocol=kirsch on a few synthetic digits: BatchBALD's row and random's, the labels to
+  each accuracy the seeds' median [25%, 75%] as BatchBALD's results loader takes them (numpy's 'nearest': of two
+  seeds, the fewer labels twice, then the more) with how many seeds reached it, from each run's record; the seeds
+  given on the command line override the protocol's six, each run in a workdir of its own."""
+  result = _run('scripts/active_mnist.py', '--protocol=kirsch', f'--data_dir={mnist_dir}', '--seeds=0,1',
+                '--max_labels=30', '--epochs=1', '--ensemble_size=2', '--candidates=50',
+                f'--workdir={tmp_path / "runs"}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = [line for line in result.stdout.splitlines() if line.startswith('| ')]
+  assert 'labels to 90%, median [25%, 75%]' in lines[0], lines[0]
+  rows = {line.split(' | ')[0][2:]: [cell.strip() for cell in line.strip('|').split('|')[1:]] for line in lines[2:]}
+  assert list(rows) == ['batch_bald', 'random'], lines
+  assert sorted(os.listdir(tmp_path / 'runs')) == ['batch_bald-0', 'batch_bald-1', 'random-0', 'random-1']
+  for acquisition, cells in rows.items():
+    curves = [[json.loads(line) for line in (tmp_path / 'runs' / f'{acquisition}-{seed}' / 'curve.jsonl').open()]
+              for seed in (0, 1)]
+    for target, cell in zip((0.90, 0.95), cells[:2]):
+      labels = sorted(next((entry['labels'] for entry in curve if entry['accuracy'] >= target), np.inf)
+                      for curve in curves)
+      shown = [f'{n}' if n < np.inf else '> 30' for n in labels]
+      reached = sum(n < np.inf for n in labels)
+      assert cell == f'{shown[0]} [{shown[0]}, {shown[1]}] ({reached}/2)', (acquisition, target, cell, labels)
+    assert cells[2] == f"{np.median([curve[-1]['accuracy'] for curve in curves]):.4f}", (acquisition, cells[2])
+
+
 # What a GPU machine's image lacks once scripts/gpu_check.sh has installed its wheels: TensorFlow and TFDS. PyTorch is
 # hidden too, so that the dry run takes the same path (and time) wherever it runs. In every process the run starts.
 HIDDEN_ON_GPU = """import sys
