@@ -76,7 +76,7 @@ def test_the_cnn_is_the_flax_example_s_cnn_with_the_same_parameters_values_and_g
 
 def test_on_cpu_the_cnn_s_gradient_does_without_the_pooling_s_reduce_window():
   """What makes the step faster: no reduce-window (JAX's pooling and its transpose) where the gradient is taken,
-  while prediction keeps it (YNNPACK's kernels run it fastest)."""
+  while prediction keeps it beyond an image's layer (YNNPACK's kernels run it fastest)."""
   images = jnp.ones((2, 28, 28, 1))
   cnn = models.create(_config(), 10, (28, 28, 1))
   params = cnn.init(jax.random.key(0), images)['params']
@@ -85,6 +85,19 @@ def test_on_cpu_the_cnn_s_gradient_does_without_the_pooling_s_reduce_window():
   assert 'reduce_window' in lowered(grad(_flax_example_cnn()), params)
   assert 'reduce_window' not in lowered(grad(cnn), params)
   assert 'reduce_window' in lowered(lambda params: cnn.apply({'params': params}, images), params)
+
+
+def test_on_cpu_the_cnn_s_prediction_computes_an_image_s_layer_of_few_filters_from_its_2x2_blocks():
+  """What makes the test pass of a CNN with 16 filters faster: no full-size output of its first convolution (2 x
+  28 x 28 x 16), but a 2x2 convolution of the image's blocks (2 x 15 x 15 x 4 after the padding). With 32 filters,
+  which XLA:CPU convolves fast, the plain layer."""
+  images = jnp.ones((2, 28, 28, 1))
+  for filters, blocks in ((16, True), (32, False)):
+    cnn = models.cnn.CNN(num_classes=10, widths=(filters, 32, 64))
+    params = cnn.init(jax.random.key(0), images)['params']
+    lowered = jax.jit(lambda params, cnn=cnn: cnn.apply({'params': params}, images)).lower(params).as_text()
+    assert (f'tensor<2x28x28x{filters}xf32>' not in lowered) == blocks
+    assert ('tensor<2x15x15x4xf32>' in lowered) == blocks
 
 
 def test_the_cnn_s_bfloat16_gradients_keep_their_dtype_and_follow_float32_s():
@@ -110,14 +123,15 @@ def _close(actual, expected):
 # An image's channel count (the layer's patches) and more (the convolution itself); odd sizes.
 @pytest.mark.parametrize('channels', [1, 6])
 def test_every_transformation_of_the_fused_layer_agrees_with_the_plain_layers(channels):
-  """Its custom backward pass takes no transformation away: forward mode, reverse mode, and the two nested."""
+  """Its custom backward pass takes no transformation away: forward mode, reverse mode, and the two nested; its
+  forward pass alone (evaluation's, from an image's 2x2 blocks) is the plain layers' too."""
   keys = jax.random.split(jax.random.key(0), 6)
   shapes = ((2, 5, 7, channels), (3, 3, channels, 3), (3,))
   args = tuple(jax.random.normal(key, shape) for key, shape in zip(keys[:3], shapes))
   tangents = tuple(jax.random.normal(key, shape) for key, shape in zip(keys[3:], shapes))
   layers = {'fused': fused.conv_relu_pool, 'plain': fused._plain}  # pylint: disable=protected-access
   squared = {name: lambda *args, layer=layer: jnp.sum(layer(*args) ** 2) for name, layer in layers.items()}
-  transformed = lambda name: (jax.jvp(layers[name], args, tangents),
+  transformed = lambda name: (layers[name](*args), jax.jvp(layers[name], args, tangents),
                                jax.jacfwd(layers[name], argnums=(0, 1, 2))(*args),
                                jax.grad(squared[name], argnums=(0, 1, 2))(*args),
                                jax.hessian(squared[name], argnums=(1, 2))(*args))

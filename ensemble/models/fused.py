@@ -25,8 +25,9 @@ next to the output: one product gives the pre-activation, one more the
 kernel and bias gradients together, without the transposes.
 
 It is the same function: the plain layers' values and gradients to float32
-rounding, and their forward pass wherever nothing is differentiated
-(evaluation and prediction, where YNNPACK runs JAX's pooling fastest). The
+rounding. Where nothing is differentiated (evaluation and prediction), an
+image's layer of few filters runs from the image's 2x2 blocks
+(`_from_blocks`), the others as the plain layers. The
 CNN's train step takes about 0.83 of the plain layers' time on the default
 recipe (docs/benchmarks.md). Other platforms keep the plain layers, whose
 gradients their own kernels serve (`lax.platform_dependent`).
@@ -44,6 +45,10 @@ from jax.custom_derivatives import SymbolicZero
 _CONV_DIMENSIONS = ('NHWC', 'HWIO', 'NHWC')
 # The largest input channel count whose patches (9C + 1 rows) are used as a matrix product: an image's.
 MAX_PATCH_CHANNELS = 4
+# The most filters of such a layer whose forward pass runs from the input's 2x2 blocks (`_from_blocks`): XLA:CPU's
+# convolution of an image into 8 or 16 filters took 3-5x the time of one into 32; from blocks, 0.22-0.63 of the
+# plain layer's time at 8 and 16 filters, 1.25-6x more from 24 (docs/benchmarks.md).
+MAX_BLOCK_FILTERS = 16
 
 
 def _conv(x: jnp.ndarray, kernel: jnp.ndarray) -> jnp.ndarray:
@@ -102,8 +107,41 @@ def _pre_activation(x: jnp.ndarray, kernel: jnp.ndarray, bias: jnp.ndarray):
   return _with_patches(patches, kernel, bias, (*x.shape[:-1], kernel.shape[-1])), patches
 
 
+def _blocks_kernel(kernel: jnp.ndarray) -> jnp.ndarray:
+  """A 3x3 kernel (3, 3, C, O) as the 2x2 kernel (2, 2, 4C, 4O) of `_from_blocks`: input channel (i, j, c) is
+  channel c at row i, column j of a 2x2 block of the padded input; output channel (di, dj, o) is filter o at row
+  di, column dj of a pooling window. Each of the four outputs sees a 4x4 window of the padded input, its 3x3 kernel
+  at an offset of (di, dj) and zeros elsewhere."""
+  c, o = kernel.shape[2:]
+  window = jnp.zeros((4, 4, c, 2, 2, o), kernel.dtype)
+  for di in range(2):
+    for dj in range(2):
+      window = window.at[di:di + 3, dj:dj + 3, :, di, dj, :].set(kernel)
+  return window.reshape(2, 2, 2, 2, c, 2, 2, o).transpose(0, 2, 1, 3, 4, 5, 6, 7).reshape(2, 2, 4 * c, 4 * o)
+
+
+def _from_blocks(x: jnp.ndarray, kernel: jnp.ndarray, bias: jnp.ndarray) -> jnp.ndarray:
+  """The layer, for an input of few channels, as a 2x2 'VALID' convolution of its 2x2 blocks whose outputs are
+  each pooling window's four pre-activations, then one ReLU and a mean over the four.
+
+  It is the forward pass of `_plain` to float32 rounding, at 16/9 of its multiply-adds: 4 channels in and 4x the
+  filters out at a quarter of the pixels, a shape XLA:CPU runs well where it runs an image's few filters slowly
+  (`MAX_BLOCK_FILTERS`).
+  """
+  n, h, w, c = x.shape
+  height, width = h // 2 * 2 + 2, w // 2 * 2 + 2  # 'SAME' padding of 1, the odd last row or column dropped
+  padded = jnp.pad(x, ((0, 0), (1, height - h - 1), (1, width - w - 1), (0, 0)))
+  blocks = padded.reshape(n, height // 2, 2, width // 2, 2, c).transpose(0, 1, 3, 2, 4, 5)
+  blocks = blocks.reshape(n, height // 2, width // 2, 4 * c)
+  pre_activation = lax.conv_general_dilated(blocks, _blocks_kernel(kernel), (1, 1), 'VALID',
+                                            dimension_numbers=_CONV_DIMENSIONS) + jnp.tile(bias, 4)
+  return jax.nn.relu(pre_activation).reshape(*pre_activation.shape[:3], 4, kernel.shape[-1]).mean(3)
+
+
 @jax.custom_jvp
 def _fused(x, kernel, bias):
+  if x.shape[-1] <= MAX_PATCH_CHANNELS and kernel.shape[-1] <= MAX_BLOCK_FILTERS:
+    return _from_blocks(x, kernel, bias)
   return _plain(x, kernel, bias)
 
 
