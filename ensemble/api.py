@@ -15,6 +15,7 @@ Every mistake a caller can make raises `UsageError`, a ValueError, and its
 message names `fit`'s keywords (`learning_rate=`), not the programs' flags.
 """
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -27,7 +28,7 @@ import numpy as np
 from absl import logging
 
 from ensemble import console, data, devices as devices_lib, errors, host_memory, loop, manifest, members, posthoc
-from ensemble import files, starts, tasks
+from ensemble import files, standardise, starts, tasks
 from ensemble import recipe as recipe_lib
 from ensemble.data import arrays
 from ensemble.errors import UsageError
@@ -76,9 +77,12 @@ def read(workdir: str, step: int | None = None, *, model: Any = None, batch_size
     if temperature is not None:
       given = posthoc.given_temperature(member.task, temperature, epoch, chain)
       chain = posthoc.replaced(chain, given.kind, given)
+    data_info = record.get('data')
+    if data_info and standardise.feature_transform(data_info) is not None:  # the host standardises, as for `fit`'s
+      member = dataclasses.replace(member, mean=(0.0,), std=(1.0,))
     ens = Ensemble(workdir, config, member, state, devices, epoch,
                    batch_size=config.eval_batch_size if batch_size is None else batch_size, summary=summary,
-                   data_info=record.get('data'), chain=chain)
+                   data_info=data_info, chain=chain)
     logging.info('Restored %s %d of %s: %s on %s%s.', config.checkpoint_unit, epoch, workdir,
                  console.count(config.ensemble_size, 'member'), console.count(len(devices), 'device'),
                  f'; post-hoc: {posthoc.describe(chain)}' if chain else '; no post-hoc steps')
@@ -313,7 +317,7 @@ def fit_dataset(model: Any, dataset: data.Dataset, settings: recipe_lib.Recipe, 
     from ensemble import backends  # pylint: disable=g-import-not-at-top
     state = jax.device_put(state, backends.member_sharding(devices))
   return Ensemble(None, recipe, run.member, state, devices, summary['epoch'], batch_size=recipe.eval_batch_size,
-                  task=run.task, data_info=run.data_info, summary=summary, standardised_on_host=True)
+                  task=run.task, data_info=run.data_info, summary=summary)
 
 
 def _batch_within_rows(settings: recipe_lib.Recipe, dataset: data.Dataset) -> recipe_lib.Recipe:

@@ -1,6 +1,7 @@
 """Features and targets standardised on the host, in float64, by the training split's statistics: what keeps a
-loop of fits on the same compiled programs (they compute in standardised units, whatever the data's), and what a
-restored member does on the device instead (its data description records the statistics).
+loop of fits on the same compiled programs (they compute in standardised units, whatever the data's). A loaded
+ensemble does the same (`api.read`); a member the command-line tools restore does it on the device instead (its
+data description records the statistics).
 
   train, test, data_info, program_info = standardise.splits(dataset, train, recipe)   # ensemble/loop.py
 """
@@ -33,10 +34,11 @@ def splits(dataset: data.Dataset, train: data.Split, recipe: Recipe):
   Regression targets, and features when `standardize_features` asks, are
   standardised here on the host in float64 by the training split's mean and
   standard deviation (a constant one's taken as 1), then cast: `data_info`
-  records those statistics for checkpoints (a restored member applies them on
-  the device), while `program_info` leaves them out, so that the programs do
-  not change when the data does: they compute in standardised units, for as
-  many targets as the data has. Images are normalised by their per-channel
+  records those statistics for checkpoints (`load` standardises by them on the
+  host, a member the command-line tools restore on the device), while
+  `program_info` leaves them out, so that the programs do not change when the
+  data does: they compute in standardised units, for as many targets as the
+  data has. Images are normalised by their per-channel
   statistics on the device, after augmentation, as data of the programs
   (each member's `TrainState.inputs`, which the run sets), not constants.
   """

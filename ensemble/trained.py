@@ -78,11 +78,11 @@ class Ensemble:
   def __init__(self, workdir: str | None, config: recipe_lib.Recipe, member: steps.Member,
                state: steps.TrainState, devices: Sequence[jax.Device], epoch: int, batch_size: int = 1000, *,
                task: Any = None, data_info: dict[str, Any] | None = None, summary: dict[str, float] | None = None,
-               chain: Sequence[posthoc.Step] = (), standardised_on_host: bool = False, distillation: Any = None):
-    """`data_info` describes the members' data as their checkpoint records it (`save` writes it);
-    `standardised_on_host`: the members take features standardised by it on the host, as `fit`'s programs do
-    (ensemble/loop.py), where a restored member standardises them itself. `distillation`: a student's report of
-    what it kept of its teacher (`ensemble.distill`), None for any other ensemble."""
+               chain: Sequence[posthoc.Step] = (), distillation: Any = None):
+    """`data_info` describes the members' data as their checkpoint records it (`save` writes it); the members take
+    features standardised by its statistics, on the host, as `fit`'s programs do (ensemble/loop.py; `load` builds
+    a restored member so too). `distillation`: a student's report of what it kept of its teacher
+    (`ensemble.distill`), None for any other ensemble."""
     set_ = functools.partial(object.__setattr__, self)
     set_('workdir', workdir)
     set_('config', config)
@@ -93,7 +93,7 @@ class Ensemble:
     set_('task', member.task if task is None else task)  # what the outputs mean: ensemble/tasks/
     set_('_data_info', data_info)
     set_('_summary', dict(summary or {}))
-    set_('_transform', standardise.feature_transform(data_info) if data_info and standardised_on_host else None)
+    set_('_transform', standardise.feature_transform(data_info) if data_info else None)
     set_('_predictors', {})
     set_('posthoc', tuple(chain))
     set_('distillation', distillation)
@@ -113,7 +113,6 @@ class Ensemble:
     copy = Ensemble(fields['workdir'], self.config, self.member, self.state, self.devices, self.epoch,
                     batch_size=self.batch_size, task=self.task, data_info=self._data_info, summary=fields['summary'],
                     chain=fields['chain'], distillation=fields['distillation'])
-    object.__setattr__(copy, '_transform', self._transform)
     object.__setattr__(copy, '_predictors', self._predictors)  # the same members' programs
     return copy
 
@@ -410,9 +409,9 @@ class Ensemble:
     return self.task.components(self.member_outputs(inputs, progress=progress))
 
   def standardise(self, inputs: Any, xp=np) -> Any:
-    """Inputs as the members take them: features standardised by the training data's statistics where the members
-    were compiled for standardised ones (a fit in memory standardises on the host, in float64; traced with
-    `xp=jnp`, in float32); as they are otherwise (a restored member standardises them itself)."""
+    """Inputs as the members take them: features standardised by the training data's statistics where it has them
+    (on the host, in float64; traced with `xp=jnp`, in float32), as a fit's and a loaded ensemble's members take
+    them; other inputs as they are."""
     if self._transform is None:
       return inputs
     return self._transform(inputs) if xp is np else standardise.feature_transform(self._data_info, xp=xp)(inputs)

@@ -164,8 +164,8 @@ def test_a_tabular_mlp_on_feature_vectors(tmp_path):
   assert ens.evaluate(x[500:], y[500:])['ensemble']['accuracy'] > 0.8
   with pytest.raises(ensemble.UsageError, match='NaN or infinite'):
     ens.predict(np.full((2, 6), np.nan))
-  # In memory until saved; the saved copy loads, its features standardised on the device by the training split's
-  # statistics (in memory, on the host): the same predictions.
+  # In memory until saved; the saved copy loads, its features standardised on the host by the training split's
+  # statistics, as in memory: the same predictions.
   assert ens.workdir is None
   kept = str(tmp_path / 'kept')
   expected = ens.predict(x[500:])['probs']
@@ -173,8 +173,10 @@ def test_a_tabular_mlp_on_feature_vectors(tmp_path):
   with pytest.raises(ensemble.UsageError, match='exists; save to a new path'):
     ens.save(kept)
   loaded = ensemble.load(kept)
-  np.testing.assert_allclose(loaded.member.std, x[:450].std(0), rtol=1e-6)  # the training split's, held-out apart
-  np.testing.assert_allclose(loaded.predict(x[500:])['probs'], expected, rtol=1e-5, atol=1e-6)
+  statistics = loaded.variables['statistics']  # the training split's, held-out apart
+  np.testing.assert_allclose(statistics['input_std'], x[:450].std(0), rtol=1e-6)
+  np.testing.assert_array_equal(statistics['input_std'], ens.variables['statistics']['input_std'])
+  np.testing.assert_array_equal(loaded.predict(x[500:])['probs'], expected)
 
 
 class _TokenModel(user_models.nn.Module):

@@ -76,6 +76,24 @@ def test_a_step_applies_to_the_outputs_it_was_fitted_on_whatever_follows(fitted)
     np.testing.assert_allclose(both[scaled], ens.calibrate(x, y).predict(x)[scaled], rtol=1e-9)
 
 
+@pytest.mark.parametrize('task', ['classification', 'regression'])
+def test_a_loaded_ensemble_has_a_fitted_one_s_variables_and_answers_in_its_programs(fitted, task, tmp_path):
+  """Saved and loaded, an ensemble on standardised features takes them standardised by its statistics as the one
+  `fit` returned does: the same `variables`, so that a program of a fit's `apply_variables` (what a loop's
+  acquisition is) answers for a loaded one (a loop's kept ensemble) as its own `apply` does, never standardising
+  twice; and the same predictions."""
+  import jax  # pylint: disable=g-import-not-at-top
+  ens = fitted[task]
+  loaded = ensemble.load(ens.save(str(tmp_path / task)).workdir)
+  x = _rows(task, 8, 1)[0]
+  assert sorted(loaded.variables['statistics']) == sorted(ens.variables['statistics'])
+  program = jax.jit(ens.apply_variables)
+  close = lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  jax.tree.map(close, program(loaded.variables, loaded.params, x), loaded.apply(loaded.params, x))
+  jax.tree.map(close, program(loaded.variables, loaded.params, x), ens.apply(ens.params, x))
+  np.testing.assert_array_equal(loaded.member_outputs(x), ens.member_outputs(x))
+
+
 def test_save_writes_the_value_and_load_at_a_step_then_save_gives_that_step(tmp_path):
   """Issue 75: `load(w, step=2)`, calibrated, then `save` copied the whole workdir: `load(copy)` gave epoch 3
   without the calibration. `save` writes the one checkpoint the value is, with its chain."""

@@ -52,7 +52,6 @@ SINCE = {'batch': 1, 'trust_region': False}
 # members, the randomised prior's scale, and the standard deviation of the built-in MLP's initial biases (its and its
 # prior's: `surrogate_model`).
 TRAIN_STEPS, ENSEMBLE_SIZE, PRIOR, BIAS = 1000, 8, 1.5, 1.0
-ACTIVATION = nn.relu  # the built-in MLP's and its prior's hidden layers'
 
 
 class Result(NamedTuple):
@@ -294,7 +293,7 @@ def surrogate_model(model: Any, prior: float) -> Any:
     raise UsageError(f'prior={prior} adds a random network to the built-in model, and model={model!r} is another: '
                      "give model='mlp', or prior=0 for a model of your own")
   from ensemble.models import mlp  # pylint: disable=g-import-not-at-top
-  layers = {'activation': ACTIVATION, 'bias_init': nn.initializers.normal(BIAS)}
+  layers = {'bias_init': nn.initializers.normal(BIAS)}
   return RandomPrior(mlp.Plain(num_classes=2, **layers), mlp.Plain(num_classes=1, **layers), float(prior))
 
 
@@ -423,18 +422,15 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
         with clock.part('acquire'):
           leader = int(np.argmax(targets))
           build, shape = (proposer, ()) if batch == 1 else (batch_proposer, (batch,))
-          # A loaded ensemble standardises its inputs itself, a fitted one by its statistics (both as
-          # `apply_variables` takes them): the loop's program is a fitted one's, a kept one has its own.
-          program = propose if propose and not kept else build(ens, acquisition, low, high, candidates, starts,
-                                                                steps, noise, *shape)
-          propose = propose if kept else program
+          # One program for every fit, and for a kept ensemble loaded from the record: the same variables.
+          propose = propose or build(ens, acquisition, low, high, candidates, starts, steps, noise, *shape)
           region = None
           if trust_region:  # replayed from the rounds recorded before this one
-            rounds = [sign * np.asarray(ys[f:f + size]) for f, size in schedule if initial <= f < first]
+            rounds = [sign * np.asarray(ys[f:f + n]) for f, n in schedule if initial <= f < first]
             side = trust_region_lib.side(float(np.max(sign * np.asarray(ys[:initial]))), rounds, len(low))
             region = trust_region_lib.box((xs[leader] - low) / (high - low), side)
             entry['trust_region'] = side
-          points, values = program(ens, jax.random.fold_in(key, first), targets[leader], xs[leader], region)
+          points, values = propose(ens, jax.random.fold_in(key, first), targets[leader], xs[leader], region)
           points, values = (points, values) if batch > 1 else ([points], [values])
         entry['acquisition'] = acquisition
       for n in range(max(first, done), first + size):  # those of a round stopped inside it: recorded, not asked
