@@ -48,7 +48,8 @@ BOUNDS = [(-1.0, 2.0), (0.0, 1.0)]
 OPTIMISATIONS = {'optimisation': {'evaluations': 8, 'epochs': 10},
                  'optimisation_batch': {'evaluations': 10, 'batch': 3, 'epochs': 10, 'trust_region': True},
                  'optimisation_options': {'evaluations': 8, 'noise': True, 'transform': 'log', 'prior': 0.0,
-                                          'train_steps': 30, 'maximize': False, 'acquisition': 'thompson'}}
+                                          'train_steps': 30, 'maximize': False, 'acquisition': 'thompson',
+                                          'trust_region': True}}
 # Where a stop in the function or after its answer fires: the first chosen point's; the batch's second of its 3.
 FIRST_CHOSEN = {'optimisation': 5, 'optimisation_batch': 6, 'optimisation_options': 5}
 
