@@ -4,10 +4,13 @@ BoTorch's standard Gaussian process: docs/benchmarks.md's table, one command.
   python scripts/bo_hartmann.py [--functions=hartmann6,branin,levy4] [--rows=ei,random,gp] [--seeds=0,1,2,3,4]
       [--workdir=/tmp/bo_bench]
   python scripts/bo_hartmann.py --functions=ackley20 --rows=ei_tr_q4,turbo_q4,gp_q4 --seeds=0,1,2
+  python scripts/bo_hartmann.py --functions=ackley20_2000,levy20_2000 --rows=ei_tr_q50,gp_q50 --seeds=0
 
 Ackley-20 on [-5, 10]^20 is where a GP breaks, as BoTorch's TuRBO tutorial runs
 it: 40 initial points, then rounds of 4, 396 evaluations in all (the tutorial's
 initial points are Sobol's, these uniform ones, the same for every row).
+ackley20_2000 and levy20_2000 (Levy on [-10, 10]^20) are many evaluations, where
+an exact GP's refits slow down: 100 initial points, then rounds of 50 to 2,000.
 
 Each function is minimised from `initial` uniform points drawn by the seed
 (`np.random.default_rng(seed).uniform(low, high, (initial, D))`, the same for
@@ -17,7 +20,7 @@ every row), then the rest of its evaluations chosen by the row:
   thompson    the same, acquisition='thompson'
   noise       the defaults but noise=True (members trained by the Gaussian NLL, the mixture's EI)
   no_prior    the defaults but prior=0
-  k4, k16     the defaults but ensemble_size=4, 16
+  k4, k8, k16  the defaults but ensemble_size=4, 8 (the default before ENSEMBLE_SIZE=16), 16
   prior1, prior10  the defaults but prior=1, 10
   steps100    the defaults but train_steps=100
   rank, log   the defaults but transform='rank', 'log'
@@ -25,10 +28,12 @@ every row), then the rest of its evaluations chosen by the row:
               of batches of 16, 8 starts of 50 steps); its maximiser's candidates about the best and its log EI
               are new and stay
   ei_q5       the defaults in rounds of 5 points chosen jointly (batch=5: greedy q-EI over the members' joint draws)
-  ei_q5_k16   batch=5 with ensemble_size=16: the joint draws span 15 directions, not 7
+  ei_q5_k16, ei_q5_k8  batch=5 with ensemble_size=16 (the default), 8: the joint draws span 15 directions, 7
   thompson_q5  acquisition='thompson', batch=5: 5 distinct members' optima a round
   ei_tr_q4    batch=4 in a trust region (trust_region=True: TuRBO's box about the best point)
   thompson_tr_q4  acquisition='thompson', batch=4, trust_region=True (TuRBO-1's own acquisition, by members)
+  ei_tr_q4_k8, thompson_tr_q4_k8  the two above with ensemble_size=8
+  ei_tr_q50, thompson_tr_q50  the same in rounds of 50 (Thompson's with ensemble_size=50: a member a point)
   ei_q4       batch=4 in the whole box
   tanh        a surrogate of tanh layers (the MLP and its prior), zero initial biases, prior=3
   bias05, bias1, bias2  the MLP and its prior with initial biases N(0, 0.5² / 1 / 2²), not zeros, prior=3
@@ -44,19 +49,25 @@ every row), then the rest of its evaluations chosen by the row:
               samples in a trust region stretched by its lengthscales, 4 a round (`turbo_run`)
   gp_q4, gp_q5  BoTorch's GP in rounds of 4, 5: qLogExpectedImprovement (its default 512 quasi-random draws), the
               points maximised jointly by optimize_acqf(q=...) (10 restarts, 512 raw samples), the GP refitted each
-              round
+              round; gp_q50 in rounds of 50, greedily (optimize_acqf(sequential=True): jointly, 50 points are 1,000
+              variables in 20 dimensions)
+  turbo_q50   TuRBO-1 in rounds of 50
   gp          BoTorch: SingleTaskGP on inputs scaled to the unit box and standardised values, its marginal
               likelihood fitted, LogExpectedImprovement maximised by optimize_acqf (10 restarts, 512 raw
               samples). A benchmark-only dependency, never the package's: pip install -e '.[bo]'
 
 The table gives the simple regret (the best value found less the minimum)
 at the end of the initial points, halfway and at the end, mean ± standard
-deviation over the seeds; how many evaluations were at a point already
+deviation over the seeds (the many-evaluation problems: at 100, 500, 1,000
+and 2,000); how many evaluations were at a point already
 evaluated (all seeds together); and the mean seconds an evaluation spent
 fitting and maximising the acquisition. Each ensemble run keeps its record
-in `workdir`/FUNCTION-ROW-SEED, so a stopped benchmark goes on where it was.
+in `workdir`/FUNCTION-ROW-SEED, and each peer's in FUNCTION-ROW-SEED.json
+after every round, so a stopped benchmark goes on where it was.
 """
 
+import functools
+import json
 import os
 import time
 import warnings
@@ -110,22 +121,32 @@ class Problem(NamedTuple):
   minimum: float
   initial: int
   evaluations: int
+  marks: tuple[int, ...] = ()  # where the table reads the regret: the start, halfway and the end unless given
 
 
 # Surjanovic and Bingham's library of test functions, on their usual boxes.
 PROBLEMS = {'hartmann6': Problem(hartmann6, [(0.0, 1.0)] * 6, -3.32237, 10, 50),
             'branin': Problem(branin, [(-5.0, 10.0), (0.0, 15.0)], 0.397887, 8, 24),
             'levy4': Problem(levy, [(-10.0, 10.0)] * 4, 0.0, 8, 40),
-            'ackley20': Problem(ackley, [(-5.0, 10.0)] * 20, 0.0, 40, 396)}
+            'ackley20': Problem(ackley, [(-5.0, 10.0)] * 20, 0.0, 40, 396),
+            # Many evaluations, where an exact GP's refits slow down (Li et al. 2024): rounds of 50 to 2,000.
+            'ackley20_2000': Problem(ackley, [(-5.0, 10.0)] * 20, 0.0, 100, 2000, (100, 500, 1000, 2000)),
+            'levy20_2000': Problem(levy, [(-10.0, 10.0)] * 20, 0.0, 100, 2000, (100, 500, 1000, 2000))}
 ROWS = {'ei': {}, 'thompson': {'acquisition': 'thompson'}, 'noise': {'noise': True}, 'no_prior': {'prior': 0.0},
-        'k4': {'ensemble_size': 4}, 'k16': {'ensemble_size': 16}, 'prior1': {'prior': 1.0}, 'prior10': {'prior': 10.0},
+        'k4': {'ensemble_size': 4}, 'k8': {'ensemble_size': 8}, 'k16': {'ensemble_size': 16}, 'prior1': {'prior': 1.0},
+        'prior10': {'prior': 10.0},
         'steps100': {'train_steps': 100}, 'rank': {'transform': 'rank'}, 'log': {'transform': 'log'},
         'before': {'noise': True, 'prior': 0.0, 'ensemble_size': 4, 'epochs': 100, 'batch_size': 16, 'starts': 8,
                    'steps': 50},
         'random': {'acquisition': 'random'}, 'ei_q5': {'batch': 5}, 'ei_q5_k16': {'batch': 5, 'ensemble_size': 16},
+        'ei_q5_k8': {'batch': 5, 'ensemble_size': 8},
         'thompson_q5': {'acquisition': 'thompson', 'batch': 5}, 'ei_q4': {'batch': 4},
         'ei_tr_q4': {'batch': 4, 'trust_region': True},
-        'thompson_tr_q4': {'acquisition': 'thompson', 'batch': 4, 'trust_region': True}}
+        'thompson_tr_q4': {'acquisition': 'thompson', 'batch': 4, 'trust_region': True},
+        'ei_tr_q4_k8': {'batch': 4, 'trust_region': True, 'ensemble_size': 8},
+        'thompson_tr_q4_k8': {'acquisition': 'thompson', 'batch': 4, 'trust_region': True, 'ensemble_size': 8},
+        'ei_tr_q50': {'batch': 50, 'trust_region': True},
+        'thompson_tr_q50': {'acquisition': 'thompson', 'batch': 50, 'trust_region': True, 'ensemble_size': 50}}
 
 
 def surrogate(activation=nn.relu, input_scales=None, scale=3.0, bias=0.0) -> dict:
@@ -174,19 +195,46 @@ def _botorch():
   return torch, fit, models, transforms, ExactMarginalLogLikelihood
 
 
-def gp_run(problem: Problem, seed: int, batch: int = 1) -> tuple[list[float], dict[str, float], np.ndarray]:
+def _peer_start(problem: Problem, seed: int, path: str | None) -> tuple[list[np.ndarray], list[float], list]:
+  """A peer's points, values and [evaluations before, seconds a point] of each round so far: those `path` kept of a
+  stopped run (which goes on from its last round, its random draws then not an unstopped run's), or the seed's
+  initial points."""
+  if path and os.path.exists(path):
+    with open(path) as file:
+      kept = json.load(file)
+    return [np.asarray(x) for x in kept['x']], kept['y'], kept['seconds']
+  low, high = (np.asarray(side, np.float64) for side in zip(*problem.bounds))
+  xs = list(np.random.default_rng(seed).uniform(low, high, (problem.initial, len(low))))
+  return xs, [problem.function(x) for x in xs], []
+
+
+def _peer_keep(path: str | None, xs: list[np.ndarray], ys: list[float], seconds: list) -> None:
+  """Each round's end written whole to `path` (a long run stopped keeps what it reached, and goes on from it)."""
+  if path:
+    with open(path + '.tmp', 'w') as file:
+      json.dump({'x': np.stack(xs).tolist(), 'y': ys, 'seconds': seconds}, file)
+    os.replace(path + '.tmp', path)
+
+
+def _peer_result(ys: list[float], seconds: list, xs: list[np.ndarray]
+                 ) -> tuple[list[float], dict[str, float], np.ndarray]:
+  return (list(np.minimum.accumulate(ys)), {'fit': float(np.mean([s for _, s in seconds] or [0.0])), 'acquire': 0.0},
+          np.stack(xs))
+
+
+def gp_run(problem: Problem, seed: int, batch: int = 1, sequential: bool = False, path: str | None = None
+           ) -> tuple[list[float], dict[str, float], np.ndarray]:
   """BoTorch's standard loop from the same initial points: the GP on the unit box, the values negated (BoTorch
-  maximises) and standardised; `batch` > 1: qLogEI's points maximised jointly, a last round what is left. The
-  seconds are a round's over its points."""
+  maximises) and standardised; `batch` > 1: qLogEI's points maximised jointly (`sequential`: greedily, one after
+  another, BoTorch's way for large batches), a last round what is left. The seconds are a round's over its
+  points; `path` keeps each round's end."""
   torch, fit, models, transforms, ExactMarginalLogLikelihood = _botorch()
   from botorch import optim  # pylint: disable=g-import-not-at-top
   from botorch.acquisition import analytic, logei  # pylint: disable=g-import-not-at-top
   torch.manual_seed(seed)
   low, high = (np.asarray(side, np.float64) for side in zip(*problem.bounds))
-  xs = list(np.random.default_rng(seed).uniform(low, high, (problem.initial, len(low))))
-  ys = [problem.function(x) for x in xs]
+  xs, ys, seconds = _peer_start(problem, seed, path)
   unit_box = torch.tensor([[0.0] * len(low), [1.0] * len(low)], dtype=torch.float64)
-  seconds = []
   while len(ys) < problem.evaluations:
     start = time.perf_counter()
     train_x = torch.tensor((np.stack(xs) - low) / (high - low))
@@ -196,31 +244,34 @@ def gp_run(problem: Problem, seed: int, batch: int = 1) -> tuple[list[float], di
     size = min(batch, problem.evaluations - len(ys))
     acquisition = (analytic.LogExpectedImprovement(gp, best_f=train_y.max()) if batch == 1 else
                    logei.qLogExpectedImprovement(gp, best_f=train_y.max()))
-    points, _ = optim.optimize_acqf(acquisition, bounds=unit_box, q=size, num_restarts=10, raw_samples=512)
+    points, _ = optim.optimize_acqf(acquisition, bounds=unit_box, q=size, num_restarts=10, raw_samples=512,
+                                    sequential=sequential)
+    before = len(ys)
     for point in points.detach().numpy():
       xs.append(low + point * (high - low))
       ys.append(problem.function(xs[-1]))
-    seconds.append((time.perf_counter() - start) / size)
-  return list(np.minimum.accumulate(ys)), {'fit': float(np.mean(seconds)), 'acquire': 0.0}, np.stack(xs)
+    seconds.append([before, (time.perf_counter() - start) / size])
+    _peer_keep(path, xs, ys, seconds)
+  return _peer_result(ys, seconds, xs)
 
 
-def turbo_run(problem: Problem, seed: int, batch: int) -> tuple[list[float], dict[str, float], np.ndarray]:
+def turbo_run(problem: Problem, seed: int, batch: int, path: str | None = None
+              ) -> tuple[list[float], dict[str, float], np.ndarray]:
   """TuRBO-1 (Eriksson et al. 2019) as BoTorch's tutorial builds it, from the same initial points: a GP with an ARD
   Matern-5/2 kernel on the unit box, a trust region about the best point (its side replayed by the package's own
   rule, ensemble/loops/trust_region.py, so that both boxes grow and shrink alike) stretched per dimension by the
   GP's lengthscales, and `batch` Thompson samples among 2,000-5,000 candidates that change a random subset of the
-  best point's coordinates (each with chance min(1, 20 / D))."""
+  best point's coordinates (each with chance min(1, 20 / D)). `path` keeps each round's end."""
   torch, fit, models, transforms, ExactMarginalLogLikelihood = _botorch()
   from botorch.generation import MaxPosteriorSampling  # pylint: disable=g-import-not-at-top
   from gpytorch import constraints, kernels, likelihoods  # pylint: disable=g-import-not-at-top
   torch.manual_seed(seed)
   low, high = (np.asarray(side, np.float64) for side in zip(*problem.bounds))
   dimensions = len(low)
-  xs = list(np.random.default_rng(seed).uniform(low, high, (problem.initial, dimensions)))
-  ys = [problem.function(x) for x in xs]
-  rounds, seconds = [], []
+  xs, ys, seconds = _peer_start(problem, seed, path)
   while len(ys) < problem.evaluations:
     start = time.perf_counter()
+    rounds = [[-y for y in ys[n:n + batch]] for n in range(problem.initial, len(ys), batch)]
     size = min(batch, problem.evaluations - len(ys))
     train_x = torch.tensor((np.stack(xs) - low) / (high - low))
     train_y = -torch.tensor(ys, dtype=torch.float64)[:, None]
@@ -245,18 +296,19 @@ def turbo_run(problem: Problem, seed: int, batch: int) -> tuple[list[float], dic
     candidates = torch.where(changed, moved, centre.expand(count, dimensions))
     with torch.no_grad():
       points = MaxPosteriorSampling(model=gp, replacement=False)(candidates, num_samples=size)
-    values = []
+    before = len(ys)
     for point in points.numpy():
       xs.append(low + point * (high - low))
       ys.append(problem.function(xs[-1]))
-      values.append(-ys[-1])
-    rounds.append(values)
-    seconds.append((time.perf_counter() - start) / size)
-  return list(np.minimum.accumulate(ys)), {'fit': float(np.mean(seconds)), 'acquire': 0.0}, np.stack(xs)
+    seconds.append([before, (time.perf_counter() - start) / size])
+    _peer_keep(path, xs, ys, seconds)
+  return _peer_result(ys, seconds, xs)
 
 
-# The BoTorch rows: how each runs, and its points a round.
-PEERS = {'gp': (gp_run, 1), 'gp_q4': (gp_run, 4), 'gp_q5': (gp_run, 5), 'turbo_q4': (turbo_run, 4)}
+# The BoTorch rows: how each runs, (problem, seed, path) -> what `ensemble_run` returns.
+PEERS = {'gp': gp_run, 'gp_q4': functools.partial(gp_run, batch=4), 'gp_q5': functools.partial(gp_run, batch=5),
+         'gp_q50': functools.partial(gp_run, batch=50, sequential=True),
+         'turbo_q4': functools.partial(turbo_run, batch=4), 'turbo_q50': functools.partial(turbo_run, batch=50)}
 
 
 def repeats(x: np.ndarray) -> int:
@@ -269,14 +321,15 @@ def main(argv):
   warnings.simplefilter('ignore', EnsembleWarning)  # a batch of all the rows while there are few, as meant
   for name in FLAGS.functions:
     problem = PROBLEMS[name]
-    marks = [problem.initial, (problem.initial + problem.evaluations) // 2, problem.evaluations]
+    marks = problem.marks or [problem.initial, (problem.initial + problem.evaluations) // 2, problem.evaluations]
+    os.makedirs(FLAGS.workdir, exist_ok=True)
     print(f'\n{name}: {problem.initial} uniform points + {problem.evaluations - problem.initial} chosen, '
           f'{len(FLAGS.seeds)} seeds\n')
     print(f'| row | {" | ".join(f"regret at {n}" for n in marks)} | repeats | fit s | acquire s |')
     print(f'| --- |{" ---: |" * (len(marks) + 3)}')
     for row in FLAGS.rows:
-      runs = [PEERS[row][0](problem, int(seed), PEERS[row][1]) if row in PEERS else ensemble_run(name, row, int(seed))
-              for seed in FLAGS.seeds]
+      runs = [PEERS[row](problem, int(seed), path=os.path.join(FLAGS.workdir, f'{name}-{row}-{seed}.json'))
+              if row in PEERS else ensemble_run(name, row, int(seed)) for seed in FLAGS.seeds]
       regret = np.array([[best[n - 1] - problem.minimum for n in marks] for best, _, _ in runs])
       cells = [f'{m:.3f} ± {s:.3f}' for m, s in zip(regret.mean(0), regret.std(0))]
       seconds = {part: np.mean([s[part] for _, s, _ in runs]) for part in ('fit', 'acquire')}

@@ -438,22 +438,33 @@ def test_an_own_acquisition_gets_the_candidates_outputs_unpadded_and_may_be_nump
     _learn(acquisition=bad, candidates=20, rounds=1)
 
 
-def test_a_record_from_before_batches_and_trust_regions_resumes_as_one_point_a_round_in_the_whole_box(tmp_path):
+@pytest.mark.parametrize('members', [2, None])
+def test_a_record_from_before_batches_trust_regions_and_ensemble_sizes_resumes_as_it_ran(tmp_path, members):
+  """Such a record ran one point a round in the whole box, with the members its fit's keywords gave (2) or the 8
+  that were the default before ENSEMBLE_SIZE was 16 (None): it resumes with those, and the new default is
+  refused, not trained silently on another ensemble."""
   workdir = str(tmp_path / 'loop')
-  settings = {'evaluations': 3, 'initial': 3, 'workdir': workdir}
+  settings = {'evaluations': 3, 'initial': 3, 'workdir': workdir, 'ensemble_size': members or 8}
   first = _optimise(**settings)
   path = os.path.join(workdir, record_lib.SETTINGS)
   with open(path) as f:
     kept = json.load(f)
-  assert kept['batch'] == 1 and kept['trust_region'] is False
-  with open(path, 'w') as f:  # as a loop wrote it before either setting existed
-    json.dump({k: v for k, v in kept.items() if k not in ('batch', 'trust_region')}, f)
+  assert kept['batch'] == 1 and kept['trust_region'] is False and kept['ensemble_size'] == (members or 8)
+  assert 'ensemble_size' not in kept['fit']
+  old = {k: v for k, v in kept.items() if k not in ('batch', 'trust_region', 'ensemble_size')}
+  old['fit'] = {**kept['fit'], **({'ensemble_size': members} if members else {})}  # where a given size was recorded
+  with open(path, 'w') as f:  # as a loop wrote it before these settings existed
+    json.dump(old, f)
   asked = []
   again = _optimise(lambda x: asked.append(x) or _peak(x), **settings)
   assert not asked and _timeless(again.curve) == _timeless(first.curve)
   with pytest.raises(UsageError, match=r"holds a loop with batch=1, and this one has batch=2") as raised:
     _optimise(**settings, batch=2)
   assert '\n' not in str(raised.value)
+  from ensemble.loops import bayesian_optimization as bo_lib  # pylint: disable=g-import-not-at-top
+  with pytest.raises(UsageError, match=rf"holds a loop with ensemble_size={members or 8}, and this one has "
+                                       r"ensemble_size=16: give the settings it was started with"):
+    _optimise(**{**settings, 'ensemble_size': bo_lib.ENSEMBLE_SIZE})  # recorded as the default is
 
 
 def test_a_finished_optimisation_keeps_its_last_ensemble_and_returns_it_when_run_again(optimised):
@@ -545,6 +556,32 @@ def test_a_batch_s_next_point_is_where_the_members_draws_are_not_those_of_the_po
   np.testing.assert_array_equal(points[0], sequential)
   assert abs(points[0, 0] - 0.3) < 0.01 and abs(points[1, 0] - 0.7) < 0.01, points.ravel()
   assert gains[0] > gains[1] > gains[2] > 0  # each the batch's expected improvement over the points before it
+
+
+class _Slopes(_Bumps):
+  """Members f_k(x) = c_k x, c_k > 0, on [0, 1]: every member's optimum is the same point, the box's edge."""
+
+  def __init__(self):
+    slopes = np.linspace(1.0, 2.0, self.size, dtype=np.float32)[:, None]
+    self.variables, self.params = {'statistics': {}, 'slopes': slopes}, {}
+
+  def apply_variables(self, variables, params, x):
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    means = variables['slopes'] * x[:, 0]  # (K, N)
+    return means[..., None], jnp.ones_like(means)[..., None]
+
+
+def test_a_thompson_batch_never_takes_one_point_twice_where_members_share_their_optimum():
+  """Two members' optima clipped to the same corner of the box were one point of a deterministic function
+  evaluated twice (Hartmann-6, a batch of 5): each member's optimum is taken apart from the round's points before
+  it, and as near its own optimum as that allows."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from ensemble.loops import bayesian_optimization as bo_lib  # pylint: disable=g-import-not-at-top
+  slopes, box = _Slopes(), (np.zeros(1), np.ones(1))
+  points, values = bo_lib.batch_proposer(slopes, 'thompson', *box, 200, 5, 50, False, 4)(
+      slopes, jax.random.key(0), 0.0, np.ones(1) / 2)
+  assert points[0, 0] == 1.0 and len(np.unique(points)) == 4, points.ravel()
+  assert (points > 0.95).all() and np.isfinite(values).all(), (points.ravel(), values)
 
 
 @pytest.mark.parametrize('acquisition', ['thompson', 'random'])

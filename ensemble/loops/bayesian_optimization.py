@@ -45,13 +45,10 @@ __all__ = ['Result', 'bayesian_optimization']
 ACQUISITIONS = ('ei', 'pi', 'ucb', 'thompson', 'epistemic_std', 'random')
 _LOOP_KEYWORDS = ('init', 'workdir', 'test', 'validation', 'early_stopping', 'task')
 TRANSFORMS = (None, 'rank', 'log')
-# Settings that a loop recorded before they existed ran as: such a record resumes with them, and with others is
-# refused as any other change of settings.
-SINCE = {'batch': 1, 'trust_region': False}
 # The surrogate's defaults, measured on Hartmann-6 (docs/benchmarks.md, "Bayesian optimisation"): Adam steps per fit,
 # members, the randomised prior's scale, and the standard deviation of the built-in MLP's initial biases (its and its
 # prior's: `surrogate_model`).
-TRAIN_STEPS, ENSEMBLE_SIZE, PRIOR, BIAS = 1000, 8, 1.5, 1.0
+TRAIN_STEPS, ENSEMBLE_SIZE, PRIOR, BIAS = 1000, 16, 1.5, 1.0
 
 
 class Result(NamedTuple):
@@ -61,6 +58,15 @@ class Result(NamedTuple):
   y: np.ndarray  # (n,): what `function` returned there
   best_x: np.ndarray
   best_y: float
+
+
+def as_it_ran(kept: dict[str, Any]) -> dict[str, Any]:
+  """A loop's recorded settings as this version records them: a record from before `batch`, `trust_region` and
+  `ensemble_size` were settings of their own ran one point a round in the whole box, with the members its fit's
+  keywords gave or the 8 that were the default before ENSEMBLE_SIZE. Such a record resumes with those, and with
+  others is refused as any other change of settings."""
+  fit = dict(kept.get('fit', {}))
+  return {'batch': 1, 'trust_region': False, 'ensemble_size': fit.pop('ensemble_size', 8), **kept, 'fit': fit}
 
 
 def _bounds(bounds: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -121,7 +127,10 @@ def proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candid
   `joint(members' (means, variances), key, context) -> (N,)` replaces the
   score (in logs for 'ei'), `context` any arrays, given where `best` is: what
   `batch_proposer` climbs for each point after a batch's first. The program
-  is `run.program`, to be called inside another."""
+  is `run.program`, to be called inside another; its last argument, `taken`
+  (M, D) in the unit box, are points it must not propose again (within
+  `TAKEN`): a round's points so far, where the score does not already
+  vanish there."""
   score = acquire.REGRESSION[name]
   if name == 'ei':
     score = lambda outputs, key, best: acquire.log_expected_improvement(outputs, best)
@@ -137,9 +146,15 @@ def proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candid
     return means.mean(0, keepdims=True), means.var(0, keepdims=True) + regression.VARIANCE_FLOOR * scale
 
   @jax.jit
-  def propose(variables, params, key, best, best_unit, region_low, region_high):
+  def propose(variables, params, key, best, best_unit, region_low, region_high, taken=None):
     uniform_key, near_key, scale_key, acquisition_key = jax.random.split(key, 4)
-    values = lambda unit: score(surrogate(variables, params, unit), acquisition_key, best)
+
+    def values(unit):
+      scores = score(surrogate(variables, params, unit), acquisition_key, best)
+      if taken is None:
+        return scores
+      apart = jnp.max(jnp.abs(unit[:, None] - taken[None]), -1)  # (N, M): the largest coordinate's difference
+      return jnp.where(jnp.min(apart, -1) < TAKEN, -jnp.inf, scores)
     scales = jnp.exp(jax.random.uniform(scale_key, (near, 1), minval=math.log(0.005), maxval=math.log(0.2)))
     uniform = jax.random.uniform(uniform_key, (candidates - near, dimensions))
     unit = jnp.concatenate([
@@ -166,11 +181,15 @@ def proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, candid
     point, value = propose(ens.variables, ens.params, key, jnp.float32(best), unit, *_region(region, dimensions))
     return np.clip(np.asarray(point, np.float64), low, high), float(value)
   run.program = propose
+  run.unit = lambda point: (point - low_j) / width  # a point the program returned, in the unit box
   return run
 
 
 # Joint draws of a batch's values that its greedy expected improvement averages over (BoTorch's qEI takes 256-512).
 JOINT_DRAWS = 256
+# How near (in the unit box, every coordinate) a proposal may come to a point its round has taken: two members'
+# optima clipped to the same corner of the box were one point evaluated twice.
+TAKEN = 1e-6
 BATCH_ACQUISITIONS = ('ei', 'thompson', 'random')
 
 
@@ -200,7 +219,8 @@ def batch_proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, 
   Gaussian part for the noise, or the variance floor, in closed form and in
   logs): a point next to one chosen gains little where the draws agree they
   move together, and the point itself nothing. 'thompson': the optima of
-  `batch` distinct members drawn at random (each a draw of the function).
+  `batch` distinct members drawn at random (each a draw of the function),
+  each apart from the round's points before it (`TAKEN`).
 
   One program for every ensemble of `template`'s shapes, as `proposer`'s."""
   if name == 'thompson':
@@ -219,10 +239,15 @@ def batch_proposer(template: Any, name: str, low: np.ndarray, high: np.ndarray, 
 
   @jax.jit
   def propose(variables, params, key, best, best_unit, *region):
-    if name == 'thompson':
+    if name == 'thompson':  # each member's optimum apart from the points the round took before it
       order = jax.random.permutation(jax.random.fold_in(key, batch), size)
-      return jax.lax.map(lambda j: chosen.program(variables, params, jax.random.fold_in(key, j), order[j], best_unit,
-                                                  *region), jnp.arange(batch))
+
+      def optimum(taken, j):
+        point, value = chosen.program(variables, params, jax.random.fold_in(key, j), order[j], best_unit, *region,
+                                      taken)
+        return taken.at[j].set(chosen.unit(point)), (point, value)
+      away = jnp.full((batch, len(low)), 2.0)  # outside the unit box: nothing taken yet
+      return jax.lax.scan(optimum, away, jnp.arange(batch))[1]
     first, value = single.program(variables, params, key, best, best_unit, *region)
     weights_key, noise_key = jax.random.split(jax.random.fold_in(key, batch))
     weights = jax.random.normal(weights_key, (JOINT_DRAWS, size))
@@ -326,7 +351,7 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
   the `initial` points' number of rows), whatever the number of points, unless
   `epochs=` is given. `transform` (None, 'rank', 'log') is what the members are
   fitted to (`transformed`). `model` and `fit_fields` are `ensemble.fit`'s
-  (ensemble_size=, 8 by default; ...; the task is regression). `warm` starts
+  (ensemble_size=, 16 by default; ...; the task is regression). `warm` starts
   each fit from the last one's members; `workdir` keeps the record and resumes
   from it; `seed` seeds the initial points, the fits and the acquisition's
   draws.
@@ -374,15 +399,16 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
     raise UsageError(f'starts={starts} refines that many of the candidates={candidates}: give starts <= candidates')
   for name, value in (('maximize', maximize), ('warm', warm), ('noise', noise), ('trust_region', trust_region)):
     check_flag(name, value)
-  settings = {'loop': 'bayesian_optimization', 'acquisition': acquisition, 'bounds': np.stack([low, high], 1).tolist(),
-              'evaluations': evaluations, 'initial': initial, 'candidates': candidates, 'starts': starts,
-              'steps': steps, 'maximize': maximize, 'warm': warm, 'seed': seed, 'noise': noise, 'prior': prior,
-              'train_steps': train_steps, 'transform': transform, 'fit': record_lib.recorded(fit_fields),
-              'batch': batch, 'trust_region': trust_region}
   surrogate = surrogate_model(model, prior) if acquisition != 'random' else model
   defaults = {'ensemble_size': ENSEMBLE_SIZE, **({} if noise else {'loss': 'mse'}),
               **({'frozen': (prior_lib.PRIOR,)} if surrogate is not model else {})}
   fields = record_lib.fit_fields({**defaults, **fit_fields, 'task': tasks.DEFAULT_FOR_TARGETS}, initial)
+  settings = {'loop': 'bayesian_optimization', 'acquisition': acquisition, 'bounds': np.stack([low, high], 1).tolist(),
+              'evaluations': evaluations, 'initial': initial, 'candidates': candidates, 'starts': starts,
+              'steps': steps, 'maximize': maximize, 'warm': warm, 'seed': seed, 'noise': noise, 'prior': prior,
+              'train_steps': train_steps, 'transform': transform, 'batch': batch, 'trust_region': trust_region,
+              'ensemble_size': fields['ensemble_size'],
+              'fit': record_lib.recorded({k: v for k, v in fit_fields.items() if k != 'ensemble_size'})}
   if acquisition == 'thompson' and batch > fields['ensemble_size']:
     raise UsageError(f"batch={batch} Thompson draws take as many distinct members, and ensemble_size="
                      f"{fields['ensemble_size']}: give ensemble_size >= batch")
@@ -390,7 +416,7 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
   key = jax.random.key(seed)
   uniform = np.random.default_rng(seed).uniform(low, high, (initial, len(low)))
   loaded = None if isinstance(surrogate, str) else surrogate
-  with record_lib.Record(workdir, settings, since=SINCE) as record, sigterm.interrupting():
+  with record_lib.Record(workdir, settings, since=as_it_ran) as record, sigterm.interrupting():
     xs = [np.asarray(entry['x'], np.float64) for entry in record.rounds]
     ys = [entry['y'] for entry in record.rounds]
     done, schedule = len(record.rounds), rounds_of(evaluations, initial, batch)

@@ -42,12 +42,12 @@ class Record:
 
   `data`: what the rounds read, name -> `fingerprint(...)` ('seed', 'pool',
   'test'): a resume over other data is refused in one line, where it would
-  pair the recorded answers with other inputs. `since`: settings added to a
-  loop after some records were written, name -> the value such a record ran
-  with (a record without them is read as holding it)."""
+  pair the recorded answers with other inputs. `since(kept) -> settings`:
+  what a record's settings say as this version writes them, for a record
+  written before some settings existed or moved (the values it ran with)."""
 
   def __init__(self, workdir: str | None, settings: dict[str, Any], data: dict[str, str] | None = None,
-               since: dict[str, Any] | None = None):
+               since: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
     self.workdir = None if workdir is None else os.path.abspath(os.path.expanduser(workdir))
     self.rounds: list[dict[str, Any]] = []
     self._answers: dict[str, Any] = {}
@@ -62,14 +62,15 @@ class Record:
     checkpoint.lock_workdir(self.workdir)  # before anything is read: the record is this run's until it ends
     try:
       if os.path.exists(path):
-        self._resume(workdir, path, settings, since or {})
+        self._resume(workdir, path, settings, since or (lambda kept: kept))
       else:
         files.write_atomically(path, json.dumps(settings, indent=1) + '\n')
     except BaseException:
       self.close()
       raise
 
-  def _resume(self, workdir: str, path: str, settings: dict[str, Any], since: dict[str, Any]):
+  def _resume(self, workdir: str, path: str, settings: dict[str, Any],
+              since: Callable[[dict[str, Any]], dict[str, Any]]):
     with open(path) as f:
       kept = json.load(f)
     data = settings.pop('data')
@@ -78,7 +79,7 @@ class Record:
                   'own; resume it with the data it was started with')
       files.write_atomically(path, json.dumps({**kept, 'data': data}, indent=1) + '\n')
     kept_data = kept.pop('data', data)
-    kept.update({key: value for key, value in since.items() if key not in kept})  # recorded before the key was
+    kept = since(kept)
     changed = [key for key in sorted(set(kept) | set(settings)) if kept.get(key) != settings.get(key)]
     if changed:
       key = changed[0]
