@@ -438,6 +438,17 @@ def test_an_own_acquisition_gets_the_candidates_outputs_unpadded_and_may_be_nump
     _learn(acquisition=bad, candidates=20, rounds=1)
 
 
+def test_a_number_of_numpy_s_is_recorded_as_the_number_and_resumes_as_one(tmp_path):
+  workdir = str(tmp_path / 'loop')
+  first = _optimise(evaluations=3, initial=3, workdir=workdir, ensemble_size=np.int64(4), epochs=np.int32(60))
+  with open(os.path.join(workdir, record_lib.SETTINGS)) as f:
+    kept = json.load(f)
+  assert kept['ensemble_size'] == 4 and kept['fit']['epochs'] == 60
+  again = _optimise(lambda x: pytest.fail('evaluated again'), evaluations=3, initial=3, workdir=workdir,
+                    ensemble_size=4, epochs=60)
+  assert _timeless(again.curve) == _timeless(first.curve)
+
+
 @pytest.mark.parametrize('members', [2, None])
 def test_a_record_from_before_batches_trust_regions_and_ensemble_sizes_resumes_as_it_ran(tmp_path, members):
   """Such a record ran one point a round in the whole box, with the members its fit's keywords gave (2) or the 8

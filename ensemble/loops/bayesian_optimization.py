@@ -407,7 +407,7 @@ def bayesian_optimization(model: Any, function: Callable, bounds: Any, *, evalua
               'evaluations': evaluations, 'initial': initial, 'candidates': candidates, 'starts': starts,
               'steps': steps, 'maximize': maximize, 'warm': warm, 'seed': seed, 'noise': noise, 'prior': prior,
               'train_steps': train_steps, 'transform': transform, 'batch': batch, 'trust_region': trust_region,
-              'ensemble_size': fields['ensemble_size'],
+              **record_lib.recorded({'ensemble_size': fields['ensemble_size']}),
               'fit': record_lib.recorded({k: v for k, v in fit_fields.items() if k != 'ensemble_size'})}
   if acquisition == 'thompson' and batch > fields['ensemble_size']:
     raise UsageError(f"batch={batch} Thompson draws take as many distinct members, and ensemble_size="

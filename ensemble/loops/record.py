@@ -190,9 +190,15 @@ def whole_number(name: str, value: Any, low: int) -> int:
 
 
 def recorded(fields: dict[str, Any]) -> dict[str, Any]:
-  """`fit`'s keywords as loop.json records them: a resume with other ones is refused. A model object or a config
-  is recorded by its repr."""
-  return {k: v if isinstance(v, (int, float, str, bool)) else repr(v) for k, v in fields.items()}
+  """`fit`'s keywords as loop.json records them: a resume with other ones is refused. A number is recorded as
+  one, whatever its type (numpy's 4 is 4), a model object or a config by its repr."""
+  def value(v):
+    if isinstance(v, (bool, str)):
+      return v
+    if isinstance(v, numbers.Integral):
+      return int(v)
+    return float(v) if isinstance(v, numbers.Real) else repr(v)
+  return {k: value(v) for k, v in fields.items()}
 
 
 def fit_fields(fields: dict[str, Any], first_rows: int) -> dict[str, Any]:
