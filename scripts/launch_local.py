@@ -20,6 +20,9 @@ import threading
 import time
 
 _GRACE_S = 10  # how long stopped processes get to exit before they are killed
+# How long the others get, once one process has failed, to stop by themselves before they are stopped: told the same
+# answer (a held workdir, a bad batch), each prints its own error line, which a loaded machine took longer to do.
+_SETTLE_S = 5
 
 
 def _free_port() -> int:
@@ -71,6 +74,9 @@ def launch(num_processes: int, cpu_devices: int, train_args: list[str]) -> int:
   except KeyboardInterrupt:
     _stop(processes)
     return 130
+  settled = time.monotonic() + (_SETTLE_S if failed else 0.0)
+  while any(p.poll() is None for p in processes) and time.monotonic() < settled:
+    time.sleep(0.1)
   running = [i for i, p in enumerate(processes) if p.poll() is None]
   if failed:
     _stop(processes)
