@@ -49,8 +49,9 @@ OPTIMISATIONS = {'optimisation': {'evaluations': 8, 'epochs': 10},
                  'optimisation_batch': {'evaluations': 10, 'batch': 3, 'epochs': 10, 'trust_region': True},
                  'optimisation_options': {'evaluations': 8, 'noise': True, 'transform': 'log', 'prior': 0.0,
                                           'train_steps': 30, 'maximize': False, 'acquisition': 'thompson',
-                                          'trust_region': True}}
-# Where a stop in the function or after its answer fires: the first chosen point's; the batch's second of its 3.
+                                          'trust_region': True, 'batch': 2}}
+# Where a stop in the function or after its answer fires: the first chosen point's (of a batch of 2, the first); the
+# batch's second of its 3.
 FIRST_CHOSEN = {'optimisation': 5, 'optimisation_batch': 6, 'optimisation_options': 5}
 
 
@@ -126,7 +127,8 @@ def _stopping(monkeypatch, kind, stop, asked):
     return result
   monkeypatch.setattr(ensemble.api, 'fit', fit)
   if stop == 'acquisition':
-    name = {'optimisation_batch': 'batch_proposer'}.get(kind, 'proposer' if optimisation else 'acquisition_program')
+    batched = OPTIMISATIONS.get(kind, {}).get('batch', 1) > 1
+    name = 'batch_proposer' if batched else 'proposer' if optimisation else 'acquisition_program'
     real = getattr(loop, name)
     calls = {'n': 0}
 
