@@ -131,6 +131,12 @@ def run_main(main, program: str, *args: str) -> int:
   return 0
 
 
+# A duration as ensemble.console prints it (`console._duration`): '12.34 s' under a minute, '1m 05s', '2h 03m'. A
+# test that read the first form alone failed on a machine whose compilation cache was empty, where a run's first
+# epoch (its compiles) took over a minute.
+DURATION = r'(?:\d[\d.e+-]* s|\d+m \d\ds|\d+h \d\dm)'
+
+
 def timeless(lines: list[dict]) -> list[dict]:
   """metrics.jsonl lines without their timings (`*_seconds`): what two runs of the same steps must agree on."""
   return [{k: v for k, v in line.items() if not k.endswith('_seconds')} for line in lines]

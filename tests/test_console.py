@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from absl import logging
 
-from conftest import write_mnist
+from conftest import DURATION, write_mnist
 from ensemble import console
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBRARY_NOTICES = ('oneDNN', 'absl::InitializeLog', 'Unable to initialize backend', 'cpu_feature_guard',
                    'PjRt-IFRT', 'Setting work unit notes', 'logging_writer', 'member_test_accuracy/')
 EPOCH_LINE = re.compile(r'epoch (\d+)/2: ensemble accuracy (\S+), NLL (\S+); member accuracy mean (\S+), '
-                        r'best (\S+); train loss (\S+); \S+ s')
+                        rf'best (\S+); train loss (\S+); {DURATION}')
 
 
 class Terminal(io.StringIO):
@@ -159,6 +159,13 @@ def _summary(member_accuracy, epoch=2, test_accuracy=0.991234567, test_loss=0.03
   return summary
 
 
+@pytest.mark.parametrize('seconds', [3e-05, 0.5, 59.99, 61.0, 3599.0, 3700.0])
+def test_every_duration_the_console_prints_is_one_the_tests_read(seconds):
+  """The tests read a run's durations with `DURATION`: a first epoch over a minute (its compiles, on a machine whose
+  compilation cache is empty) printed as '1m 05s', which the tests' old pattern ('12.34 s') did not read."""
+  assert re.fullmatch(DURATION, console._duration(seconds)), console._duration(seconds)  # pylint: disable=protected-access
+
+
 def test_epoch_line_has_the_ensemble_and_member_figures_to_four_digits(info_verbosity, caplog):
   caplog.set_level(py_logging.INFO)
   members = [0.9812345, 0.9765432, 0.9901234]
@@ -200,7 +207,7 @@ def test_summary_says_where_the_results_are_and_what_to_run(info_verbosity, capl
   console.log_training_summary(str(workdir), {})  # resumed at its last epoch: metrics.jsonl speaks for it
   (message,) = _messages(caplog)
   quoted = "'" + str(workdir) + "'"
-  assert re.match(r'Done in ([\d.]+ s|\d+m \d+s) \(epoch 3\): ensemble accuracy 0.8765, NLL 0.4321; '
+  assert re.match(rf'Done in {DURATION} \(epoch 3\): ensemble accuracy 0.8765, NLL 0.4321; '
                   r'member accuracy mean 0.8250, best 0.8500\.', message), message
   for line in (f'checkpoints:        {workdir}/checkpoints', f'metrics:            {workdir}/metrics.jsonl',
                f'tensorboard --logdir {quoted}', f'python -m ensemble.evaluate --workdir {quoted}'):
@@ -264,7 +271,7 @@ def _check_run(output, workdir):
                                                     max(members), record['train_loss']))
   assert any(name.startswith('events.out.tfevents') for name in os.listdir(workdir))
   workdir = os.path.abspath(workdir)
-  assert re.search(r'Done in [\d.]+ s \(epoch 2\): ensemble accuracy', output)
+  assert re.search(rf'Done in {DURATION} \(epoch 2\): ensemble accuracy', output)
   for line in (os.path.join(workdir, 'checkpoints'), os.path.join(workdir, 'metrics.jsonl'),
                f'tensorboard --logdir {workdir}', f'python -m ensemble.evaluate --workdir {workdir}'):
     assert line in output, line

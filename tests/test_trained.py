@@ -15,6 +15,8 @@ import ensemble
 from ensemble import manifest, posthoc, trainer
 from ensemble.errors import UsageError
 
+from conftest import DURATION
+
 FIT = {'ensemble_size': 2, 'epochs': 2, 'batch_size': 16, 'optimizer': 'adamw', 'learning_rate': 0.01,
        'standardize_features': True, 'progress': False}
 
@@ -349,7 +351,7 @@ def test_report_shows_its_stages_as_fit_shows_its_epochs(fitted, task, stages, c
   out, err = capfd.readouterr()
   assert out == ''
   lines = err.splitlines()
-  assert [re.fullmatch(r'report: (.+) \d[\d.]* s', line)[1] for line in lines] == stages, err
+  assert [re.fullmatch(rf'report: (.+) {DURATION}', line)[1] for line in lines] == stages, err
   quiet = ens.report(x, y, progress=False, **options)
   assert capfd.readouterr() == ('', '')
   assert json.dumps(quiet, sort_keys=True) == json.dumps(shown, sort_keys=True)
