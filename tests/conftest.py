@@ -1,9 +1,36 @@
-"""Test set-up: 8 simulated CPU devices (set before jax is imported) and tiny MNIST-shaped data."""
+"""Test set-up: 8 simulated CPU devices and quick compiles (set before jax is imported), tiny MNIST-shaped data."""
 
 import os
+import subprocess
+import sys
 
-os.environ['XLA_FLAGS'] = ' '.join(
-    [os.environ.get('XLA_FLAGS', ''), '--xla_force_host_platform_device_count=8']).strip()
+# The suite compiles with XLA's optimisations off (ENSEMBLE_TEST_COMPILE=fast, the default): most of its time was
+# compiling, and these flags compile the tests' programs about 4x faster (docs/testing.md#what-it-costs), while
+# what a test checks (shapes, refusals, saved files, numbers against an independent computation) is the same
+# arithmetic. What does depend on XLA's optimisations is marked `optimized` and runs in a process of its own that
+# compiles as users do (`compiled_as_users_do`): two different programs that the docs say compute the same numbers
+# exactly, figures a page quotes. ENSEMBLE_TEST_COMPILE=optimized runs the whole suite that way.
+COMPILE = os.environ.get('ENSEMBLE_TEST_COMPILE', 'fast')
+if COMPILE not in ('fast', 'optimized'):
+  raise SystemExit(f"ENSEMBLE_TEST_COMPILE={COMPILE!r}: set it to 'fast' (the default) or 'optimized'")
+USER_XLA_FLAGS = os.environ.get('ENSEMBLE_TEST_USER_XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))
+os.environ['ENSEMBLE_TEST_USER_XLA_FLAGS'] = USER_XLA_FLAGS  # what the processes the tests start inherit
+
+
+def _quick_compile_flags() -> str:
+  """The flags that compile quickly, where this jaxlib knows them (XLA aborts a process on a flag it does not
+  know): tried once in a child process, and kept in the environment for the test processes and theirs."""
+  if 'ENSEMBLE_TEST_QUICK_FLAGS' not in os.environ:
+    flags = '--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false'
+    probe = subprocess.run([sys.executable, '-c', 'import jax; jax.devices()'], capture_output=True, check=False,
+                           env={**os.environ, 'XLA_FLAGS': f'{USER_XLA_FLAGS} {flags}', 'JAX_PLATFORMS': 'cpu'})
+    os.environ['ENSEMBLE_TEST_QUICK_FLAGS'] = flags if probe.returncode == 0 else ''
+  return os.environ['ENSEMBLE_TEST_QUICK_FLAGS']
+
+
+# XLA_FLAGS for a process a test starts (a CLI, a script) that sets its own devices: it compiles as this one does.
+COMPILE_FLAGS = ' '.join([USER_XLA_FLAGS, _quick_compile_flags() if COMPILE == 'fast' else '']).strip()
+os.environ['XLA_FLAGS'] = f'{COMPILE_FLAGS} --xla_force_host_platform_device_count=8'.strip()
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 from ensemble import host_memory  # pylint: disable=g-import-not-at-top,g-bad-import-order
@@ -16,7 +43,7 @@ import gzip
 import inspect
 import json
 import struct
-import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -60,6 +87,67 @@ def _approx_of_numbers(approx):
 
 
 pytest.approx = _approx_of_numbers(pytest.approx)
+
+
+def pytest_configure(config):
+  config.addinivalue_line('markers', 'optimized: compiled as users compile (XLA\'s optimisations on), in a process '
+                          'of its own unless ENSEMBLE_TEST_COMPILE=optimized: the test compares two programs the '
+                          'docs say compute the same numbers exactly, or figures a page quotes')
+
+
+_OPTIMIZED_REPORTS = {}  # nodeid -> [(when, outcome, text)] from the process that compiled as users do
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+  """A test marked `optimized`, in a quickly compiling process: its outcome is that of the same test run in a
+  pytest process that compiles as users do, one process for all of its file's marked tests (their fixtures made
+  once there)."""
+  if COMPILE == 'optimized' or pyfuncitem.get_closest_marker('optimized') is None:
+    return None
+  if pyfuncitem.nodeid not in _OPTIMIZED_REPORTS:
+    _run_compiled_as_users_do([item for item in pyfuncitem.session.items if item.path == pyfuncitem.path
+                               and item.get_closest_marker('optimized') is not None], pyfuncitem.config)
+  reports = _OPTIMIZED_REPORTS.get(pyfuncitem.nodeid)
+  if reports is None:
+    pytest.fail(f'{pyfuncitem.nodeid}: its optimised run reported nothing (ENSEMBLE_TEST_COMPILE=optimized)',
+                pytrace=False)
+  for when, outcome, text in reports:
+    if outcome == 'failed':
+      pytest.fail(f'compiled as users compile (ENSEMBLE_TEST_COMPILE=optimized), its {when} failed:\n{text}',
+                  pytrace=False)
+    if outcome == 'skipped':
+      pytest.skip(text)
+  return True
+
+
+def _run_compiled_as_users_do(items, config):
+  with tempfile.TemporaryDirectory() as folder:
+    outcomes = os.path.join(folder, 'outcomes.jsonl')
+    env = {**os.environ, 'ENSEMBLE_TEST_COMPILE': 'optimized', 'XLA_FLAGS': USER_XLA_FLAGS,
+           'ENSEMBLE_TEST_OUTCOMES': outcomes}
+    run = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-n', '0',
+                          *[item.nodeid for item in items]], cwd=str(config.rootpath), env=env,
+                         capture_output=True, text=True, check=False)
+    if not os.path.exists(outcomes):
+      pytest.fail(f'the optimised run of {items[0].path.name} failed (exit {run.returncode}):\n'
+                  f'{(run.stdout + run.stderr)[-3000:]}', pytrace=False)
+    with open(outcomes) as f:
+      for line in f:
+        report = json.loads(line)
+        _OPTIMIZED_REPORTS.setdefault(report['nodeid'], []).append(
+            (report['when'], report['outcome'], report['text']))
+
+
+def pytest_runtest_logreport(report):
+  """In the process that compiles as users do: each report, for the process that asked for it."""
+  outcomes = os.environ.get('ENSEMBLE_TEST_OUTCOMES')
+  if outcomes and COMPILE == 'optimized':
+    text = report.longreprtext if report.outcome == 'failed' else (
+        report.longrepr[2] if report.outcome == 'skipped' and isinstance(report.longrepr, tuple) else '')
+    with open(outcomes, 'a') as f:
+      f.write(json.dumps({'nodeid': report.nodeid, 'when': report.when, 'outcome': report.outcome,
+                          'text': text}) + '\n')
 
 
 def write_idx(path: str, array: np.ndarray, magic: int | None = None):

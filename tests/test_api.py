@@ -15,7 +15,7 @@ from flax import serialization
 
 import ensemble
 import user_models
-from conftest import run_main, synthetic_mnist, timeless, write_mnist
+from conftest import COMPILE_FLAGS, run_main, synthetic_mnist, timeless, write_mnist
 from ensemble import evaluate, export, predict, writers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -300,7 +300,7 @@ def test_cpu_devices_before_and_after_jax_starts():
                    'try:\n'
                    '  ensemble.cpu_devices(5)\n'
                    'except ensemble.UsageError as e:\n'
-                   '  print(e)\n', XLA_FLAGS='')
+                   '  print(e)\n', XLA_FLAGS=COMPILE_FLAGS)
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'JAX has already started with 3 CPU devices; call ensemble.cpu_devices(5) before' in result.stdout
 
@@ -335,7 +335,7 @@ def test_the_cli_trains_a_model_named_by_import_path(mnist_dir, tmp_path):
       [sys.executable, '-m', 'ensemble.train', '--config=configs/classic.py', f'--workdir={workdir}',
        '--config.model=user_models:TinyNet', "--config.model_kwargs={'width': 16}", f'--config.data_dir={mnist_dir}',
        '--cpu_devices=2', '--config.num_epochs=1', '--config.batch_size=32', '--config.learning_rate=0.05'],
-      cwd=REPO, env={**os.environ, 'XLA_FLAGS': '', 'PYTHONPATH': TESTS}, capture_output=True, text=True,
+      cwd=REPO, env={**os.environ, 'XLA_FLAGS': COMPILE_FLAGS, 'PYTHONPATH': TESTS}, capture_output=True, text=True,
       timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   ens = ensemble.load(str(workdir))
@@ -412,7 +412,7 @@ def test_a_script_loads_the_ensemble_of_a_model_it_defined(tmp_path):
   '''))
   workdir = str(tmp_path / 'saved')
   done = subprocess.run([sys.executable, str(script), workdir], capture_output=True, text=True, check=False,
-                        env={**os.environ, 'XLA_FLAGS': '', 'PYTHONPATH': REPO})
+                        env={**os.environ, 'XLA_FLAGS': COMPILE_FLAGS, 'PYTHONPATH': REPO})
   assert done.returncode == 0, done.stderr[-3000:]
   assert "loaded __main__:Net {'width': 6}" in done.stdout
   with pytest.raises(ensemble.UsageError, match="model '__main__:Net' was defined in the script that trained it"):

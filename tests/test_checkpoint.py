@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from flax import serialization
 
-from conftest import checkpoint_state, linked_workdir, make_member, small_config, synthetic_mnist, timeless, write_mnist
+from conftest import (COMPILE_FLAGS, checkpoint_state, linked_workdir, make_member, small_config, synthetic_mnist,
+                      timeless, write_mnist)
 from ensemble import api, backends, checkpoint, divergence, evaluation, members, recipe as recipe_lib, steps
 from ensemble import trainer, writers
 from ensemble.errors import UsageError
@@ -136,7 +137,7 @@ def test_a_damaged_array_costs_one_warning_line_and_leaves_the_callers_hook(run)
   """Read in 8 shards, each damaged array file left dozens of orbax tracebacks (hundreds of lines) around the
   warning: the dropped reads' coroutines, each quoting the TensorStore spec, and 'Event loop is closed'. The
   library drops them while it reads, and gives the caller's unraisablehook back after."""
-  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
+  env = {**os.environ, 'XLA_FLAGS': f'{COMPILE_FLAGS} --xla_force_host_platform_device_count=8'}
   result = subprocess.run([sys.executable, '-c', _LOAD_EACH_FILE_DAMAGED, run], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
@@ -365,7 +366,7 @@ def test_a_second_trainer_refuses_a_held_workdir_at_once(trained, run):
         [sys.executable, '-m', 'ensemble.train', '--config=configs/classic.py', f'--workdir={run}', '--cpu_devices=8',
          f'--config.data_dir={trained[0]}', '--config.num_epochs=3', '--config.batch_size=32',
          '--config.eval_batch_size=64', '--config.ensemble_size=8', '--config.heldout_fraction=0.0'],
-        cwd=REPO, env={**os.environ, 'XLA_FLAGS': ''}, capture_output=True, text=True, timeout=300)
+        cwd=REPO, env={**os.environ, 'XLA_FLAGS': COMPILE_FLAGS}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
     assert time.monotonic() - started < 60
     errors = [line for line in result.stderr.splitlines() if line.startswith('error:')]
@@ -409,7 +410,7 @@ def test_a_save_that_fails_ends_the_run_in_one_line_and_keeps_the_checkpoints(tr
        f'--config.data_dir={trained[0]}', '--config.num_epochs=3', '--config.batch_size=32',
        '--config.eval_batch_size=64', '--config.ensemble_size=8', '--config.heldout_fraction=0.0',
        '--config.checkpoints_to_keep=2'],
-      cwd=REPO, env={**os.environ, 'XLA_FLAGS': ''}, capture_output=True, text=True, timeout=300)
+      cwd=REPO, env={**os.environ, 'XLA_FLAGS': COMPILE_FLAGS}, capture_output=True, text=True, timeout=300)
   assert result.returncode == 2, result.stderr[-3000:]
   errors = [line for line in result.stderr.splitlines() if line.startswith('error:')]
   assert errors == [f'error: cannot save checkpoint {run}/checkpoints/3: File too large (EFBIG); free space or '

@@ -13,14 +13,14 @@ import pytest
 
 from ensemble import api, checkpoint, data, manifest, writers
 
-from conftest import python_module, run_main
+from conftest import COMPILE_FLAGS, python_module, run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(REPO, 'configs', 'default.py')
 
 
 def _train(*args, config='configs/default.py', cwd=REPO, **env):
-  env = {**os.environ, 'XLA_FLAGS': '', **env}  # the CLI's own --cpu_devices must do the job
+  env = {**os.environ, 'XLA_FLAGS': COMPILE_FLAGS, **env}  # the CLI's own --cpu_devices must do the job
   return subprocess.run([sys.executable, '-m', 'ensemble.train', '--config', config, *args],
                         cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
@@ -224,7 +224,7 @@ def test_ctrl_c_stops_in_one_line_and_the_same_command_resumes(mnist_dir, tmp_pa
   restore = 'import signal; signal.signal(signal.SIGINT, signal.default_int_handler)'
   command = python_module('ensemble.train', '--config=configs/default.py', *args, '--config.num_epochs=100',
                           '--cpu_devices=2', first=restore)
-  with subprocess.Popen(command, cwd=REPO, env={**os.environ, 'XLA_FLAGS': ''}, stderr=subprocess.PIPE,
+  with subprocess.Popen(command, cwd=REPO, env={**os.environ, 'XLA_FLAGS': COMPILE_FLAGS}, stderr=subprocess.PIPE,
                         text=True) as process:
     for line in process.stderr:  # once an epoch has been saved, while the next ones train
       if 'epoch 1/100' in line:
@@ -272,7 +272,7 @@ def test_an_npz_of_colour_images_trains_a_resnet_and_evaluates(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   assert '4 classes, images 8x8x3' in result.stderr
   assert len(writers.read_jsonl(str(workdir / 'metrics.jsonl'))[0]['member_test_accuracy']) == 2
-  env = {**os.environ, 'XLA_FLAGS': ''}
+  env = {**os.environ, 'XLA_FLAGS': COMPILE_FLAGS}
   result = subprocess.run([sys.executable, '-m', 'ensemble.evaluate', '--workdir', str(workdir), '--angles=0,90'],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from absl import logging
 
-from conftest import DURATION, write_mnist
+from conftest import COMPILE_FLAGS, DURATION, write_mnist
 from ensemble import console
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -228,7 +228,7 @@ def test_quiet_libraries_keeps_what_the_user_set(monkeypatch):
 
 def _env():
   env = {k: v for k, v in os.environ.items() if k not in ('TF_CPP_MIN_LOG_LEVEL', 'TF_ENABLE_ONEDNN_OPTS')}
-  env['XLA_FLAGS'] = ''  # the CLI's own --cpu_devices must do the job
+  env['XLA_FLAGS'] = COMPILE_FLAGS  # the CLI's own --cpu_devices must do the job
   return env
 
 

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
-from conftest import SHARED_MNIST, python_module, write_idx, write_mnist
+from conftest import COMPILE_FLAGS, SHARED_MNIST, python_module, write_idx, write_mnist
 from ensemble import data
 from ensemble.data import base, bundled, idx
 from ensemble.errors import EnsembleWarning, UsageError
@@ -258,7 +258,7 @@ assert ens.predict(x[:4])['mean'].shape == (4,) and sys.modules['tensorflow'] is
   for command in ([sys.executable, '-c', f'{hide}; {library}'], train):
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                            env={**os.environ, 'XLA_FLAGS': ''})
+                            env={**os.environ, 'XLA_FLAGS': COMPILE_FLAGS})
     assert result.returncode == 0, result.stderr[-3000:]
   assert any(name.startswith('events.out.tfevents') for name in os.listdir(tmp_path / 'run'))
 

@@ -27,7 +27,7 @@ import pytest
 
 import ensemble
 
-from conftest import SAME_SUMS, checkpoint_state, small_config, synthetic_mnist, write_mnist
+from conftest import COMPILE_FLAGS, SAME_SUMS, checkpoint_state, small_config, synthetic_mnist, write_mnist
 from ensemble import backends, checkpoint, data, distributed, trainer, writers
 from ensemble.errors import UsageError
 
@@ -50,7 +50,7 @@ def _free_port() -> int:
 def _env(**extra) -> dict[str, str]:
   """Only the CLI's --cpu_devices decides the devices; no cluster variables leak in from outside."""
   env = {k: v for k, v in os.environ.items() if not k.startswith(('SLURM_', 'OMPI_', 'JAX_COORDINATOR'))}
-  return {**env, 'XLA_FLAGS': '', 'JAX_PLATFORMS': 'cpu', **extra}
+  return {**env, 'XLA_FLAGS': COMPILE_FLAGS, 'JAX_PLATFORMS': 'cpu', **extra}
 
 
 def _train_args(workdir: str, mnist_dir: str, **overrides) -> list[str]:

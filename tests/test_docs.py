@@ -23,6 +23,8 @@ import xml.etree.ElementTree as ElementTree
 
 import pytest
 
+from conftest import COMPILE_FLAGS
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ['README.md'] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, 'docs', '*.md')))
 DEFAULT_CONFIG = 'configs/default.py'
@@ -125,7 +127,7 @@ def program_flags(programs) -> dict[str, dict[str, str] | None]:
   def run(program):
     if not os.path.exists(os.path.join(REPO, _program_path(program))):
       return program, None
-    env = {**os.environ, 'XLA_FLAGS': '', 'JAX_PLATFORMS': 'cpu'}
+    env = {**os.environ, 'XLA_FLAGS': COMPILE_FLAGS, 'JAX_PLATFORMS': 'cpu'}
     result = subprocess.run(_help_command(program), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     flags = _flags_from_help(result.stdout)
     assert flags, f'{program}: no flags in its help output (exit {result.returncode}): {result.stderr[-1000:]}'
@@ -326,7 +328,7 @@ def test_readme_train_command_runs_offline(tmp_path):
   workdir = tmp_path / 'mnist'
   args = [f'--workdir={workdir}' if arg.startswith('--workdir=') else arg for arg in train.args]
   args += ['--cpu_devices=2', '--config.num_train_steps=250', '--config.ensemble_size=2']
-  env = {**os.environ, 'XLA_FLAGS': '', 'JAX_PLATFORMS': 'cpu'}
+  env = {**os.environ, 'XLA_FLAGS': COMPILE_FLAGS, 'JAX_PLATFORMS': 'cpu'}
   for proxy in ('HTTP_PROXY', 'HTTPS_PROXY', 'http_proxy', 'https_proxy', 'ALL_PROXY', 'all_proxy'):
     env.pop(proxy, None)
   result = subprocess.run([sys.executable, '-c', _OFFLINE, train.program, *args], cwd=REPO, env=env,

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import linked_workdir, run_main, small_config, synthetic_mnist, write_idx, write_mnist
+from conftest import COMPILE_FLAGS, linked_workdir, run_main, small_config, synthetic_mnist, write_idx, write_mnist
 from ensemble import calibration, checkpoint, data, evaluate, evaluation, predictor, recipe as recipe_lib, trainer
 from ensemble import manifest, report as report_lib, scoring, writers
 
@@ -30,7 +30,7 @@ def workdir(tmp_path_factory) -> str:
 
 
 def _run(*args, module=('scripts/evaluate.py',)):
-  env = {**os.environ, 'XLA_FLAGS': ''}  # one CPU device: the 8-device checkpoint is restored elsewhere
+  env = {**os.environ, 'XLA_FLAGS': COMPILE_FLAGS}  # one CPU device: the 8-device checkpoint is restored elsewhere
   return subprocess.run([sys.executable, *module, *args], cwd=REPO, env=env, capture_output=True,
                         text=True, timeout=300)
 
@@ -290,6 +290,7 @@ def _assert_same_numbers(got, want, path='results'):
     assert got == want, (path, got, want)
 
 
+@pytest.mark.optimized
 def test_the_python_report_is_the_command_line_s_on_the_same_examples(workdir, tmp_path):
   """Issue 76: `Ensemble.report` gives what `python -m ensemble.evaluate` gives (one implementation,
   `Task.report`): on the same test set and held-out slice, the same numbers, the same files."""

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import linked_workdir, run_main, small_config, write_mnist
+from conftest import COMPILE_FLAGS, linked_workdir, run_main, small_config, write_mnist
 from ensemble import api, data, export, trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +49,7 @@ def test_the_artifact_round_trips_for_any_batch_size(trained):
 
 
 def test_the_cli_writes_what_a_service_runs_with_jax_alone(trained, tmp_path):
-  env = {**os.environ, 'XLA_FLAGS': ''}
+  env = {**os.environ, 'XLA_FLAGS': COMPILE_FLAGS}
   output = tmp_path / 'model.jax'
   result = subprocess.run([sys.executable, '-m', 'ensemble.export', '--workdir', trained['workdir'], '--output',
                            str(output), '--platforms=cpu'], cwd=REPO, env=env, capture_output=True, text=True,

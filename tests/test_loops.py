@@ -359,6 +359,7 @@ def test_fits_on_other_images_keep_their_programs_and_normalise_by_their_own_sta
   np.testing.assert_allclose(loaded.predict(x)['probs'], ens.predict(x)['probs'], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize('heading', ['## Active learning: a worked example', '## Bayesian optimisation'])
 def test_the_page_s_examples_run_as_written(heading, capsys):
   """docs/active-learning.md's examples run as written and print what the page shows (to 0.01)."""

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 import ensemble
-from conftest import compiles, linked_workdir, run_main, small_config, write_idx, write_mnist
+from conftest import COMPILE_FLAGS, compiles, linked_workdir, run_main, small_config, write_idx, write_mnist
 from ensemble import api, calibration, checkpoint, data, evaluation, manifest, posthoc, predict, trainer, writers
 from ensemble import trained as trained_lib
 from ensemble.data import inputs
@@ -470,7 +470,7 @@ def test_the_program_runs_on_one_device_and_flags(trained, tmp_path):
   """`python -m ensemble.predict` as a user runs it, on 1 CPU device, batch by batch: the flag's held-out pass,
   progress lines, and the summary."""
   np.save(tmp_path / 'x.npy', trained['test']['image'])
-  env = {**os.environ, 'XLA_FLAGS': ''}
+  env = {**os.environ, 'XLA_FLAGS': COMPILE_FLAGS}
   result = subprocess.run([sys.executable, '-m', 'ensemble.predict', '--workdir', trained['workdir'], '--input',
                            str(tmp_path / 'x.npy'), '--output', str(tmp_path / 'rows.jsonl'), '--batch_size=32'],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

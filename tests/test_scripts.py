@@ -9,6 +9,8 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import COMPILE_FLAGS
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Runs a script (argv[1:]) with these packages unimportable, as on a GPU host that has only JAX, Flax and optax.
@@ -30,7 +32,7 @@ runpy.run_path(sys.argv[0], run_name='__main__')
 def _run(*args: str, without_extras: bool = False) -> subprocess.CompletedProcess:
   command = ['-c', WITHOUT_EXTRAS] if without_extras else []
   return subprocess.run([sys.executable, *command, *args], cwd=REPO, capture_output=True, text=True,
-                        env={**os.environ, 'XLA_FLAGS': ''}, timeout=600)
+                        env={**os.environ, 'XLA_FLAGS': COMPILE_FLAGS}, timeout=600)
 
 
 def test_benchmark_runs_without_clu_tfds_or_ml_collections(mnist_dir, tmp_path):
@@ -201,7 +203,7 @@ def test_gpu_check_dry_run_writes_every_section_as_it_goes(tmp_path):
   out = tmp_path / 'out'
   result = subprocess.run([sys.executable, 'scripts/gpu_check.py', '--dry', f'--out={out}'], cwd=REPO,
                           capture_output=True, text=True, timeout=600,
-                          env={**os.environ, 'XLA_FLAGS': '', 'PYTHONPATH': str(hidden)})
+                          env={**os.environ, 'XLA_FLAGS': COMPILE_FLAGS, 'PYTHONPATH': str(hidden)})
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   assert sorted(os.listdir(out)) == ['end_to_end.json', 'peers.json', 'profile.json', 'profile.txt',
                                      'small_data.json', 'summary.md']

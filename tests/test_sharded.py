@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import default as default_config, dp as dp_config, fsdp as fsdp_config, mlp as mlp_config
-from conftest import compiles, make_member, synthetic_mnist
+from conftest import COMPILE_FLAGS, compiles, make_member, synthetic_mnist
 from ensemble import backends, loop, models, trainer, writers
 from ensemble.backends import sharded
 from ensemble.errors import UsageError
@@ -254,7 +254,7 @@ def test_cli_bad_mesh_is_one_line_and_exit_2(mnist_dir, tmp_path):
       [sys.executable, '-m', 'ensemble.train', '--config', 'configs/mlp.py', '--workdir',
        str(tmp_path / 'run'), '--cpu_devices=8', f'--config.data_dir={mnist_dir}',
        '--config.mesh_shape=(4, 4)'],
-      cwd=REPO, env={**os.environ, 'XLA_FLAGS': ''}, capture_output=True, text=True, timeout=300)
+      cwd=REPO, env={**os.environ, 'XLA_FLAGS': COMPILE_FLAGS}, capture_output=True, text=True, timeout=300)
   assert result.returncode == 2, result.stderr[-2000:]
   errors = [line for line in result.stderr.splitlines() if line.startswith('error:')]
   assert len(errors) == 1 and errors[0].startswith(message), result.stderr[-2000:]

@@ -74,6 +74,7 @@ class _Tiny(nn.Module):
     return nn.Dense(3)(nn.relu(nn.Dense(8)(x.reshape(len(x), -1))))
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize('fields', [{'member_data': 'shared'}, {'method': 'bagging'}])
 def test_fit_trains_on_a_random_access_source_as_on_its_arrays(fields):
   """A grain MapDataset of (input, label) pairs streams; bagging's resamples are the same index sampling."""
@@ -88,6 +89,7 @@ def test_fit_trains_on_a_random_access_source_as_on_its_arrays(fields):
   np.testing.assert_array_equal(streamed.predict(x[:8])['probs'], arrays.predict(x[:8])['probs'])
 
 
+@pytest.mark.optimized
 def test_a_source_of_float_images_trains_on_their_pixels_as_arrays_do():
   """Float images in [0, 1] are read as float32 pixels, as `fit`'s arrays become; out of that range, one line."""
   rng = np.random.default_rng(1)

@@ -227,6 +227,7 @@ def test_bad_config_is_refused_before_the_workdir_is_touched(make_config, tmp_pa
   assert not workdir.exists()
 
 
+@pytest.mark.optimized
 def test_the_fast_path_writes_the_plain_paths_metrics(make_config, tmp_path):
   """docs/speed.md: `steps_per_dispatch` computes exactly the plain path's steps; 8 steps an epoch: chunks 3, 3, 2."""
   trainer.train_and_evaluate(make_config(num_epochs=2), str(tmp_path / 'plain'))
