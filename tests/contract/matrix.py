@@ -88,13 +88,26 @@ def cases():
 AFTER_FIT_CHECKS = ('the_value_is_the_same_wherever_it_goes', 'conformal_covers_fresh_data')
 
 
+# A method other than the deep ensemble goes through every chain on classification, and on another task through the
+# chain with both of the steps that read its outputs (a temperature, then a conformal quantile) and the flag
+# thresholds: each pair of the axes (method, task, chain) is still some cell's, as with the data paths above
+# (`FULL`: every chain everywhere).
+EVERY_CHAIN = ('calibrate_then_conformal', 'flags')
+
+
+def _chains(method: str, task: str) -> tuple[str, ...]:
+  """The chains of `method`'s ensemble on `task` (those of `CHAIN_METHODS` that take it)."""
+  every = FULL or method == 'independent' or task == 'classification'
+  return tuple(chain for chain in CHAINS if method in CHAIN_METHODS.get(chain, (method,))
+               and (every or chain in EVERY_CHAIN))
+
+
 def after_fit_cases():
   """pytest params (check name, cell, chain), with ids 'check[method-task-chain]'."""
   for method in METHODS:
     for task in _tasks(method):
-      for chain, steps in CHAINS.items():
-        if method not in CHAIN_METHODS.get(chain, (method,)):
-          continue
+      for chain in _chains(method, task):
+        steps = CHAINS[chain]
         for check in AFTER_FIT_CHECKS:
           if check == 'conformal_covers_fresh_data' and not {'conformal', 'class_conditional'} & set(steps):
             continue
