@@ -194,3 +194,26 @@ def stop_agreed(dispatch: int) -> bool:
   had reached when the notice came, so each process must ask after every dispatch."""
   return multihost_utils.reached_preemption_sync_point(dispatch)
 
+
+def coordinator_last(timeout_s: float = 10.0):
+  """On a stop every process makes (SIGTERM's, at one step), process 0 exits after the others.
+
+  Process 0 hosts jax.distributed's coordination service: gone first, it takes
+  the service with it, and a process still on its way out aborts (SIGABRT
+  instead of its own status 143; the suite's SIGTERM test, now and then). So
+  each other process says it is leaving (the service's key-value store), and
+  process 0 waits for them, `timeout_s` at most: a peer that is not stopping
+  (Ctrl-C on one host) costs that wait, not a hang.
+  """
+  try:
+    from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+    client = jax_distributed.global_state.client  # JAX's own; where it moved, leave as before
+    if jax.process_index() != 0:
+      client.key_value_set(f'ensemble/leaving/{jax.process_index()}', 'yes')
+      return
+    deadline = time.monotonic() + timeout_s
+    for index in range(1, jax.process_count()):
+      client.blocking_key_value_get(f'ensemble/leaving/{index}', max(1, int(1000 * (deadline - time.monotonic()))))
+    time.sleep(0.5)  # from their `key_value_set` to their exit
+  except Exception:  # pylint: disable=broad-except
+    pass  # a peer that did not say so in time, or a JAX without this client: leave as before

@@ -69,8 +69,11 @@ def _exit(code: int):
   if jax.distributed.is_initialized() and jax.process_count() > 1:
     sys.stdout.flush()
     sys.stderr.flush()
+    if code in (cli.TERMINATED, cli.INTERRUPTED):
+      distributed.coordinator_last()
     os._exit(code)  # pylint: disable=protected-access
   sys.exit(code)
+
 
 
 def main(argv):

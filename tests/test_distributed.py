@@ -377,3 +377,27 @@ def test_each_process_feeds_its_block_of_a_per_member_batch():
   one = batch[:1]  # one member over all 8 devices: this process holds the rows of its 4
   np.testing.assert_array_equal(distributed.process_block(_TWO_PROCESSES, one), one[:, _MY_ROWS])
   np.testing.assert_array_equal(distributed.process_block(jax.devices(), two), two)
+
+
+_LEAVE = '''
+import os, sys, time
+import jax
+from ensemble import distributed, train
+index, address = int(sys.argv[1]), sys.argv[2]
+distributed.initialize(address, 2, index)
+jax.devices()  # the backend joins the job, as training's does
+if index == 1:
+  time.sleep(3)  # process 0, the coordination service's host, reaches its exit first
+train._exit(143)
+'''
+
+
+def test_a_stop_every_process_makes_ends_each_with_its_own_status():
+  """SIGTERM's stop (and Ctrl-C's) ends every process with status 143 (130), whichever reaches its exit first:
+  process 0 hosts jax.distributed's coordination service and leaves after the others (before, a process still on its
+  way out when process 0 had gone aborted, status -6: the SIGTERM test above, now and then)."""
+  address = f'127.0.0.1:{_free_port()}'
+  processes = [subprocess.Popen([sys.executable, '-c', _LEAVE, str(index), address], cwd=REPO, env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for index in (0, 1)]
+  outputs = [process.communicate(timeout=120)[0] for process in processes]
+  assert [process.returncode for process in processes] == [143, 143], outputs[1][-3000:]
