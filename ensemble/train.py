@@ -75,7 +75,6 @@ def _exit(code: int):
   sys.exit(code)
 
 
-
 def main(argv):
   if FLAGS.cpu_devices:  # before JAX picks its backend
     jax.config.update('jax_num_cpu_devices', FLAGS.cpu_devices)

@@ -8,7 +8,7 @@ import sys
 # compiling, and these flags compile the tests' programs about 4x faster (docs/testing.md#what-it-costs), while
 # what a test checks (shapes, refusals, saved files, numbers against an independent computation) is the same
 # arithmetic. What does depend on XLA's optimisations is marked `optimized` and runs in a process of its own that
-# compiles as users do (`compiled_as_users_do`): two different programs that the docs say compute the same numbers
+# compiles as users do (`pytest_pyfunc_call`): two different programs that the docs say compute the same numbers
 # exactly, figures a page quotes. ENSEMBLE_TEST_COMPILE=optimized runs the whole suite that way.
 COMPILE = os.environ.get('ENSEMBLE_TEST_COMPILE', 'fast')
 if COMPILE not in ('fast', 'optimized'):

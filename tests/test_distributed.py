@@ -380,7 +380,7 @@ def test_each_process_feeds_its_block_of_a_per_member_batch():
 
 
 _LEAVE = '''
-import os, sys, time
+import sys, time
 import jax
 from ensemble import distributed, train
 index, address = int(sys.argv[1]), sys.argv[2]
