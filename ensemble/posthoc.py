@@ -225,6 +225,13 @@ def _apply_distance(step, outputs, xp):
   return {**outputs, 'distance': distance.score(step['means'], step['whitening'], outputs['features'], xp=xp)}
 
 
+def of_outputs(chain: Sequence[Step]) -> tuple[Step, ...]:
+  """The chain's steps that read the members' outputs alone: what a score of its probabilities, sets or intervals
+  applies to outputs without the penultimate features. A distance step adds its 'distance' and changes nothing a
+  later step reads, so leaving it out changes no other answer."""
+  return tuple(step for step in chain if not KINDS[step.kind].per_input)
+
+
 def needs_features(chain: Sequence[Step]) -> bool:
   """Whether the chain reads the members' penultimate features (a distance step), besides their outputs."""
   return any(KINDS[step.kind].per_input for step in chain)

@@ -367,19 +367,31 @@ def score_ood(predict: Any, test_member_probs: np.ndarray, ood_sets: dict[str, n
       outside['distance'] = distance(split)
     members = [{score: ood.detection(mine[score], theirs[score]) for score in theirs}
                for mine, theirs in zip(inside_members, (_ood_scores(p) for p in member_probs))]
-    histograms = {}
-    for score in scores:
-      edges = np.histogram_bin_edges(np.concatenate([inside[score], outside[score]]), OOD_HISTOGRAM_BINS)
-      histograms[score] = {'edges': edges.tolist(), 'test': np.histogram(inside[score], edges)[0].tolist(),
-                           'ood': np.histogram(outside[score], edges)[0].tolist()}
-    results[name] = {
-        'examples': len(images),
-        'ensemble': {score: ood.detection(inside[score], outside[score]) for score in scores},
-        'mean_member': {score: _mean_member([m[score] for m in members]) for score in members[0]},
-        'histogram': histograms}
+    results[name] = {**_detected(inside, outside, scores, len(images)),
+                     'mean_member': {score: _mean_member([m[score] for m in members]) for score in members[0]}}
     logging.info('%s: ensemble AUROC %s', name, ', '.join(
         f'{score} {results[name]["ensemble"][score]["auroc"]:.4f}' for score in scores))
   return results
+
+
+def _detected(inside: dict[str, np.ndarray], outside: dict[str, np.ndarray], scores: Sequence[str],
+              examples: int) -> dict[str, Any]:
+  """One OOD set's 'ensemble' detection figures of each score (higher: less familiar), and its histograms."""
+  histograms = {}
+  for score in scores:
+    edges = np.histogram_bin_edges(np.concatenate([inside[score], outside[score]]), OOD_HISTOGRAM_BINS)
+    histograms[score] = {'edges': edges.tolist(), 'test': np.histogram(inside[score], edges)[0].tolist(),
+                         'ood': np.histogram(outside[score], edges)[0].tolist()}
+  return {'examples': examples, 'ensemble': {score: ood.detection(inside[score], outside[score]) for score in scores},
+          'histogram': histograms}
+
+
+def score_distance_ood(distance: Any, test: data.Split, ood_sets: dict[str, np.ndarray]) -> dict[str, Any]:
+  """`score_ood` by the chain's distance alone: for an ensemble of any task whose outputs are no probabilities (a
+  regression's, a quantile or dense one's), the distance is its one score of unfamiliar inputs."""
+  inside = {'distance': distance(test)}
+  return {name: _detected(inside, {'distance': distance({'image': x})}, ('distance',), len(x))
+          for name, x in console.track(list(ood_sets.items()), 'out-of-distribution sets', unit='set')}
 
 
 def _selective(member_probs: np.ndarray, labels: np.ndarray, coverages: np.ndarray) -> dict[str, Any]:
@@ -471,7 +483,7 @@ def score_chain_conformal(task: Any, chain: Sequence[posthoc.Step], predict: Any
   if step is None or not task.class_conditional:
     return None
   member_outputs, labels = predict.log_probs(test), test['label']
-  covered = task.covered(posthoc.apply(chain, task.view(member_outputs)), labels)
+  covered = task.covered(posthoc.apply(posthoc.of_outputs(chain), task.view(member_outputs)), labels)
   fitted = dict(step.settings)
   own = fitted.get('class_conditional', False)
   pooled = [tuple(np.atleast_1d(group)) for group in fitted.get('pooled', ())]

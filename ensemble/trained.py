@@ -518,14 +518,19 @@ class Ensemble:
              if self.member.inputs == 'images' and self.task.detects_ood else {})
     elif not isinstance(ood, dict):  # one set of inputs
       ood = {'ood': ood}
-    if ood and not self.task.detects_ood:
+    by_distance = bool(ood) and not self.task.detects_ood  # the chain's distance step is the one score there
+    if by_distance and posthoc.last(self.posthoc, 'distance') is None:
       raise UsageError(f'report: ood= detects unfamiliar inputs by the members\' probabilities, and this is a '
-                       f'{self.task.name} ensemble: leave ood= out')
+                       f'{self.task.name} ensemble: fit a distance step first (ens.distance(x_train)), or leave ood= out')
     ood = {name: self.check(x, f'report: ood {name}') for name, x in ood.items()}
     with console.stages_shown(progress):
       scores = self.task.report(predictor.Forward(self), test, heldout, False, size=self.size,
                                 angles=(scoring.DEFAULT_ANGLES if angles is None else angles) if images else (),
-                                noise=(True if noise is None else noise) and images, ood_sets=ood, alphas=alphas)
+                                noise=(True if noise is None else noise) and images,
+                                ood_sets=None if by_distance else ood, alphas=alphas)
+      if by_distance:
+        with console.stage(f'out-of-distribution sets ({len(ood)})'):
+          scores['ood'] = scoring.score_distance_ood(predictor.Forward(self).distance, test, ood)
     results = {'workdir': self.workdir or 'an ensemble in memory', 'epoch': self.epoch,
                'checkpoint_unit': self.config.checkpoint_unit, 'ensemble_size': self.size, 'task': self.task.name,
                'data': 'the examples given', 'calibration': 'given' if heldout is not None else None, **scores}

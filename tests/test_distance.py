@@ -69,6 +69,38 @@ def test_the_report_scores_the_distance_beside_the_probabilities(fitted):
   assert 'distance' not in ens.report(x_test, y_test, ood={'far': far})['ood']['far']['ensemble']
 
 
+def test_a_chain_with_a_distance_step_reports_and_evaluates_as_it_predicts(fitted):
+  """The chain the docs build up to: a temperature, class-conditional sets, then the distance. The report's and
+  evaluate's passes over the chain take the members' outputs without their features; they give the sets and the
+  scaled probabilities that `predict` gives (they ended in KeyError: 'features')."""
+  ens, _, (x, y), x_test, _ = fitted
+  (xc, yc), (xt, yt) = blobs(400, 3), blobs(300, 4)
+  scaled = ens.calibrate(xc, yc).conformal(xc, yc, alpha=0.2, class_conditional=True)
+  chained = scaled.distance(x, y)
+  predicted = chained.predict(xt)
+  covered = predicted['set'][np.arange(len(yt)), yt]
+  reported = chained.report(xt, yt)['posthoc_conformal']
+  assert reported['coverage'] == pytest.approx(covered.mean()) and reported['test_examples'] == len(yt)
+  assert [g['coverage'] for g in reported['groups']] == pytest.approx([covered[yt == c].mean() for c in range(CLASSES)])
+  evaluated = chained.evaluate(xt, yt)['temperature_scaled']
+  assert evaluated == pytest.approx(scaled.evaluate(xt, yt)['temperature_scaled'])
+  assert evaluated['nll'] == pytest.approx(-np.log(predicted['probs'][np.arange(len(yt)), yt]).mean(), rel=1e-5)
+
+
+def test_a_regression_s_report_judges_its_distance_on_unfamiliar_rows(fitted, tmp_path):
+  """Its outputs are no probabilities, so the chain's distance is its one score of unfamiliar inputs: the report
+  scores it (it refused ood= whatever the chain), and without a distance step refuses ood= in one line."""
+  _, _, (x, _), x_test, far = fitted
+  targets = lambda rows: (rows[:, :2] @ np.array([1.0, -0.5]) + np.sin(rows[:, 2])).astype(np.float32)
+  ens = ensemble.fit('mlp', (x, targets(x)), task='regression', ensemble_size=2, epochs=3, progress=False)
+  measured = ens.distance(x)
+  found = measured.report(x_test, targets(x_test), ood={'far': far}, output_dir=str(tmp_path / 'report'))['ood']
+  assert found['far']['examples'] == len(far) and list(found['far']['ensemble']) == ['distance']
+  assert found['far']['ensemble']['distance']['auroc'] >= 0.95
+  with pytest.raises(ensemble.UsageError, match=r'regression ensemble: fit a distance step first'):
+    ens.report(x_test, targets(x_test), ood={'far': far})
+
+
 def test_bad_input_is_one_line(fitted):
   ens, _, (x, y), _, _ = fitted
   few = np.isin(y, [0, 1, 2]) | (np.cumsum(y == 3) <= 1)  # one row of class 3

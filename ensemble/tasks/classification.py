@@ -213,7 +213,7 @@ class Classification(base.Task):
     from ensemble import posthoc  # pylint: disable=g-import-not-at-top
     if not any(step.kind == self.calibration for step in chain):
       return None
-    return posthoc.apply(chain, view)['probs']
+    return posthoc.apply(posthoc.of_outputs(chain), view)['probs']
 
   def evaluate(self, outputs, labels, chain, size):
     from ensemble import scoring  # pylint: disable=g-import-not-at-top

@@ -156,7 +156,7 @@ class Multilabel(base.Task):
 
   def evaluate(self, outputs, labels, chain, size):
     from ensemble import posthoc, scoring  # pylint: disable=g-import-not-at-top
-    scaled = (posthoc.apply(chain, self.view(outputs))['label_probs']
+    scaled = (posthoc.apply(posthoc.of_outputs(chain), self.view(outputs))['label_probs']
               if any(step.kind == self.calibration for step in chain) else None)
     return scoring.score_labels(outputs, labels, scaled)
 

@@ -227,7 +227,7 @@ class Regression(base.Targets):
     scores = {'ensemble': mixture.score(view['means'], view['variances'], labels), 'members': members,
               'mean_member': {key: float(np.mean([m[key] for m in members])) for key in members[0]}}
     if any(step.kind == self.calibration for step in chain):
-      scaled = posthoc.apply(chain, view)
+      scaled = posthoc.apply(posthoc.of_outputs(chain), view)
       scores['variance_scaled'] = mixture.score(scaled['means'], scaled['variances'], labels)
     return scores
 
