@@ -521,7 +521,8 @@ class Ensemble:
     by_distance = bool(ood) and not self.task.detects_ood  # the chain's distance step is the one score there
     if by_distance and posthoc.last(self.posthoc, 'distance') is None:
       raise UsageError(f'report: ood= detects unfamiliar inputs by the members\' probabilities, and this is a '
-                       f'{self.task.name} ensemble: fit a distance step first (ens.distance(x_train)), or leave ood= out')
+                       f'{self.task.name} ensemble: fit a distance step first (ens.distance(x_train)), or leave '
+                       'ood= out')
     ood = {name: self.check(x, f'report: ood {name}') for name, x in ood.items()}
     with console.stages_shown(progress):
       scores = self.task.report(predictor.Forward(self), test, heldout, False, size=self.size,

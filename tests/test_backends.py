@@ -210,7 +210,8 @@ def _assert_same_updates(params, reference, initial):
                                           jax.tree.leaves(initial)):
     ours, theirs = np.asarray(ours, np.float64) - start, np.asarray(theirs, np.float64) - start
     error, size = np.linalg.norm(ours - theirs), np.linalg.norm(theirs)
-    assert error <= 1e-2 * size + 1e-5 * np.sqrt(theirs.size), f'{jax.tree_util.keystr(path)}: {error:.3g} of {size:.3g}'
+    where = jax.tree_util.keystr(path)
+    assert error <= 1e-2 * size + 1e-5 * np.sqrt(theirs.size), f'{where}: {error:.3g} of {size:.3g}'
 
 
 @pytest.mark.parametrize('model, member_data, fast', [
