@@ -14,7 +14,7 @@ import pytest
 import scipy.special
 
 import ensemble
-from ensemble import data, evaluation, export, predict, tasks
+from ensemble import data, evaluation, export, posthoc, predict, tasks
 from ensemble.data import convert
 from ensemble.errors import UsageError
 from ensemble.tasks import quantile
@@ -48,6 +48,21 @@ def test_every_task_is_registered_once_and_says_what_it_decides():
     assert task.conformal_scores, name
     assert all(tasks.with_score(score).name in tasks.NAMES for score in task.conformal_scores)
   assert tasks.DEFAULT == 'classification' and tasks.named('quantile').calibration is None
+
+
+def test_a_task_without_a_step_refuses_it_in_one_line():
+  """What a task declares decides which post-hoc steps it takes: a new task with no conformal score (and no
+  calibration) refuses both by name, where `conformal` ended in an IndexError."""
+  class Counts(quantile.Quantile):
+    name = 'counts'
+    conformal_scores = ()
+  task = Counts()
+  assert task.refuses('conformal') and task.refuses('calibrate') == 'has no temperature or scale to fit'
+  with pytest.raises(UsageError, match=r'^conformal: a counts ensemble has no conformal score'):
+    posthoc.conformal_settings(task, 0.1, None, False)
+  assert [tasks.named(name).refuses('conformal') for name in tasks.NAMES] == [None] * len(tasks.NAMES)
+  assert [name for name in tasks.NAMES if tasks.named(name).refuses('calibrate')] == ['quantile']
+  assert 'conformal(x, y, alpha) (cqr)' in tasks.named('quantile').refuses('calibrate')
 
 
 # --- a dense task's post-hoc steps count labelled positions --------------------------------------------------------

@@ -183,6 +183,18 @@ class Task:
     """`Ensemble.predict`'s answer from the outputs after the chain."""
     raise NotImplementedError
 
+  def refuses(self, step: str) -> str | None:
+    """Why this task takes no post-hoc `step` ('calibrate', 'conformal'), as the end of a one-line error naming the
+    task; None where it takes it. What it declares decides (`calibration`, `conformal_scores`): a task without a
+    conformal score refuses `conformal` in one line, where its first score would be an IndexError."""
+    if step == 'calibrate' and self.calibration is None:
+      other = (f'; its intervals are calibrated by conformal(x, y, alpha) ({self.conformal_scores[0]})'
+               if self.conformal_scores else '')
+      return f'has no temperature or scale to fit{other}'
+    if step == 'conformal' and not self.conformal_scores:
+      return 'has no conformal score to fit sets or intervals by (Task.conformal_scores)'
+    return None
+
   def check_predict_options(self, levels: Any, threshold: Any):
     """Refuses an option of `predict` that this task does not read, where it was changed from its default."""
     if threshold != 0.5:
