@@ -16,8 +16,10 @@ labels; what it becomes is an ordinary classifier or regressor of the teacher's 
                   expectation is exactly the mean of the ordinary NLL at the two targets m + sqrt(v) and
                   m - sqrt(v): each input is trained on both, and the task's loss is regression's own.
   multi-label     each label's mean probability, a soft target of its binary cross-entropy.
-  quantile        each input once per level, with the teacher's quantile at that level as its target: the pinball
-                  losses over them are least at the teacher's quantiles.
+  quantile        the teacher's quantiles (N, Q, D), one target per head: each level's head is fitted to the
+                  teacher's quantile at that level by half the absolute error (the pinball loss at 1/2), not by the
+                  pinball loss at its level against all Q, whose least is the teacher's own only at evenly spread
+                  levels.
 
 Each task makes its student's labels (`Task.student_labels`).
 """

@@ -45,7 +45,8 @@ def splits(dataset: data.Dataset, train: data.Split, recipe: Recipe):
   test, sample = dataset.test, data.stream.sample(train)
   target_stats, task = None, tasks.create(recipe)  # the recipe's: a quantile task's outputs depend on its levels
   if task.standardises_targets:
-    targets = sample['label'].astype(np.float64)
+    # Per target, the labels' last axis (a quantile student's (N, Q, D) hold a row of targets per level).
+    targets = sample['label'].astype(np.float64).reshape(-1, sample['label'].shape[-1])
     with np.errstate(over='ignore', invalid='ignore'):  # beyond float64: refused just below
       target_mean, target_std = targets.mean(0), targets.std(0)
     target_std = np.where(target_std > 0, target_std, 1.0)

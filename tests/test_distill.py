@@ -1,8 +1,8 @@
 """Distillation (`ensemble.distill`, ensemble/distillation.py): the student's loss against the teacher's averaged
 probabilities (at T = 1 and 2) and the regression loss against its closed form, computed here; a student of a tiny
-ensemble that predicts closer to the ensemble than its members do; the report against direct computations; a
-user's linen student in a workdir that loads, predicts, evaluates and exports, an NNX student saved and loaded;
-refusals in one line."""
+ensemble that predicts closer to the ensemble than its members do; a quantile student that learns each level's own
+quantile at uneven levels; the report against direct computations; a user's linen student in a workdir that loads,
+predicts, evaluates and exports, an NNX student saved and loaded; refusals in one line."""
 
 import functools
 import json
@@ -117,6 +117,32 @@ def test_regression_student_trains_on_the_expected_nll_under_the_mixtures_gaussi
   mu, s2 = (np.asarray(part[0], np.float64) for part in regression.split_outputs(outputs, 2))
   closed_form = (0.5 * np.log(2 * np.pi * s2) + ((mu - m) ** 2 + v) / (2 * s2)).sum(-1).mean()
   np.testing.assert_allclose(average, closed_form, rtol=1e-5)
+
+
+UNEVEN_LEVELS = (0.025, 0.05, 0.5, 0.95, 0.975)
+
+
+def _line(n: int, seed: int):
+  """1 feature, 1 target whose noise grows with |x|."""
+  rng = np.random.default_rng(seed)
+  x = rng.uniform(-2, 2, size=(n, 1)).astype(np.float32)
+  return x, (np.sin(x[:, 0]) + 0.3 * (1 + np.abs(x[:, 0])) * rng.normal(size=n)).astype(np.float32)
+
+
+def test_a_quantile_student_learns_each_level_s_own_quantile_at_uneven_levels():
+  """Issue 98: each head fitted by its level's pinball loss to all the teacher's quantiles learned their quantile
+  at its level, the teacher's 0.025 at 0.05 and its 0.975 at 0.95."""
+  x, y = _line(256, 0)
+  teacher = ensemble.fit('mlp', (x, y), task='quantile', quantiles=UNEVEN_LEVELS, **{**TEACHER, 'ensemble_size': 2})
+  # Each input once an epoch, its Q targets in one row: more epochs than STUDENT's.
+  student = ensemble.distill(teacher, 'mlp', x, **{**STUDENT, 'epochs': 40})
+  assert student.task.levels == UNEVEN_LEVELS
+  grid = np.linspace(-2, 2, 64, dtype=np.float32)[:, None]
+  want, got = teacher.predict(grid)['quantiles'], student.predict(grid)['quantiles']  # (64, Q)
+  error = np.abs(got - want).mean(0)
+  gap = np.abs(want[:, 1] - want[:, 0]).mean()  # what the 0.05 head was off by: the teacher's 0.025 to its 0.05
+  assert error[1] < gap / 4, (error, gap)
+  assert (error < 0.02 * (want[:, -1] - want[:, 0]).mean()).all(), error  # within 2% of the teacher's 95% interval
 
 
 def _kl(p, q):

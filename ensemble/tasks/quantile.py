@@ -105,6 +105,10 @@ class Quantile(base.Targets):
     """The share of targets the outermost pair's interval should hold."""
     return self.levels[-1] - self.levels[0]
 
+  def layout_error(self, labels, images, num_classes):
+    """Targets (N, D), or a distilled student's (N, Q, D): the teacher's quantiles (`student_labels`)."""
+    return super().layout_error(labels[:, 0] if labels.ndim == 3 else labels, images, num_classes)
+
   # --- in the programs ---------------------------------------------------------------------------------------------
 
   def member_output(self, outputs: jnp.ndarray) -> jnp.ndarray:
@@ -117,8 +121,18 @@ class Quantile(base.Targets):
 
   def loss(self, outputs: jnp.ndarray, labels: jnp.ndarray) -> tuple[jnp.ndarray, Metrics]:
     """(the mean pinball loss over the batch, the levels and the targets, the step's metrics: it, and each target's
-    mean pinball loss ('pinball/d'), which the summary reports in the targets' units)."""
-    per_target = pinball(self._member(outputs), labels, self.levels).mean((0, 2))  # (D,)
+    mean pinball loss ('pinball/d'), which the summary reports in the targets' units).
+
+    A distilled student's labels (B, Q, D) are already quantiles, the teacher's (`student_labels`): each level's
+    head is held to its own by the pinball loss at 1/2 (half the absolute error), least where they are equal.
+    Symmetric, so that where the student cannot follow the teacher it errs to both sides alike, where the pinball
+    loss at a 0.025 head's own level would weigh an overshoot 39 times an undershoot and push it below."""
+    quantiles = self._member(outputs)
+    if labels.ndim == 3:
+      losses = jnp.abs(jnp.swapaxes(labels, 1, 2) - quantiles) / 2
+    else:
+      losses = pinball(quantiles, labels, self.levels)
+    per_target = losses.mean((0, 2))  # (D,)
     return per_target.mean(), {'loss': per_target.mean(),
                                **{f'pinball/{d}': per_target[d] for d in range(self.targets)}}
 
@@ -216,7 +230,7 @@ class Quantile(base.Targets):
     result = {'ensemble': scores(view['quantiles'], labels, self.levels), 'members': members,
               'mean_member': {key: float(np.mean([m[key] for m in members])) for key in flat},
               'levels': list(self.levels)}
-    chained = posthoc.apply(chain, view)
+    chained = posthoc.apply(posthoc.of_outputs(chain), view)
     if 'conformal_lower' in chained:
       lower, upper = chained['conformal_lower'], chained['conformal_upper']
       result['conformal'] = {'coverage': float(((lower <= labels) & (labels <= upper)).mean()),
@@ -296,11 +310,11 @@ class Quantile(base.Targets):
   # --- distillation and the loops ----------------------------------------------------------------------------------
 
   def student_labels(self, ens, inputs):
-    """Every input Q times, with the teacher's quantile at each level as a target: the pinball loss over the Q is
-    least at the teacher's quantiles."""
-    quantiles = self.view(ens.member_outputs(inputs))['quantiles']  # (N, D, Q)
-    return (np.concatenate([inputs] * len(self.levels)),
-            np.concatenate([quantiles[..., i] for i in range(len(self.levels))]))
+    """(inputs, the teacher's quantiles (N, Q, D)), one target per head, which `loss` fits each head to. Not each
+    input once per level with all heads fitted to every target: the head at tau would learn the tau-quantile of
+    the teacher's Q quantiles, which is its own tau-quantile only at evenly spread levels (at 0.025, 0.05, ...,
+    the 0.05 head learned the 0.025 one). The targets last, as every task's labels: standardised per target."""
+    return inputs, np.swapaxes(self.view(ens.member_outputs(inputs))['quantiles'], 1, 2)
 
   def curve_scores(self, ens, inputs, labels):
     labels = self.labels(labels, 'test', len(inputs), self.targets)
