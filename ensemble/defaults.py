@@ -259,6 +259,16 @@ class Recipe:
     else 'epoch' (what a log line names a checkpoint by)."""
     return 'step' if self.checkpoint_every_steps > 0 else 'epoch'
 
+  @property
+  def own_model(self) -> bool:
+    """Whether `model` is a user's, named by its import path ('package.module:Name'), not a built-in one: what the
+    methods' rules ask of a model before it is built (ensemble/methods/), with nothing of the models imported."""
+    return is_import_path(self.model)
+
+
+def is_import_path(model: str) -> bool:
+  return ':' in model
+
 
 FIELDS = tuple(field.name for field in dataclasses.fields(Recipe))
 

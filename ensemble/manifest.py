@@ -135,7 +135,7 @@ def read(workdir: str, config: recipe_lib.Recipe, epoch: int, task: Any,
   if found.get('checkpoint') != checkpoint.checkpoint_id(workdir, epoch):
     raise UsageError(f'{where} names another checkpoint {epoch} than the one in {workdir} (it was replaced since '
                      'the ensemble was saved); save the ensemble again')
-  chain = posthoc.from_json(found.get('posthoc', []), where)
+  chain = posthoc.from_json(found.get('posthoc', []), where, task)
   posthoc.check(chain, epoch, where)
   return chain, found.get('summary', summary)
 
@@ -150,12 +150,12 @@ def legacy_chain(workdir: str, config: recipe_lib.Recipe, epoch: int, task: Any)
   temperature = saved.get('temperature') or fitted_temperature(workdir, config, epoch)
   chain = []
   if isinstance(temperature, list):  # a multi-label ensemble's, one per label
-    chain.append(posthoc.given(kind, chain, epoch, value=[float(t) for t in temperature]))
+    chain.append(posthoc.given(kind, chain, epoch, task, value=[float(t) for t in temperature]))
   elif temperature and temperature != 1.0 and kind:
-    chain.append(posthoc.given(kind, chain, epoch, value=float(temperature)))
+    chain.append(posthoc.given(kind, chain, epoch, task, value=float(temperature)))
   found = saved.get('conformal')
   if found:
-    chain.append(posthoc.given('conformal', chain, epoch, alpha=float(found['alpha']), score=found['score'],
+    chain.append(posthoc.given('conformal', chain, epoch, task, alpha=float(found['alpha']), score=found['score'],
                                quantile=found['quantile']))
   return tuple(chain)
 

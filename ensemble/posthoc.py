@@ -55,10 +55,14 @@ class FittedOn(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-  """One fitted post-hoc step: its kind (`KINDS`), its fitted settings and what it was fitted on."""
+  """One fitted post-hoc step: its kind (`KINDS`), its fitted settings and what it was fitted on, and the task
+  whose outputs it reads. A step carries its task as an optax transform carries its state: a conformal step's sets
+  are its own task's (`Task.apply_conformal`), whatever its score is called. The task is not saved (the ensemble's
+  is) and not compared."""
   kind: str
   settings: tuple[tuple[str, Any], ...]
   fitted_on: FittedOn
+  task: Any = dataclasses.field(default=None, compare=False, repr=False)
 
   def __getitem__(self, name: str) -> Any:
     return dict(self.settings)[name]
@@ -173,9 +177,7 @@ def _describe_conformal(step):
 
 
 def _apply_conformal(step, outputs, xp):
-  """The sets (intervals) of the task whose score the step has."""
-  from ensemble import tasks  # pylint: disable=g-import-not-at-top  # the tasks ask this module back
-  return tasks.with_score(step['score']).apply_conformal(step, outputs, xp)
+  return step.task.apply_conformal(step, outputs, xp)
 
 
 def _doubts(member_probs, xp=np):
@@ -271,13 +273,13 @@ def fit(kind: str, chain: Sequence[Step], outputs: dict[str, Any], labels: np.nd
   fitted = KINDS[kind].fit(view, labelled, task, **settings)
   examples = len(inputs) if per_input else task.examples(labels)
   return Step(kind, _settings(fitted),
-              FittedOn(int(epoch), tuple(step.id for step in chain), examples, digest(inputs, labels)))
+              FittedOn(int(epoch), tuple(step.id for step in chain), examples, digest(inputs, labels)), task)
 
 
-def given(kind: str, chain: Sequence[Step], epoch: int, **settings) -> Step:
-  """A step given rather than fitted, after `chain`: a temperature set by hand (`ensemble.load(...,
+def given(kind: str, chain: Sequence[Step], epoch: int, task: Any, **settings) -> Step:
+  """A step of `task`'s given rather than fitted, after `chain`: a temperature set by hand (`ensemble.load(...,
   temperature=T)`), or read from a workdir of an earlier version, which recorded no examples."""
-  return Step(kind, _settings(settings), FittedOn(int(epoch), tuple(step.id for step in chain), 0, ''))
+  return Step(kind, _settings(settings), FittedOn(int(epoch), tuple(step.id for step in chain), 0, ''), task)
 
 
 def given_temperature(task: Any, value: float, epoch: int, chain: Sequence[Step]) -> Step:
@@ -287,7 +289,7 @@ def given_temperature(task: Any, value: float, epoch: int, chain: Sequence[Step]
     raise UsageError(f'temperature={value!r} must be a positive number')
   if task.calibration is None:
     raise UsageError(f'temperature={value!r}: a {task.name} ensemble has no temperature or scale; leave it out')
-  return given(task.calibration, chain, epoch, value=float(value))
+  return given(task.calibration, chain, epoch, task, value=float(value))
 
 
 def replaced(chain: Sequence[Step], kind: str, step: Step) -> tuple[Step, ...]:
@@ -299,7 +301,7 @@ def replaced(chain: Sequence[Step], kind: str, step: Step) -> tuple[Step, ...]:
     raise UsageError(f'temperature={step["value"]:g} would replace the {describe(chain[first:first + 1])} that the '
                      f'{describe([s for s in chain[first:] if s.kind != kind][:1])} after it was fitted on; leave '
                      'temperature= out, or fit the chain again')
-  return (*kept, Step(step.kind, step.settings, step.fitted_on._replace(after=tuple(s.id for s in kept))))
+  return (*kept, Step(step.kind, step.settings, step.fitted_on._replace(after=tuple(s.id for s in kept)), step.task))
 
 
 def apply(chain: Sequence[Step], outputs: dict[str, Any], xp=np) -> dict[str, Any]:
@@ -350,8 +352,9 @@ def to_json(chain: Sequence[Step]) -> list[dict[str, Any]]:
   return [step.to_dict() for step in chain]
 
 
-def from_json(saved: Any, where: str) -> tuple[Step, ...]:
-  """The chain a manifest holds; a step of unknown kind or shape is one UsageError naming `where`."""
+def from_json(saved: Any, where: str, task: Any) -> tuple[Step, ...]:
+  """The chain a manifest holds, of the ensemble's `task`; a step of unknown kind or shape is one UsageError naming
+  `where`."""
   if not isinstance(saved, list):
     raise UsageError(f'{where}: its post-hoc steps are not a list; write it again with Ensemble.save')
   chain = []
@@ -362,7 +365,7 @@ def from_json(saved: Any, where: str) -> tuple[Step, ...]:
                            int(entry['fitted_on']['examples']), str(entry['fitted_on']['sha256']))
       if entry['kind'] not in KINDS:
         raise KeyError(entry['kind'])
-      chain.append(Step(entry['kind'], _settings(values), fitted_on))
+      chain.append(Step(entry['kind'], _settings(values), fitted_on, task))
     except (AttributeError, KeyError, TypeError, ValueError) as e:
       raise UsageError(f'{where}: post-hoc step {i + 1} cannot be read ({type(e).__name__}: {e}); write it again '
                        'with Ensemble.save, or remove the file to load the members without their post-hoc steps'

@@ -27,7 +27,7 @@ from absl import logging
 
 from ensemble import backends, data, methods, models, optim, steps, tasks
 from ensemble.data import augment, stream
-from ensemble.defaults import FIELDS, Kwargs, Recipe, frozen
+from ensemble.defaults import FIELDS, Kwargs, Recipe, frozen, is_import_path
 from ensemble.backends import sharded
 from ensemble.errors import UsageError
 from ensemble.models import user
@@ -210,7 +210,7 @@ def _check_field(name: str, value: Any):
     _require(all(isinstance(v, str) and v.strip('/') for v in value),
              f"{name}={value!r} must be module paths, e.g. --config.{name}=\"('backbone',)\"")
   elif name == 'model':
-    _require(value in models.MODELS or user.is_import_path(value),
+    _require(value in models.MODELS or is_import_path(value),
              f'unknown model {value!r}: set --config.model to one of {sorted(models.MODELS)}, or name a model of '
              'your own as package.module:Name')
   elif name == 'mesh_shape':
@@ -391,7 +391,7 @@ def resolve(fields: Any, available: Sequence[jax.Device], *, model: Any = None,
     user.wrap(model)  # refuses what is no model before anything runs
     name, kwargs = user.describe(model)
     changes.update(model=name, model_kwargs=frozen(kwargs))
-  elif user.is_import_path(r.model):
+  elif is_import_path(r.model):
     models.check(r)  # the module imports, and the arguments build the model
   if r.method in methods.MEMBER_DATA:
     changes['member_data'] = methods.MEMBER_DATA[r.method]

@@ -20,8 +20,8 @@ import numpy as np
 import scipy.ndimage
 from absl import logging
 
-from ensemble import calibration, console, data, posthoc
-from ensemble.tasks import IGNORED
+from ensemble import calibration, console, posthoc
+from ensemble.tasks.base import IGNORED
 from ensemble.uncertainty import conformal, decomposition, multilabel, ood, selective
 
 DEFAULT_ANGLES = tuple(range(0, 181, 15))
@@ -34,7 +34,7 @@ DEFAULT_ALPHAS = (0.1, 0.05, 0.01)
 SELECTIVE_COVERAGES = (1.0, 0.99, 0.98, 0.95, 0.9, 0.8, 0.5)
 
 
-def score_classes(predict: Any, test: data.Split, test_outputs: np.ndarray, labels: np.ndarray,
+def score_classes(predict: Any, test: dict[str, np.ndarray], test_outputs: np.ndarray, labels: np.ndarray,
                   heldout: tuple[np.ndarray, np.ndarray] | None, seen_in_training: bool, *, angles: Sequence[int],
                   noise: bool, ood_sets: dict[str, np.ndarray] | None, alphas: Sequence[float], flags: bool,
                   iou: bool = False) -> dict[str, Any]:
@@ -81,7 +81,7 @@ def score_classes(predict: Any, test: data.Split, test_outputs: np.ndarray, labe
   return results
 
 
-def outputs(forward: Any, split: data.Split, name: str) -> np.ndarray:
+def outputs(forward: Any, split: dict[str, np.ndarray], name: str) -> np.ndarray:
   """`forward.log_probs(split)`, a split's member outputs: the report's pass over it, one stage ('test pass')."""
   with console.stage(f'{name} pass'):
     return forward.log_probs(split)
@@ -282,7 +282,7 @@ def score_multilabel(test_logits: np.ndarray, labels: np.ndarray, heldout_logits
   return results
 
 
-def score_shift(predict: Any, test: data.Split, levels: dict[str, Any], shifted, *,
+def score_shift(predict: Any, test: dict[str, np.ndarray], levels: dict[str, Any], shifted, *,
                 desc: str, unit: str, unshifted: Any = None) -> list[dict[str, Any]]:
   """Accuracy, NLL and ECE of the ensemble and of the mean member on `shifted(images, **level)` per level.
 
@@ -304,7 +304,7 @@ def score_shift(predict: Any, test: data.Split, levels: dict[str, Any], shifted,
   return rows
 
 
-def score_rotations(predict: Any, test: data.Split, angles: Sequence[int],
+def score_rotations(predict: Any, test: dict[str, np.ndarray], angles: Sequence[int],
                     test_log_probs: np.ndarray | None = None) -> list[dict[str, Any]]:
   """The test set rotated by each angle (Ovadia et al. 2019); at a whole turn, its own outputs `test_log_probs`."""
   unshifted = lambda level: test_log_probs if level['angle'] % 360 == 0 else None
@@ -312,7 +312,7 @@ def score_rotations(predict: Any, test: data.Split, angles: Sequence[int],
                      desc='rotations', unit='angle', unshifted=unshifted)
 
 
-def score_noise(predict: Any, test: data.Split) -> list[dict[str, Any]]:
+def score_noise(predict: Any, test: dict[str, np.ndarray]) -> list[dict[str, Any]]:
   """The test set with CIFAR-10-C's Gaussian noise at severities 1 to 5."""
   levels = {f'gaussian noise severity {s} (std {std})': {'severity': s, 'std': std}
             for s, std in enumerate(NOISE_STDS, start=1)}
@@ -386,7 +386,7 @@ def _detected(inside: dict[str, np.ndarray], outside: dict[str, np.ndarray], sco
           'histogram': histograms}
 
 
-def score_distance_ood(distance: Any, test: data.Split, ood_sets: dict[str, np.ndarray]) -> dict[str, Any]:
+def score_distance_ood(distance: Any, test: dict[str, np.ndarray], ood_sets: dict[str, np.ndarray]) -> dict[str, Any]:
   """`score_ood` by the chain's distance alone: for an ensemble of any task whose outputs are no probabilities (a
   regression's, a quantile or dense one's), the distance is its one score of unfamiliar inputs."""
   inside = {'distance': distance(test)}
@@ -471,7 +471,7 @@ def boundary_positions(labels: np.ndarray) -> np.ndarray:
   return edge & (labels != IGNORED)
 
 
-def score_chain_conformal(task: Any, chain: Sequence[posthoc.Step], predict: Any, test: data.Split
+def score_chain_conformal(task: Any, chain: Sequence[posthoc.Step], predict: Any, test: dict[str, np.ndarray]
                           ) -> dict[str, Any] | None:
   """The chain's own conformal sets (its last conformal step's) judged on labelled test examples: the marginal
   coverage and, beside it, each class's (a multi-label's each label and value's), since a marginal quantile covers

@@ -316,7 +316,7 @@ def train_steps(state: TrainState, images: jnp.ndarray, labels: jnp.ndarray,
   The fast path: the training set stays on the device, so the chunk's batches
   cost one on-device gather instead of host-to-device copies, and one dispatch
   and one host sync serve many steps. Each step is `step_fn` (a member's
-  `train_step`, or the data-parallel step of `parallel.fsdp`), so results match
+  `train_step`, or the mesh backend's `data_parallel_step`), so results match
   the plain path. The gather happens before the loop: a dataset referenced
   inside the scan body rides in the loop state, and XLA on CPU copied it every
   iteration (14x slower).

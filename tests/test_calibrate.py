@@ -178,7 +178,7 @@ def test_class_conditional_quantiles_cover_a_hard_class_the_marginal_one_leaves_
   cal_probs, cal_y = _hard_class(3000, 0)
   probs, y = _hard_class(20000, 1)
   step = lambda **options: posthoc.Step('conformal', posthoc._settings(  # pylint: disable=protected-access
-      task.fit_conformal({'probs': cal_probs}, cal_y, alpha, 'thr', **options)), None)
+      task.fit_conformal({'probs': cal_probs}, cal_y, alpha, 'thr', **options)), None, task)
   marginal, per_class = step(), step(class_conditional=True)
   assert per_class['class_examples'] == tuple(int((cal_y == c).sum()) for c in range(3)) and not per_class['pooled']
   coverage, counts = _class_coverage(task, per_class, probs, y)

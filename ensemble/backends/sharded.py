@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import traverse_util
@@ -32,6 +33,37 @@ from ensemble.backends import ENSEMBLE_AXIS, MESH_MODELS, jit, train_program
 from ensemble.errors import UsageError
 from ensemble.keys import seed_key
 from ensemble.parallel import DATA_AXIS, MESH_AXES, fsdp, logical
+
+
+def data_parallel_step(state: steps.TrainState, images: jnp.ndarray, labels: jnp.ndarray, *, axis_name: str,
+               num_minibatches: int, dropout_key: jax.Array) -> tuple[steps.TrainState, steps.Metrics]:
+  """One SGD step on the global batch, of which this device holds its slice.
+
+  The slice is processed in `num_minibatches` chunks whose gradients are
+  averaged (memory for activations scales with the chunk). Dropout keys are
+  a function of (dropout_key, step, device index on the data axis, chunk):
+  every device drops different units, and a rerun drops the same ones.
+  """
+  key = jax.random.fold_in(jax.random.fold_in(dropout_key, state.step), jax.lax.axis_index(axis_name))
+
+  def loss_fn(params, images, labels, key):
+    logits = state.apply_fn({'params': params}, images, train=True, rngs={'dropout': key})
+    return steps.cross_entropy(logits, labels).mean(), jnp.mean(jnp.argmax(logits, -1) == labels)
+
+  def minibatch(grads, chunk):
+    images, labels, index = chunk
+    (loss, accuracy), chunk_grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params, images, labels, jax.random.fold_in(key, index))
+    return jax.tree.map(jnp.add, grads, chunk_grads), (loss, accuracy)
+
+  chunks = (images.reshape(num_minibatches, -1, *images.shape[1:]),
+            labels.reshape(num_minibatches, -1), jnp.arange(num_minibatches))
+  zeros = jax.tree.map(jnp.zeros_like, state.params)
+  grads, (losses, accuracies) = jax.lax.scan(minibatch, zeros, chunks)
+  grads = fsdp.sync_gradients(jax.tree.map(lambda g: g / num_minibatches, grads), axis_name)
+  metrics = jax.lax.pmean({'loss': losses.mean(), 'accuracy': accuracies.mean()}, axis_name)
+  return state.apply_gradients(grads=grads), metrics
+
 
 
 def make_mesh(mesh_shape: Sequence[int], devices: Sequence[jax.Device]) -> Mesh:
@@ -188,7 +220,7 @@ class ShardMapBackend(_MeshBackend):
     # The dropout keys are folded from the seed's key, an argument of the training programs (the run's, which
     # `with_seed` sets), so that they serve every seed.
     self._seed = jax.device_put(seed_key(config.seed), self._replicated)
-    fsdp_step = functools.partial(fsdp.train_step, axis_name=DATA_AXIS, num_minibatches=config.num_minibatches)
+    fsdp_step = functools.partial(data_parallel_step, axis_name=DATA_AXIS, num_minibatches=config.num_minibatches)
 
     def train(state, images, labels, seed):
       state, metrics = fsdp_step(rebox(state), member.prepare(images, stats=state.inputs), labels, dropout_key=seed)

@@ -76,7 +76,6 @@ SHARING_METHODS_REFUSE = {
 def check(r):
   """The rules between a recipe's method and its other fields (ensemble/recipe.py checks them with the rest); a
   broken one is one UsageError that names the fix."""
-  from ensemble.models import user  # pylint: disable=g-import-not-at-top  # it imports mc_dropout, which imports this
   method, k = r.method, r.ensemble_size
   refusals = [
       (r.shared and method not in SHARING_METHODS,
@@ -115,7 +114,7 @@ def check(r):
         (r.schedule == 'constant', 'method snapshot restarts the learning-rate schedule each cycle, and a constant '
                                    'rate has nothing to restart: set --config.schedule=cosine')]
   if method == 'batchensemble':  # a user's model (an import path) is checked for rank-1 layers once it is built
-    refusals.append((r.model not in RANK1_MODELS and not user.is_import_path(r.model),
+    refusals.append((r.model not in RANK1_MODELS and not r.own_model,
                      f'method batchensemble needs a model with rank-1 layers, one of {list(RANK1_MODELS)}, not '
                      f'{r.model!r}: set --config.model=cnn, or build a model of your own with ensemble.models.rank1'))
   if method == 'mc_dropout':
@@ -139,7 +138,7 @@ def check(r):
                            f'--config.batch_size={max(k, r.batch_size // k * k)}')]
   if method == 'packed':
     model = r.model
-    refusals.append((not user.is_import_path(model)
+    refusals.append((not r.own_model
                      and (model not in packed.MODELS or (model == 'mlp' and r.num_layers)),
                      f'method packed has packed members of models {list(packed.MODELS)} (the plain mlp), not of '
                      f'{model!r}{" with the mesh fields" if model == "mlp" else ""}: set --config.model=cnn, or '

@@ -12,6 +12,7 @@ from typing import Callable
 import flax.linen as nn
 
 from ensemble import tasks
+from ensemble.defaults import is_import_path
 from ensemble.errors import UsageError
 from ensemble.models import classifier, cnn, mimo, mlp, packed, resnet, segmenter, user
 
@@ -127,7 +128,7 @@ def create(config, num_classes: int, image_shape: tuple[int, ...], model=None):
   """
   if model is not None:
     return user.wrap(model)
-  if user.is_import_path(config.model):
+  if is_import_path(config.model):
     return _wrap_imported(config, num_classes)
   entry = MODELS[config.model]
   if config.method == 'mimo':  # one network of M inputs and M heads, each head the outputs of one member

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from ensemble.errors import UsageError
-from ensemble.methods import mc_dropout
+from ensemble.methods.mc_dropout import nnx_dropout_on
 
 
 def _takes_train(fn: Callable) -> bool:
@@ -100,7 +100,7 @@ class NNX:
     if key is not None:
       nnx.reseed(module, default=key, dropout=key)
     module.train() if train else module.eval()  # pylint: disable=expression-not-assigned
-    mc_dropout.nnx_dropout_on(module)  # MC dropout's prediction: its dropout layers drop in eval mode too
+    nnx_dropout_on(module)  # MC dropout's prediction: its dropout layers drop in eval mode too
     return module(x, train=train) if _takes_train(module.__call__) else module(x)
 
   def apply(self, variables, x, *, train: bool = False, rngs=None, mutable=False):
@@ -178,10 +178,6 @@ def _placeholder(leaf: jax.ShapeDtypeStruct, key: jax.Array | None):
   if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
     return key if key is not None else jax.random.key(0)
   return jax.numpy.zeros(leaf.shape, leaf.dtype)
-
-
-def is_import_path(spec: str) -> bool:
-  return ':' in spec
 
 
 def import_object(path: str) -> Any:

@@ -7,7 +7,8 @@ large weight per device: a layer all-gathers its weights just before it runs,
 and the gradient of that gather is a reduce-scatter, so every device ends up
 with the mean gradient of its own slice only and updates only that slice
 (and only that slice of the optimizer state). The two follow the same
-trajectory; FSDP trades two collectives per layer for N times less memory.
+trajectory; FSDP trades two collectives per layer for N times less memory. The layers' side is here (what the
+models import); the step that runs them is the mesh backend's (ensemble/backends/sharded.py).
 """
 
 import functools
@@ -17,8 +18,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from ensemble import steps
 
 PyTree = Any
 
@@ -130,33 +129,3 @@ def sync_gradients(grads: PyTree, axis_name: str) -> PyTree:
       return g
     return jax.lax.pmean(g, axis_name)
   return jax.tree.map(sync, grads, is_leaf=_is_partitioned)
-
-
-def train_step(state: steps.TrainState, images: jnp.ndarray, labels: jnp.ndarray, *, axis_name: str,
-               num_minibatches: int, dropout_key: jax.Array) -> tuple[steps.TrainState, steps.Metrics]:
-  """One SGD step on the global batch, of which this device holds its slice.
-
-  The slice is processed in `num_minibatches` chunks whose gradients are
-  averaged (memory for activations scales with the chunk). Dropout keys are
-  a function of (dropout_key, step, device index on the data axis, chunk):
-  every device drops different units, and a rerun drops the same ones.
-  """
-  key = jax.random.fold_in(jax.random.fold_in(dropout_key, state.step), jax.lax.axis_index(axis_name))
-
-  def loss_fn(params, images, labels, key):
-    logits = state.apply_fn({'params': params}, images, train=True, rngs={'dropout': key})
-    return steps.cross_entropy(logits, labels).mean(), jnp.mean(jnp.argmax(logits, -1) == labels)
-
-  def minibatch(grads, chunk):
-    images, labels, index = chunk
-    (loss, accuracy), chunk_grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params, images, labels, jax.random.fold_in(key, index))
-    return jax.tree.map(jnp.add, grads, chunk_grads), (loss, accuracy)
-
-  chunks = (images.reshape(num_minibatches, -1, *images.shape[1:]),
-            labels.reshape(num_minibatches, -1), jnp.arange(num_minibatches))
-  zeros = jax.tree.map(jnp.zeros_like, state.params)
-  grads, (losses, accuracies) = jax.lax.scan(minibatch, zeros, chunks)
-  grads = sync_gradients(jax.tree.map(lambda g: g / num_minibatches, grads), axis_name)
-  metrics = jax.lax.pmean({'loss': losses.mean(), 'accuracy': accuracies.mean()}, axis_name)
-  return state.apply_gradients(grads=grads), metrics

@@ -19,7 +19,7 @@ from typing import Any
 from ensemble.tasks import classification, dense, multilabel, quantile, regression
 from ensemble.tasks.base import IGNORED, Task
 
-__all__ = ['DEFAULT', 'DEFAULT_FOR_TARGETS', 'IGNORED', 'NAMES', 'TASKS', 'Task', 'create', 'named', 'with_score']
+__all__ = ['DEFAULT', 'DEFAULT_FOR_TARGETS', 'IGNORED', 'NAMES', 'TASKS', 'Task', 'create', 'named']
 
 TASKS: dict[str, type[Task]] = {task.name: task for task in (
     classification.Classification, regression.Regression, multilabel.Multilabel, dense.Dense, quantile.Quantile)}
@@ -38,7 +38,3 @@ def create(config, data_info: dict[str, Any] | None = None) -> Task:
   """The task a recipe names, for data described by `data_info` (`Task.of`)."""
   return TASKS[config.task].of(config, data_info)
 
-
-def with_score(score: str) -> Task:
-  """A task whose conformal step has this score: how a chain's conformal step is applied (ensemble/posthoc.py)."""
-  return next(named(name) for name in NAMES if score in TASKS[name].conformal_scores)
