@@ -62,7 +62,7 @@ class Step:
   kind: str
   settings: tuple[tuple[str, Any], ...]
   fitted_on: FittedOn
-  task: Any = dataclasses.field(default=None, compare=False, repr=False)
+  task: Any = dataclasses.field(compare=False, repr=False)
 
   def __getitem__(self, name: str) -> Any:
     return dict(self.settings)[name]
@@ -145,8 +145,8 @@ def check_rates(target_risk: Any, ood_rate: Any):
 def conformal_settings(task: Any, alpha: Any, score: Any, class_conditional: Any) -> dict[str, Any]:
   """A conformal step's settings for `task`, checked: `score` None is the task's first; class_conditional only
   where it is True (a marginal step records what it always did)."""
-  if task.refuses('conformal'):
-    raise UsageError(f'conformal: a {task.name} ensemble {task.refuses("conformal")}')
+  if why := task.refuses('conformal'):
+    raise UsageError(f'conformal: a {task.name} ensemble {why}')
   check_alpha(alpha)
   scores = task.conformal_scores
   score = scores[0] if score is None else score

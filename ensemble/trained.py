@@ -168,8 +168,8 @@ class Ensemble:
     ('temperature_scaled' / 'variance_scaled' scores beside the members' own), `save` and `export` use it; a
     conformal step fitted before it keeps its sets."""
     check_flag('per_label', per_label)
-    if self.task.refuses('calibrate'):
-      raise UsageError(f'calibrate: a {self.task.name} ensemble {self.task.refuses("calibrate")}')
+    if why := self.task.refuses('calibrate'):
+      raise UsageError(f'calibrate: a {self.task.name} ensemble {why}')
     if per_label and self.task.calibration != 'label_temperature':
       raise UsageError(f'{self._name} holds a {self.task.name} ensemble; per_label=True is for multilabel ensembles')
     return self._fit_step(self.task.calibration, 'calibrate', inputs, labels,

@@ -36,7 +36,7 @@ from ensemble.parallel import DATA_AXIS, MESH_AXES, fsdp, logical
 
 
 def data_parallel_step(state: steps.TrainState, images: jnp.ndarray, labels: jnp.ndarray, *, axis_name: str,
-               num_minibatches: int, dropout_key: jax.Array) -> tuple[steps.TrainState, steps.Metrics]:
+                       num_minibatches: int, dropout_key: jax.Array) -> tuple[steps.TrainState, steps.Metrics]:
   """One SGD step on the global batch, of which this device holds its slice.
 
   The slice is processed in `num_minibatches` chunks whose gradients are
@@ -63,7 +63,6 @@ def data_parallel_step(state: steps.TrainState, images: jnp.ndarray, labels: jnp
   grads = fsdp.sync_gradients(jax.tree.map(lambda g: g / num_minibatches, grads), axis_name)
   metrics = jax.lax.pmean({'loss': losses.mean(), 'accuracy': accuracies.mean()}, axis_name)
   return state.apply_gradients(grads=grads), metrics
-
 
 
 def make_mesh(mesh_shape: Sequence[int], devices: Sequence[jax.Device]) -> Mesh:
