@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import user_models
 from configs import mlp as mlp_config
-from conftest import MNIST_INFO, SAME_SUMS, make_member, small_config, synthetic_mnist
+from conftest import MNIST_INFO, SAME_SUMS, assert_same_updates, make_member, small_config, synthetic_mnist
 from ensemble import backends, members, models, recipe as recipe_lib, steps
 from ensemble.errors import UsageError
 
@@ -200,20 +200,6 @@ def _two_members_on_two_devices(model, member_data):
   return jax.tree.map(np.asarray, (state.params, state.batch_stats)), losses
 
 
-def _assert_same_updates(params, reference, initial):
-  """Each leaf's update (params - initial) within 1% of the reference's, in norm. Not element by element: a
-  gradient summed over 4 devices rounds otherwise than over one, and where an element's terms cancel (a ResNet's
-  BatchNorm biases, its 1x1 shortcut) that rounding is a few percent of its update after two steps, 3x beyond
-  rtol=1e-4 on this CPU; a leaf's update norm agrees to 0.9% at worst, and a member whose gradient and statistics
-  came from a quarter of its batch misses it by 570-870%."""
-  for (path, ours), theirs, start in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(reference),
-                                          jax.tree.leaves(initial)):
-    ours, theirs = np.asarray(ours, np.float64) - start, np.asarray(theirs, np.float64) - start
-    error, size = np.linalg.norm(ours - theirs), np.linalg.norm(theirs)
-    where = jax.tree_util.keystr(path)
-    assert error <= 1e-2 * size + 1e-5 * np.sqrt(theirs.size), f'{where}: {error:.3g} of {size:.3g}'
-
-
 @pytest.mark.parametrize('model, member_data, fast', [
     ('cnn', 'shared', False), ('cnn', 'shuffled', True), ('resnet', 'shuffled', False), ('resnet', 'shared', True),
     ('batchensemble', 'shared', False)])
@@ -226,7 +212,7 @@ def test_fewer_members_than_devices_train_as_on_devices_of_their_own(model, memb
   assert kernel.sharding.is_equivalent_to(backends.member_sharding(jax.devices(), 2), kernel.ndim)
   (ref_params, ref_stats), ref_losses = _two_members_on_two_devices(model, member_data)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  _assert_same_updates(state.params, ref_params, _params(backend.to_canonical(backend.init(0))))
+  assert_same_updates(state.params, ref_params, _params(backend.to_canonical(backend.init(0))))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5), state.batch_stats,
                ref_stats)
 
