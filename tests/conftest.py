@@ -5,23 +5,28 @@ import subprocess
 import sys
 
 # The suite compiles with XLA's optimisations off (ENSEMBLE_TEST_COMPILE=fast, the default): most of its time was
-# compiling, and these flags compile the tests' programs about 4x faster (docs/testing.md#what-it-costs), while
-# what a test checks (shapes, refusals, saved files, numbers against an independent computation) is the same
-# arithmetic. What does depend on XLA's optimisations is marked `optimized` and runs in a process of its own that
-# compiles as users do (`pytest_pyfunc_call`): two different programs that the docs say compute the same numbers
-# exactly, figures a page quotes. ENSEMBLE_TEST_COMPILE=optimized runs the whole suite that way.
+# compiling, and JAX's `jax_disable_most_optimizations` (JAX_DISABLE_MOST_OPTIMIZATIONS=1, which the processes the
+# tests start inherit) with XLA:CPU's older emitters compile the tests' programs about 4x faster
+# (docs/testing.md#what-it-costs), while what a test checks (shapes, refusals, saved files, numbers against an
+# independent computation) is the same arithmetic. What does depend on XLA's optimisations is marked `optimized` and
+# runs in a process of its own that compiles as users do (`pytest_pyfunc_call`): two different programs that the
+# docs say compute the same numbers exactly, figures a page quotes. A test that runs more than it compiles (hundreds
+# of steps, a page's example on real digits) is marked `compute_bound`: it compiles as users do in this process (and
+# the processes it starts), which is faster there. ENSEMBLE_TEST_COMPILE=optimized runs the whole suite that way.
 COMPILE = os.environ.get('ENSEMBLE_TEST_COMPILE', 'fast')
 if COMPILE not in ('fast', 'optimized'):
   raise SystemExit(f"ENSEMBLE_TEST_COMPILE={COMPILE!r}: set it to 'fast' (the default) or 'optimized'")
 USER_XLA_FLAGS = os.environ.get('ENSEMBLE_TEST_USER_XLA_FLAGS', os.environ.get('XLA_FLAGS', ''))
 os.environ['ENSEMBLE_TEST_USER_XLA_FLAGS'] = USER_XLA_FLAGS  # what the processes the tests start inherit
+QUICK = 'JAX_DISABLE_MOST_OPTIMIZATIONS'  # read by JAX when it is imported, and by each compile from its config
 
 
 def _quick_compile_flags() -> str:
-  """The flags that compile quickly, where this jaxlib knows them (XLA aborts a process on a flag it does not
-  know): tried once in a child process, and kept in the environment for the test processes and theirs."""
+  """XLA:CPU's flag for its older emitters, which compile quickly, where this jaxlib knows it (XLA aborts a process
+  on a flag it does not know): tried once in a child process, and kept in the environment for the test processes
+  and theirs."""
   if 'ENSEMBLE_TEST_QUICK_FLAGS' not in os.environ:
-    flags = '--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false'
+    flags = '--xla_cpu_use_fusion_emitters=false'
     probe = subprocess.run([sys.executable, '-c', 'import jax; jax.devices()'], capture_output=True, check=False,
                            env={**os.environ, 'XLA_FLAGS': f'{USER_XLA_FLAGS} {flags}', 'JAX_PLATFORMS': 'cpu'})
     os.environ['ENSEMBLE_TEST_QUICK_FLAGS'] = flags if probe.returncode == 0 else ''
@@ -31,6 +36,8 @@ def _quick_compile_flags() -> str:
 # XLA_FLAGS for a process a test starts (a CLI, a script) that sets its own devices: it compiles as this one does.
 COMPILE_FLAGS = ' '.join([USER_XLA_FLAGS, _quick_compile_flags() if COMPILE == 'fast' else '']).strip()
 os.environ['XLA_FLAGS'] = f'{COMPILE_FLAGS} --xla_force_host_platform_device_count=8'.strip()
+if COMPILE == 'fast':
+  os.environ[QUICK] = '1'
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 from ensemble import host_memory  # pylint: disable=g-import-not-at-top,g-bad-import-order
@@ -93,6 +100,24 @@ def pytest_configure(config):
   config.addinivalue_line('markers', 'optimized: compiled as users compile (XLA\'s optimisations on), in a process '
                           'of its own unless ENSEMBLE_TEST_COMPILE=optimized: the test compares two programs the '
                           'docs say compute the same numbers exactly, or figures a page quotes')
+  config.addinivalue_line('markers', 'compute_bound: compiled as users compile in the test\'s own process and the '
+                          'processes it starts: it runs more than it compiles, and optimised programs run it faster')
+
+
+@pytest.fixture(autouse=True)
+def _compiled_as_its_work_needs(request):
+  """A test marked `compute_bound` compiles with XLA's optimisations on (JAX's config, read at each compile, and
+  the environment its processes inherit); the programs it compiles are cached apart from the quick ones."""
+  if COMPILE != 'fast' or request.node.get_closest_marker('compute_bound') is None:
+    yield
+    return
+  jax.config.update('jax_disable_most_optimizations', False)
+  os.environ[QUICK] = '0'
+  try:
+    yield
+  finally:
+    jax.config.update('jax_disable_most_optimizations', True)
+    os.environ[QUICK] = '1'
 
 
 _OPTIMIZED_REPORTS = {}  # nodeid -> [(when, outcome, text)] from the process that compiled as users do
@@ -124,8 +149,8 @@ def pytest_pyfunc_call(pyfuncitem):
 def _run_compiled_as_users_do(items, config):
   with tempfile.TemporaryDirectory() as folder:
     outcomes = os.path.join(folder, 'outcomes.jsonl')
-    env = {**os.environ, 'ENSEMBLE_TEST_COMPILE': 'optimized', 'XLA_FLAGS': USER_XLA_FLAGS,
-           'ENSEMBLE_TEST_OUTCOMES': outcomes}
+    env = {**{k: v for k, v in os.environ.items() if k != QUICK}, 'ENSEMBLE_TEST_COMPILE': 'optimized',
+           'XLA_FLAGS': USER_XLA_FLAGS, 'ENSEMBLE_TEST_OUTCOMES': outcomes}
     run = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-n', '0',
                           *[item.nodeid for item in items]], cwd=str(config.rootpath), env=env,
                          capture_output=True, text=True, check=False)

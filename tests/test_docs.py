@@ -23,7 +23,7 @@ import xml.etree.ElementTree as ElementTree
 
 import pytest
 
-from conftest import COMPILE_FLAGS
+from conftest import COMPILE_FLAGS, USER_XLA_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ['README.md'] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, 'docs', '*.md')))
@@ -321,14 +321,16 @@ runpy.run_module(module, run_name='__main__', alter_sys=True)
 '''
 
 
+@pytest.mark.compute_bound
 def test_readme_train_command_runs_offline(tmp_path):
-  """README's train command on the bundled MNIST, with no network: 2 members on 2 devices, the first 250 steps of
-  an epoch (32,000 of the 54,000 images, batch 128), tested on the 10,000 test images: about 15 s on 2 cores."""
+  """README's train command on the bundled MNIST, with no network, compiled as users compile: 2 members on 2
+  devices, the first 120 steps of an epoch (15,360 of the 54,000 images, batch 128), tested on the 10,000 test
+  images: 22 s on 2 cores (35 s of CPU; compiled quickly, 93 s for 250 steps), ensemble accuracy 0.976."""
   train = next(c for c in documented_commands() if c.where.startswith('README.md') and c.program == 'ensemble.train')
   workdir = tmp_path / 'mnist'
   args = [f'--workdir={workdir}' if arg.startswith('--workdir=') else arg for arg in train.args]
-  args += ['--cpu_devices=2', '--config.num_train_steps=250', '--config.ensemble_size=2']
-  env = {**os.environ, 'XLA_FLAGS': COMPILE_FLAGS, 'JAX_PLATFORMS': 'cpu'}
+  args += ['--cpu_devices=2', '--config.num_train_steps=120', '--config.ensemble_size=2']
+  env = {**os.environ, 'XLA_FLAGS': USER_XLA_FLAGS, 'JAX_PLATFORMS': 'cpu'}
   for proxy in ('HTTP_PROXY', 'HTTPS_PROXY', 'http_proxy', 'https_proxy', 'ALL_PROXY', 'all_proxy'):
     env.pop(proxy, None)
   result = subprocess.run([sys.executable, '-c', _OFFLINE, train.program, *args], cwd=REPO, env=env,

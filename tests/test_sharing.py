@@ -183,6 +183,7 @@ def test_adapters_on_a_frozen_shared_backbone(pretrained, tmp_path):
   np.testing.assert_allclose(np.asarray(served.call(x)['probs']), ens.predict(x)['probs'], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.compute_bound  # 2,000 rows of real digits, 5 ensembles: 53 s of CPU against 83 s compiled quickly
 def test_the_guide_s_backbone_example_runs_as_written(capsys):
   """docs/python-api.md's pretrained-backbone example runs as written and prints what the page shows (to 0.01: the
   page's figures are one device's, these eight simulated devices'): fresh heads and adapters end below the

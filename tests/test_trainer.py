@@ -238,6 +238,7 @@ def test_the_fast_path_writes_the_plain_paths_metrics(make_config, tmp_path):
   assert timeless(fast) == timeless(plain)
 
 
+@pytest.mark.compute_bound  # 36 s of CPU against 60 s compiled quickly
 def test_survives_hundreds_of_steps_on_eight_devices(make_config, tmp_path):
   """docs/backends-and-devices.md, "Many devices on a CPU": on 2 cores, unbounded async dispatch over 8 devices
   aborts within 300 steps; 384 (3 epochs of 128) pass it."""
