@@ -96,9 +96,8 @@ AFTER_FIT_CHECKS = ('the_value_is_the_same_wherever_it_goes', 'conformal_covers_
 EVERY_CHAIN = ('calibrate_then_conformal', 'flags')
 
 
-def _chains(method: str, task: str) -> tuple[str, ...]:
-  """The chains of `method`'s ensemble on `task` (those of `CHAIN_METHODS` that take it)."""
-  del task  # each task's chains are the same: every one for the deep ensemble, EVERY_CHAIN and its own for others
+def _chains(method: str) -> tuple[str, ...]:
+  """The chains of `method`'s ensemble on every task (those of `CHAIN_METHODS` that take it)."""
   every = FULL or method == 'independent'
   return tuple(chain for chain in CHAINS if method in CHAIN_METHODS.get(chain, (method,))
                and (every or chain in EVERY_CHAIN or method in CHAIN_METHODS.get(chain, ())))
@@ -108,7 +107,7 @@ def after_fit_cases():
   """pytest params (check name, cell, chain), with ids 'check[method-task-chain]'."""
   for method in METHODS:
     for task in _tasks(method):
-      for chain in _chains(method, task):
+      for chain in _chains(method):
         steps = CHAINS[chain]
         for check in AFTER_FIT_CHECKS:
           if check == 'conformal_covers_fresh_data' and not {'conformal', 'class_conditional'} & set(steps):
