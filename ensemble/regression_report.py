@@ -56,6 +56,7 @@ def write(results: dict[str, Any], output_dir: str):
       lines.append(f'| {row["alpha"]} | {coverage} | {row["bounds"][0]:.4f} to {row["bounds"][1]:.4f} | {width} |')
   else:
     lines += ['', 'No held-out examples: no variance scale or conformal intervals (give calibration examples).']
+  lines += ['', *report.posthoc_conformal_markdown(results)]
   lines += ['', 'Selective prediction: the test RMSE when only the share of inputs with the smallest predicted std is '
             'kept.', '', '| kept | RMSE |', '|---|---|']
   lines += [f'| {row["coverage"]:.0%} | {row["rmse"]:.4g} |' for row in results['selective']]

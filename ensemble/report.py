@@ -189,14 +189,16 @@ def posthoc_conformal_markdown(results: dict[str, Any]) -> list[str]:
   per_class = lambda g: [name(g), g['test_examples'], g['coverage'], *(
       [g['calibration_examples'], 'pooled: the marginal quantile' if g['pooled'] else
        f'{g["bounds"][0]:.4f} to {g["bounds"][1]:.4f}' + ('' if g['within_bounds'] else ' (outside)')] if own else [])]
+  judged = (f'Its post-hoc step {found["step"]}, fitted on {found["calibration_examples"]} examples, judged on the '
+            f'test set: {found["coverage"]:.4f} of {found["test_examples"]} covered (marginal; 1 - alpha = '
+            f'{1 - found["alpha"]:g}).')
+  if not found['groups']:  # intervals of real-valued targets
+    return ['## The ensemble\'s conformal intervals', '', judged, '']
   lines = ['## The ensemble\'s conformal sets', '',
-           f'Its post-hoc step {found["step"]}, fitted on {found["calibration_examples"]} examples, judged on the test '
-           f'set: {found["coverage"]:.4f} of {found["test_examples"]} covered (marginal; 1 - alpha = '
-           f'{1 - found["alpha"]:g}). ' + ('A quantile per class: each class is covered at 1 - alpha, within its 99% '
-                                           'bounds where the test examples are drawn as the calibration ones.'
-                                           if own else 'One quantile for all classes: a class can be covered far less '
-                                           'than 1 - alpha, hidden by the others (`conformal(..., '
-                                           'class_conditional=True)` fits one per class).'), '',
+           judged + ' ' + ('A quantile per class: each class is covered at 1 - alpha, within its 99% bounds where the '
+                           'test examples are drawn as the calibration ones.'
+                           if own else 'One quantile for all classes: a class can be covered far less than 1 - alpha, '
+                           'hidden by the others (`conformal(..., class_conditional=True)` fits one per class).'), '',
            table(['', 'test examples', 'coverage', *(['calibration examples', '99% bounds'] if own else [])],
                  [per_class(g) for g in found['groups']]), '']
   if found.get('regions'):
@@ -268,7 +270,7 @@ def uncertainty_markdown(results: dict[str, Any]) -> list[str]:
     rows = []
     for name, result in results['ood'].items():
       for score, title in _titles(result):
-        member = result['mean_member'].get(score)
+        member = result.get('mean_member', {}).get(score)  # the chain's distance has no member of its own
         rows.append([name, title, *(result['ensemble'][score][f] for f in ('auroc', 'aupr', 'fpr95')),
                      *((member[f] for f in ('auroc', 'aupr', 'fpr95')) if member else ['-'] * 3)])
     lines += [

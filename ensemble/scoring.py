@@ -473,14 +473,15 @@ def boundary_positions(labels: np.ndarray) -> np.ndarray:
 
 def score_chain_conformal(task: Any, chain: Sequence[posthoc.Step], predict: Any, test: dict[str, np.ndarray]
                           ) -> dict[str, Any] | None:
-  """The chain's own conformal sets (its last conformal step's) judged on labelled test examples: the marginal
-  coverage and, beside it, each class's (a multi-label's each label and value's), since a marginal quantile covers
-  a hard class far less than 1 - alpha and hides it behind easy ones; a dense task's on its boundary positions
-  (`boundary_positions`) and the interior ones, where such misses gather. A class with a quantile of its own (a
-  class-conditional step's, not pooled) has the 99% bounds its coverage falls in (`conformal.coverage_bounds`).
-  None where the chain has no conformal step or the task no classes (the test set is then not predicted again)."""
+  """The chain's own conformal sets or intervals (its last conformal step's) judged on labelled test examples: the
+  marginal coverage and, for a task with classes, each class's beside it (a multi-label's each label and value's),
+  since a marginal quantile covers a hard class far less than 1 - alpha and hides it behind easy ones; a dense task's
+  on its boundary positions (`boundary_positions`) and the interior ones, where such misses gather. A class with a
+  quantile of its own (a class-conditional step's, not pooled) has the 99% bounds its coverage falls in
+  (`conformal.coverage_bounds`). None where the chain has no conformal step (the test set is then not predicted
+  again)."""
   step = posthoc.last(chain, 'conformal')
-  if step is None or not task.class_conditional:
+  if step is None:
     return None
   member_outputs, labels = predict.log_probs(test), test['label']
   covered = task.covered(posthoc.apply(posthoc.of_outputs(chain), task.view(member_outputs)), labels)
@@ -499,7 +500,9 @@ def score_chain_conformal(task: Any, chain: Sequence[posthoc.Step], predict: Any
     return found
 
   width = member_outputs.shape[-1]
-  if covered.ndim == 1:  # a class per example (a dense task's labelled positions)
+  if not task.class_conditional:  # intervals of real-valued targets: the marginal coverage alone
+    groups = []
+  elif covered.ndim == 1:  # a class per example (a dense task's labelled positions)
     classes = task.labelled(labels)
     groups = [{'class': c, **row(covered[classes == c], (c,))} for c in range(width) if np.any(classes == c)]
   else:  # a multi-label task's per label and value

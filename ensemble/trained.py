@@ -402,9 +402,6 @@ class Ensemble:
   def components(self, inputs: Any, *, progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Regression: the mixture's components' (means, variances), each (K M, N, D) in the targets' units: M = 1
     Gaussian per member, or the snapshot_cycles snapshots of a snapshot member."""
-    if not hasattr(self.task, 'components'):
-      raise UsageError(f'{self._name} holds a {self.task.name} ensemble; components is for regression ensembles (a '
-                       'Gaussian mixture\'s); use predict')
     return self.task.components(self.member_outputs(inputs, progress=progress))
 
   def standardise(self, inputs: Any, xp=np) -> Any:
@@ -534,7 +531,7 @@ class Ensemble:
     results = {'workdir': self.workdir or 'an ensemble in memory', 'epoch': self.epoch,
                'checkpoint_unit': self.config.checkpoint_unit, 'ensemble_size': self.size, 'task': self.task.name,
                'data': 'the examples given', 'calibration': 'given' if heldout is not None else None, **scores}
-    if self.task.class_conditional and posthoc.last(self.posthoc, 'conformal') is not None:  # judged class by class
+    if posthoc.last(self.posthoc, 'conformal') is not None:  # judged on the test set, class by class where it can
       with console.stages_shown(progress), console.stage("the chain's conformal sets"):
         chained = scoring.score_chain_conformal(self.task, self.posthoc, predictor.Forward(self), test)
       results.update({'posthoc_conformal': chained} if chained else {})

@@ -17,7 +17,7 @@ import ensemble
 from ensemble import data, evaluation, export, posthoc, predict, tasks
 from ensemble.data import convert
 from ensemble.errors import UsageError
-from ensemble.tasks import quantile
+from ensemble.tasks import base, quantile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIT = dict(ensemble_size=2, epochs=4, batch_size=16, optimizer='adamw', learning_rate=0.01, weight_decay=0.0,
@@ -62,6 +62,91 @@ def test_a_task_without_a_step_refuses_it_in_one_line():
   assert [tasks.named(name).refuses('conformal') for name in tasks.NAMES] == [None] * len(tasks.NAMES)
   assert [name for name in tasks.NAMES if tasks.named(name).refuses('calibrate')] == ['quantile']
   assert 'conformal(x, y, alpha) (cqr)' in tasks.named('quantile').refuses('calibrate')
+
+
+# --- the task interface, declared and checked -------------------------------------------------------------------
+
+def test_every_task_keeps_the_interface_check_task_runs():
+  """`check_task` on every registered task, and on tasks of other settings (two targets, other quantile levels)."""
+  for name in tasks.NAMES:
+    tasks.check_task(tasks.named(name))
+  tasks.check_task(tasks.TASKS['regression'](target_mean=(1.0, -5.0), target_std=(2.0, 300.0)))
+  tasks.check_task(quantile.Quantile(levels=(0.1, 0.5, 0.9), target_mean=(0.0, 1.0), target_std=(1.0, 10.0)))
+
+
+class _NoEnsembleScore(tasks.TASKS['classification']):
+  name = 'no_ensemble_score'
+
+  def eval_outputs(self, logits, labels, *, axis_name):
+    scores = super().eval_outputs(logits, labels, axis_name=axis_name)
+    return {key: value for key, value in scores.items() if key != 'ensemble_correct'}
+
+
+class _NaNLoss(tasks.TASKS['classification']):
+  name = 'nan_loss'
+
+  def loss(self, logits, labels):
+    loss, metrics = super().loss(logits, labels)
+    return loss * float('nan'), metrics
+
+
+class _TakesAnything(tasks.TASKS['multilabel']):
+  name = 'takes_anything'
+
+  def read_labels(self, labels, name, ignore=-1):
+    return labels if labels.dtype.kind == 'U' else super().read_labels(labels, name, ignore)
+
+
+class _NoTestLoss(tasks.TASKS['regression']):
+  name = 'no_test_loss'
+
+  def summary(self, train, test=None):
+    return {key: value for key, value in super().summary(train, test).items() if not key.startswith('test_')}
+
+
+class _FlatGradient(tasks.TASKS['regression']):
+  name = 'flat_gradient'
+
+  def loss(self, outputs, labels):
+    loss, metrics = super().loss(outputs, labels)
+    return loss * 0.0, metrics
+
+
+@pytest.mark.parametrize('broken, invariant', [
+    (_NoEnsembleScore, "eval_outputs_give_every_score: eval_outputs gives no 'ensemble_correct'"),
+    (_NaNLoss, 'loss_is_a_finite_scalar_it_can_descend: the loss holds NaN'),
+    (_FlatGradient, "loss_is_a_finite_scalar_it_can_descend: the loss's gradient with respect to the outputs is 0"),
+    (_TakesAnything, 'refuses_other_labels_in_one_line: read_labels took labels of strings'),
+    (_NoTestLoss, "summary_is_finite_in_the_data_units: summary has no 'test_loss'"),
+])
+def test_check_task_names_the_invariant_a_task_breaks(broken, invariant):
+  with pytest.raises(UsageError, match=rf'^check_task\({broken.name}\): {re.escape(invariant)}'):
+    tasks.check_task(broken())
+
+
+def test_a_task_that_leaves_out_part_of_the_interface_is_refused_when_it_is_defined():
+  """Every method the package calls is declared in tasks/base.py; a task class that lacks one, or declares no kind
+  of labels the package knows, is one line when it is defined, where it failed at its first test pass."""
+  with pytest.raises(UsageError, match=r"^task 'counts' does not answer read_labels, member_output, loss, "
+                                       r'eval_outputs, combine_snapshots, summary, .*, exported'):
+    type('Counts', (tasks.Task,), {'name': 'counts', 'label_kind': 'targets'})
+  with pytest.raises(UsageError, match=r"^task 'counts' declares label_kind='counts'; declare one of classes, "):
+    type('Counts', (tasks.TASKS['regression'],), {'name': 'counts', 'label_kind': 'counts'})
+  with pytest.raises(UsageError, match=r"^task 'sets' does not answer fit_conformal, apply_conformal, covered"):
+    type('Sets', (tasks.Task,), {'name': 'sets', 'label_kind': 'classes', 'conformal_scores': ('lac',),
+                                 **{name: tasks.TASKS['classification'].__dict__.get(name, lambda *a: None)
+                                    for name in ('read_labels', 'member_output', 'loss', 'eval_outputs',
+                                                 'combine_snapshots', 'summary', 'view', 'predict', 'evaluate',
+                                                 'report', 'exported', 'table')}})
+  # What the package reads of a task outside ensemble/tasks/ is declared in tasks/base.py: on `Task`, or on the
+  # family of real-valued targets (`Targets`) where only those are asked.
+  read = set()
+  for folder, _, names in os.walk(os.path.join(REPO, 'ensemble')):
+    if os.path.basename(folder) != 'tasks':
+      for name in (n for n in names if n.endswith('.py')):
+        with open(os.path.join(folder, name), encoding='utf-8') as f:
+          read |= set(re.findall(r'\btask\.([a-z_]+)\b', f.read()))
+  assert sorted(name for name in read if not hasattr(tasks.Task, name) and not hasattr(base.Targets, name)) == []
 
 
 # --- a dense task's post-hoc steps count labelled positions --------------------------------------------------------

@@ -1,6 +1,7 @@
 """Tasks: what a member's outputs mean, a registry of one object each (ensemble/tasks/base.py says what a task
 decides). Steps, the trainer, the data layer, evaluation, prediction, the post-hoc steps and the loops ask the task;
-they do not compare its name.
+they do not compare its name. `check_task(task)` runs the interface's invariants on any task object (a new one
+before it joins `TASKS`).
 
   classification  logits -> cross-entropy; the ensemble is the mean of the members' probabilities
   regression      a mean and a variance per target -> Gaussian NLL (or beta-NLL, MSE); the ensemble is the
@@ -17,9 +18,11 @@ import functools
 from typing import Any
 
 from ensemble.tasks import classification, dense, multilabel, quantile, regression
-from ensemble.tasks.base import IGNORED, Task
+from ensemble.tasks.base import IGNORED, LABEL_KINDS, Task
+from ensemble.tasks.check import check_task
 
-__all__ = ['DEFAULT', 'DEFAULT_FOR_TARGETS', 'IGNORED', 'NAMES', 'TASKS', 'Task', 'create', 'named']
+__all__ = ['DEFAULT', 'DEFAULT_FOR_TARGETS', 'IGNORED', 'LABEL_KINDS', 'NAMES', 'TASKS', 'Task', 'check_task',
+           'create', 'named']
 
 TASKS: dict[str, type[Task]] = {task.name: task for task in (
     classification.Classification, regression.Regression, multilabel.Multilabel, dense.Dense, quantile.Quantile)}

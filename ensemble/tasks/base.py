@@ -35,10 +35,38 @@ def count(n: int, noun: tuple[str, str]) -> str:
   return f'{n} {noun[0] if n == 1 else noun[1]}'
 
 
+# What a task's labels are, as `Task.label_kind` declares them: what the contract's lab draws for it and what
+# `check_task` hands its `read_labels` (a new kind joins here and in tests/contract/lab.py's `LABELS`).
+LABEL_KINDS = {
+    'classes': 'int (N,) class indices 0..C-1',
+    'targets': 'float (N, D) real-valued targets',
+    'binary': 'int (N, L) labels of 0 and 1',
+    'classes_per_position': f'int (N, *positions) class indices 0..C-1, {IGNORED} where a position has no label',
+}
+# What every task must answer itself (no default could be right): a concrete task (one with a `name`) that lacks
+# one is refused when its class is defined, not at its first test pass. Those of a step the task takes, where it
+# takes it (`CONFORMAL`, `CALIBRATION`, `LOOPS`).
+REQUIRED = ('read_labels', 'member_output', 'loss', 'eval_outputs', 'combine_snapshots', 'summary', 'view',
+            'predict', 'evaluate', 'report', 'exported')
+TABLE = ('table',)  # where `python -m ensemble.predict` writes the task's own rows: no flags, no maps
+CALIBRATION = ('fitted_scale',)
+CONFORMAL = ('fit_conformal', 'apply_conformal', 'covered')
+LOOPS = ('curve_scores',)
+
+
+def missing(cls: type) -> list[str]:
+  """The methods of the task interface that `cls` must answer and leaves to `Task`'s declaration."""
+  needed = REQUIRED + (CALIBRATION if cls.calibration else ()) + (CONFORMAL if cls.conformal_scores else ())
+  needed += (LOOPS if cls.acquisitions else ()) + (() if cls.flags or cls.per_position else TABLE)
+  return [name for name in needed if getattr(cls, name) is getattr(Task, name)]
+
+
 class Task:
   """The decisions every task makes; the defaults are those of a task whose labels are one row of values per
   example (targets, or 0/1 labels), which `Classification` and its dense variant override."""
   name: ClassVar[str] = ''
+  # What its labels are (`LABEL_KINDS`).
+  label_kind: ClassVar[str] = ''
   # What a dataset's `num_classes` counts, singular and plural: its classes, targets or labels.
   noun: ClassVar[tuple[str, str]] = ('class', 'classes')
   # Labels are class indices 0..C-1 (a model output each), rather than a row of values per example.
@@ -77,6 +105,18 @@ class Task:
   report_writer: ClassVar[str] = 'ensemble.report'
   # Whether members still at chance after the first epochs are worth a hint (a loss of log C at chance).
   chance_hint: ClassVar[bool] = False
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    if not cls.name:  # a family of tasks (`Targets`), not one a recipe names
+      return
+    if cls.label_kind not in LABEL_KINDS:
+      raise UsageError(f'task {cls.name!r} declares label_kind={cls.label_kind!r}; declare one of '
+                      f'{", ".join(LABEL_KINDS)} (ensemble/tasks/base.py: LABEL_KINDS)')
+    lacking = missing(cls)
+    if lacking:
+      raise UsageError(f'task {cls.name!r} does not answer {", ".join(lacking)}: each is declared in '
+                      'ensemble/tasks/base.py, with what it takes and returns')
 
   @classmethod
   def of(cls, config: Any, data_info: dict[str, Any] | None = None) -> 'Task':
@@ -134,6 +174,43 @@ class Task:
     """Checked labels as the host scores them (a regression's in float64)."""
     return labels
 
+  # --- in the programs (traced, per batch) -----------------------------------------------------------------------
+
+  def member_output(self, outputs: Any) -> Any:
+    """What prediction keeps of a member's model outputs (N, ..., W): log-probabilities, logits or raw outputs, as
+    `Ensemble.member_outputs` returns them."""
+    raise NotImplementedError
+
+  def loss(self, outputs: Any, labels: Any) -> tuple[Any, dict[str, Any]]:
+    """(a scalar the optimizer minimises, the step's metrics: scalars `metrics.py` averages over an epoch) for a
+    batch's model outputs (N, ..., W) and labels as the programs take them (a `Targets` task's standardised)."""
+    raise NotImplementedError
+
+  def eval_outputs(self, outputs: Any, labels: Any, *, axis_name: Any) -> dict[str, Any]:
+    """Per input (N,), one member's and the ensemble's scores, in standardised units: member_<s> and ensemble_<s>
+    for each suffix s of `eval_scores`; the ensemble's reduced over the members by collectives over `axis_name`."""
+    raise NotImplementedError
+
+  def combine_snapshots(self, outputs: Any, count: Any, current: Any) -> Any:
+    """A snapshot member's output (N, ..., W') from its kept snapshots' outputs (C, N, ..., W), `count` of them
+    kept so far, and the current parameters' outputs `current` (N, ..., W): snapshot and MultiSWAG members."""
+    raise NotImplementedError
+
+  # --- the training loop's figures (on the host) ------------------------------------------------------------------
+
+  # What the progress bar shows as the running loss: (the training metric's name, or {name: weight} of several, an
+  # offset in nats), as `summary`'s train_loss is reported.
+  reported_loss: ClassVar[tuple[Any, float]] = ('loss', 0.0)
+
+  def in_data_units(self, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A test pass's per-input outputs (`eval_outputs`, standardised) in the data's units; here as they are."""
+    return outputs
+
+  def summary(self, train: dict[str, float] | None, test: dict[str, Any] | None = None) -> dict[str, float]:
+    """The task's part of an epoch's metrics.jsonl line: train_<name> of the training metrics (None: none),
+    test_<name> and member_test_<name>/i of a test pass, every loss in the data's units (`with_test_scores`)."""
+    raise NotImplementedError
+
   # --- the model's outputs -----------------------------------------------------------------------------------------
 
   def model_outputs(self, width: int) -> int:
@@ -164,6 +241,11 @@ class Task:
     """`Ensemble.apply`'s answer from the members' outputs (K, N, ...), traced."""
     del xp
     return outputs
+
+  def components(self, member_outputs: np.ndarray, xp=np) -> tuple[np.ndarray, np.ndarray]:
+    """A Gaussian mixture's components (means, variances) from the members' outputs: regression's alone."""
+    raise UsageError(f'this is a {self.name} ensemble; components is for regression ensembles (a Gaussian '
+                     "mixture's); use predict")
 
   def member_probs(self, outputs: np.ndarray) -> np.ndarray:
     raise UsageError(f'this is a {self.name} ensemble; member_probs is for classification ensembles (and dense and '

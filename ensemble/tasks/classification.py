@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ensemble import acquire, calibration
+from ensemble import acquire, calibration, posthoc, scoring
 from ensemble.errors import DataError
 from ensemble.tasks import base
 from ensemble.uncertainty import conformal, decomposition
@@ -85,6 +85,7 @@ class Classification(base.Task):
   """Logits, one per class; trained by cross-entropy against integer labels, or, against a teacher's probabilities
   (N, C) as labels (`ensemble.distill`), by `distillation_loss` at `temperature`."""
   name = 'classification'
+  label_kind = 'classes'
   temperature: float = 1.0
   has_classes = True
   image_datasets = True
@@ -130,13 +131,6 @@ class Classification(base.Task):
     kept_mask = (jnp.arange(cycles) < count).reshape((cycles,) + (1,) * (outputs.ndim - 1))
     mean = jax.nn.logsumexp(jnp.where(kept_mask, log_probs, -jnp.inf), axis=0) - jnp.log(jnp.maximum(count, 1))
     return jnp.where(count > 0, mean, current)
-
-  # What the progress bar shows as the running loss: the train steps' 'loss' as it is.
-  reported_loss = ('loss', 0.0)
-
-  def in_data_units(self, outputs: dict) -> dict:
-    """The test pass's outputs as the data's units have them: a class is a class."""
-    return outputs
 
   def summary(self, train, test=None) -> dict[str, float]:
     """The task's part of metrics.jsonl's line for an epoch: the training metrics, and the test set's scores when
@@ -210,13 +204,11 @@ class Classification(base.Task):
 
   def _scaled(self, chain, view) -> Any:
     """The chain's probabilities where it has a temperature, for the 'temperature_scaled' scores; else None."""
-    from ensemble import posthoc  # pylint: disable=g-import-not-at-top
     if not any(step.kind == self.calibration for step in chain):
       return None
     return posthoc.apply(posthoc.of_outputs(chain), view)['probs']
 
   def evaluate(self, outputs, labels, chain, size):
-    from ensemble import scoring  # pylint: disable=g-import-not-at-top
     scores = scoring.score_test_set(outputs, labels)
     scaled = self._scaled(chain, self.view(outputs))
     if scaled is not None:
@@ -224,14 +216,12 @@ class Classification(base.Task):
     return scores
 
   def report(self, forward, test, heldout, seen_in_training, *, size, angles, noise, ood_sets, alphas):
-    from ensemble import scoring  # pylint: disable=g-import-not-at-top
     outputs = scoring.outputs(forward, test, 'test')
     held = None if heldout is None else (scoring.outputs(forward, heldout, 'calibration'), forward.labels(heldout))
     return scoring.score_classes(forward, test, outputs, test['label'], held, seen_in_training,
                                  angles=angles, noise=noise, ood_sets=ood_sets, alphas=alphas, flags=self.flags)
 
   def exported(self, outputs, chain, xp):
-    from ensemble import posthoc  # pylint: disable=g-import-not-at-top
     chained = posthoc.apply(chain, self.view(outputs, xp), xp=xp)
     return {'member_log_probs': outputs, 'probs': chained['probs'],
             **{key: chained[key] for key in ('set', 'flag') if key in chained}}
@@ -263,7 +253,6 @@ class Classification(base.Task):
   # --- distillation and the loops ------------------------------------------------------------------------------------
 
   def curve_scores(self, ens, inputs, labels):
-    from ensemble import scoring  # pylint: disable=g-import-not-at-top
     labels = self.labels(labels, 'test', len(inputs), ens.num_classes)
     return {key: float(value) for key, value in scoring.ensemble_scores(ens.member_outputs(inputs, role='test'),
                                                                         labels).items()}

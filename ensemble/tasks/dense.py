@@ -13,7 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from ensemble import defaults
+from ensemble import defaults, scoring
 from ensemble.errors import DataError
 from ensemble.tasks import base, classification
 
@@ -58,6 +58,7 @@ class Dense(classification.Classification):
   each labelled position is an example of its own: a post-hoc step is fitted on the labelled positions and counts
   them, a temperature is shared over them, conformal coverage is marginal over them and every score pools them."""
   name = 'dense'
+  label_kind = 'classes_per_position'
   temperature: float = 1.0
   per_position = True
   image_datasets = False
@@ -146,11 +147,9 @@ class Dense(classification.Classification):
     return {'member_probs': view['member_probs'][:, mask], 'probs': view['probs'][mask]}, labels[mask]
 
   def evaluate(self, outputs, labels, chain, size):
-    from ensemble import scoring  # pylint: disable=g-import-not-at-top
     return scoring.score_positions(outputs, labels, self._scaled(chain, self.view(outputs)))
 
   def report(self, forward, test, heldout, seen_in_training, *, size, angles, noise, ood_sets, alphas):
-    from ensemble import scoring  # pylint: disable=g-import-not-at-top
     outputs, labels = scoring.outputs(forward, test, 'test'), test['label']
     held = None
     if heldout is not None:

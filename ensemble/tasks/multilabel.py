@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ensemble import posthoc, scoring
 from ensemble.errors import DataError, UsageError
 from ensemble.tasks import base, classification
 from ensemble.uncertainty import multilabel
@@ -61,6 +62,7 @@ class Multilabel(base.Task):
   teacher's probabilities (N, L) (`ensemble.distill`). The summary's accuracy is the fraction of labels right
   (1 - the Hamming loss), its loss the mean per-label NLL."""
   name = 'multilabel'
+  label_kind = 'binary'
   pos_weight: tuple[float, ...] = ()  # per label, the weight of its positive term; () for 1 each
   noun = ('label', 'labels')
   tables = True
@@ -106,11 +108,6 @@ class Multilabel(base.Task):
     the first."""
     return jnp.where(count > 0, combine(outputs, count), current)
 
-  reported_loss = classification.Classification.reported_loss
-
-  def in_data_units(self, outputs: dict) -> dict:
-    return outputs
-
   summary = classification.Classification.summary
 
   # --- labels ------------------------------------------------------------------------------------------------------
@@ -155,13 +152,11 @@ class Multilabel(base.Task):
     return result
 
   def evaluate(self, outputs, labels, chain, size):
-    from ensemble import posthoc, scoring  # pylint: disable=g-import-not-at-top
     scaled = (posthoc.apply(posthoc.of_outputs(chain), self.view(outputs))['label_probs']
               if any(step.kind == self.calibration for step in chain) else None)
     return scoring.score_labels(outputs, labels, scaled)
 
   def report(self, forward, test, heldout, seen_in_training, *, size, angles, noise, ood_sets, alphas):
-    from ensemble import scoring  # pylint: disable=g-import-not-at-top
     outputs = scoring.outputs(forward, test, 'test')
     held_outputs = held_labels = None
     if heldout is not None:
@@ -175,7 +170,6 @@ class Multilabel(base.Task):
   def exported(self, outputs, chain, xp):
     """'member_logits' (K, N, L), 'probs' (N, L) after the chain (its temperature), and its conformal step's 'set'
     (N, L, 2)."""
-    from ensemble import posthoc  # pylint: disable=g-import-not-at-top
     chained = posthoc.apply(chain, self.view(outputs, xp), xp=xp)
     return {'member_logits': outputs, 'probs': chained['label_probs'],
             **{key: chained[key] for key in ('set',) if key in chained}}

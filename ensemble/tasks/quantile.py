@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ensemble import defaults
+from ensemble import console, defaults, posthoc, scoring
+from ensemble.errors import UsageError
 from ensemble.tasks import base, mixture, regression
 from ensemble.uncertainty import conformal
 
@@ -87,6 +88,7 @@ class Quantile(base.Targets):
   target_mean: tuple[float, ...] = (0.0,)
   target_std: tuple[float, ...] = (1.0,)
   name = 'quantile'
+  label_kind = 'targets'
   fields = ('quantiles',)
   conformal_scores = ('cqr',)
   loss_score = 'pinball'
@@ -197,7 +199,6 @@ class Quantile(base.Targets):
   def check_predict_options(self, levels, threshold):
     super().check_predict_options(levels, threshold)
     if tuple(levels) != regression.LEVELS:
-      from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
       raise UsageError(f'levels={levels!r}: a quantile ensemble predicts the quantiles it was trained for '
                        f'({", ".join(f"{level:g}" for level in self.levels)}); leave levels out')
 
@@ -223,7 +224,6 @@ class Quantile(base.Targets):
   def evaluate(self, outputs, labels, chain, size):
     """`scores` of the ensemble's quantiles and of each member's; the conformal interval's coverage and width
     where the chain has one."""
-    from ensemble import posthoc  # pylint: disable=g-import-not-at-top
     view = self.view(outputs)
     members = [scores(q, labels, self.levels) for q in view['member_quantiles']]
     flat = [key for key, value in members[0].items() if not isinstance(value, list)]
@@ -241,7 +241,6 @@ class Quantile(base.Targets):
     """The test split's scores (`evaluate`'s), and with held-out examples CQR's intervals at each alpha: their
     coverage of the test targets, its 99% bounds where calibration and test examples are exchangeable, and their
     width."""
-    from ensemble import console, scoring  # pylint: disable=g-import-not-at-top
     labels = self.host_labels(test['label']).reshape(len(test['label']), -1)
     outputs = scoring.outputs(forward, test, 'test')
     with console.stage('test scores'):
@@ -283,10 +282,10 @@ class Quantile(base.Targets):
                 '', '| alpha | coverage | 99% bounds | mean width |', '|---|---|---|---|']
       lines += [f'| {row["alpha"]} | {row["coverage"]:.4f} | {row["bounds"][0]:.4f} to {row["bounds"][1]:.4f} | '
                 f'{row["mean_width"]:.4g} |' for row in results['conformal']['rows']]
+    lines += ['', *report.posthoc_conformal_markdown(results)]
     report.save(results, '\n'.join(lines) + '\n', {}, output_dir)
 
   def exported(self, outputs, chain, xp):
-    from ensemble import posthoc  # pylint: disable=g-import-not-at-top
     chained = posthoc.apply(chain, self.view(outputs, xp), xp=xp)
     return {'member_quantiles': chained['member_quantiles'], **self._answer(chained, xp)}
 

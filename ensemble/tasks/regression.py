@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ensemble import acquire
-from ensemble.tasks import base, mixture
+from ensemble import acquire, posthoc, scoring
+from ensemble.tasks import base, classification, mixture
 
 AxisName = str | Sequence[str]
 Metrics = dict[str, jnp.ndarray]
@@ -71,6 +71,7 @@ class Regression(base.Targets):
   target_mean: tuple[float, ...] = (0.0,)
   target_std: tuple[float, ...] = (1.0,)
   name = 'regression'
+  label_kind = 'targets'
   fields = ('loss', 'beta')
   calibration = 'variance_scale'
   conformal_scores = ('normalised',)
@@ -116,7 +117,6 @@ class Regression(base.Targets):
     ensemble's log-density is log mean_k p_k(y), computed in log space over the
     members (`classification.log_mean_exp`).
     """
-    from ensemble.tasks import classification  # pylint: disable=g-import-not-at-top  # it imports acquire's peers
     means, variances = split_outputs(outputs, self.targets)  # (M, N, D)
     component = -gaussian_nll(means, variances, labels).sum(-1)  # (M, N)
     member_log_density = jax.nn.logsumexp(component, axis=0) - jnp.log(component.shape[0])
@@ -220,7 +220,6 @@ class Regression(base.Targets):
     return result
 
   def evaluate(self, outputs, labels, chain, size):
-    from ensemble import posthoc  # pylint: disable=g-import-not-at-top
     view = self.view(outputs)
     members = [mixture.score(m, v, labels) for m, v in mixture.member_components(view['means'], view['variances'],
                                                                                 size)]
@@ -232,7 +231,6 @@ class Regression(base.Targets):
     return scores
 
   def report(self, forward, test, heldout, seen_in_training, *, size, angles, noise, ood_sets, alphas):
-    from ensemble import scoring  # pylint: disable=g-import-not-at-top
     components = lambda split, name: (*self.components(scoring.outputs(forward, split, name)),
                                       self.host_labels(forward.labels(split)))
     return {'test_examples': len(test['label']),
@@ -243,7 +241,6 @@ class Regression(base.Targets):
     """What `Ensemble.predict` returns, each (N, D) and in float32 (`mixture.predictive`, the same code traced), and
     the components 'member_means' and 'member_variances' (K M, N, D) in the targets' units, as the chain leaves them
     (times its variance scale)."""
-    from ensemble import posthoc  # pylint: disable=g-import-not-at-top
     chained = posthoc.apply(chain, self.view(outputs, xp), xp=xp)
     return {'member_means': chained['means'], 'member_variances': chained['variances'],
             **mixture.predictive(chained['means'], chained['variances'], xp=xp),

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import special, stats
 
 import ensemble
 from ensemble import features
@@ -317,11 +318,68 @@ def sigterm_resumes_exactly(cell: Cell, lab: Lab):
   assert not os.path.exists(os.path.join(workdir, checkpoint.STOPPED_DIR))
 
 
+def _log_mean_exp(log_values: np.ndarray, axis: int = 0) -> np.ndarray:
+  return special.logsumexp(log_values, axis=axis) - math.log(log_values.shape[axis])
+
+
+def _classes_nll(log_probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
+  """-log of the members' mean probability of each label: (K, ..., C) log-probabilities, labels (...)."""
+  picked = np.take_along_axis(log_probs, np.broadcast_to(labels[None, ..., None], (*log_probs.shape[:-1], 1)), -1)
+  return -_log_mean_exp(picked[..., 0])
+
+
+# Each task's test loss, computed from the members' outputs (`member_outputs`, the prediction program's, not the
+# test pass's) by numpy and scipy alone: what the task's own code is judged against.
+def _classification_loss(ens, x, y):
+  return _classes_nll(ens.member_outputs(x), y).mean()
+
+
+def _dense_loss(ens, x, y):  # the labelled positions pooled, each counted once
+  labelled = y != -1
+  return _classes_nll(ens.member_outputs(x), np.where(labelled, y, 0))[labelled].mean()
+
+
+def _multilabel_loss(ens, x, y):  # the mean of the members' probabilities, label by label
+  logits = ens.member_outputs(x)
+  log_p = _log_mean_exp(special.log_expit(logits))
+  log_not = _log_mean_exp(special.log_expit(-logits))
+  return -(y * log_p + (1 - y) * log_not).mean()
+
+
+def _regression_loss(ens, x, y):  # the uniform mixture of the members' Gaussians, in the targets' units
+  means, variances = ens.components(x)  # (K M, N, D)
+  log_density = stats.norm.logpdf(y[None], means, np.sqrt(variances)).sum(-1)
+  return -_log_mean_exp(log_density).mean()
+
+
+def _quantile_loss(ens, x, y):  # the pinball loss of the members' mean quantiles, over the levels and targets
+  quantiles = ens.predict(x)['quantiles'].reshape(len(x), y.shape[1], -1)  # (N, D, Q)
+  levels = np.asarray(ens.task.levels)
+  error = y[..., None] - quantiles
+  return np.maximum(levels * error, (levels - 1) * error).mean()
+
+
+REFERENCE_LOSS = {'classification': _classification_loss, 'dense': _dense_loss, 'multilabel': _multilabel_loss,
+                  'regression': _regression_loss, 'quantile': _quantile_loss}
+
+
+def the_test_loss_is_the_reference_computation(cell: Cell, lab: Lab):
+  """The summary's test loss (the test pass, in the programs) and `evaluate`'s on the same rows (on the host) are
+  the task's loss computed independently from the members' outputs (`REFERENCE_LOSS`): a task whose label kind
+  or units were wrong would be consistent everywhere else and fail here."""
+  ens = lab.ensemble(cell)
+  x, y = problem(cell.task)[1]
+  assert cell.task in REFERENCE_LOSS, f'no reference loss for task {cell.task!r}: add one to REFERENCE_LOSS'
+  want = REFERENCE_LOSS[cell.task](ens, x, np.asarray(y, np.float64) if ens.task.standardises_targets else y)
+  np.testing.assert_allclose(ens.summary['test_loss'], want, rtol=2e-4, atol=1e-5)
+  np.testing.assert_allclose(ens.evaluate(x, y)['ensemble'][ens.task.loss_score], want, rtol=2e-4, atol=1e-5)
+
+
 ALL = {check.__name__: check for check in (
     same_members_as_in_memory, summary_is_finite_in_one_unit, apply_is_a_function_of_params, warm_start_continues,
     warm_start_under_every_schedule, warm_start_across_methods, save_load_predicts_the_same, refit_compiles_nothing,
     resume_equals_uninterrupted, workdir_knows_its_data, calibration_is_kept, early_stopping_keeps_the_best_epoch,
-    sigterm_resumes_exactly)}
+    sigterm_resumes_exactly, the_test_loss_is_the_reference_computation)}
 
 
 # --- life after fit: a chain of post-hoc steps (lab.POSTHOC), wherever the value goes ------------------------------
@@ -423,4 +481,35 @@ def _each_class(ens: 'ensemble.Ensemble', x: np.ndarray, y: np.ndarray) -> list[
   return [(hits, int(examples[group])) for group, hits in groups if group not in pooled and hits.size]
 
 
-AFTER_FIT = {check.__name__: check for check in (the_value_is_the_same_wherever_it_goes, conformal_covers_fresh_data)}
+def the_report_gives_predict_s_numbers(cell: Cell, lab: Lab, chain: str):
+  """`report` after every chain, in every order, writes its report.md (out-of-distribution figures included, where
+  the chain's distance step or the members' probabilities score unfamiliar rows) with the numbers the ensemble
+  answers for the same rows: `evaluate`'s test scores, and the chain's conformal coverage that `predict`'s sets or
+  intervals give (the report once ended in a KeyError after a chain, with an out-of-distribution set on a dense
+  ensemble)."""
+  steps = CHAINS[chain]
+  if _refused_for_the_task(cell, lab, steps):
+    return
+  chained = lab.chained(lab.ensemble(cell), steps)
+  x, y = (rows[:300] for rows in lab.calibration_rows(cell.task, 'fresh'))
+  ood = {'far': x * 30} if 'distance' in steps or chained.task.detects_ood else None
+  out = os.path.join(lab.root, 'reports', f'{cell.id}-{chain}')
+  results = chained.report(x, y, ood=ood, output_dir=out)
+  assert os.path.getsize(os.path.join(out, 'report.md')) > 0
+  want = chained.evaluate(x, y)['ensemble']
+  for key, value in want.items():
+    if isinstance(value, float):
+      np.testing.assert_allclose(results['ensemble'][key], value, rtol=1e-6, atol=1e-9, err_msg=key)
+  if ood:
+    figures = [figure for scores in results['ood']['far']['ensemble'].values() for figure in scores.values()
+               if isinstance(figure, float)]
+    assert figures and all(math.isfinite(f) for f in figures), results['ood']
+  if {'conformal', 'class_conditional'} & set(steps):
+    covered = chained.task.covered(chained.predict(x), y)
+    np.testing.assert_allclose(results['posthoc_conformal']['coverage'], np.mean(covered), rtol=1e-9)
+  else:
+    assert 'posthoc_conformal' not in results, sorted(results)
+
+
+AFTER_FIT = {check.__name__: check for check in (the_value_is_the_same_wherever_it_goes, conformal_covers_fresh_data,
+                                                 the_report_gives_predict_s_numbers)}

@@ -9,8 +9,9 @@ import pytest
 
 import checks
 import matrix
+from ensemble import tasks
 from ensemble.host_memory import release_compiled_programs_if_many
-from lab import Lab
+from lab import LABELS, Lab, rows
 
 
 @pytest.fixture(scope='session')
@@ -36,3 +37,23 @@ def test_cell_keeps_the_contract(check, cell, lab):
 @pytest.mark.parametrize('check, cell, chain', list(matrix.after_fit_cases()))
 def test_life_after_fit_keeps_the_contract(check, cell, chain, lab):
   checks.AFTER_FIT[check](cell, lab, chain)
+
+
+def test_the_lab_draws_every_kind_of_labels_a_task_declares():
+  """A task's cells train on labels of the kind it declares (`Task.label_kind`): the lab draws each kind the package
+  knows, and one it does not is refused, never drawn as another kind's (a count task once passed every contract case
+  on 0/1 labels); every task has a reference loss (`checks.REFERENCE_LOSS`)."""
+  assert set(LABELS) == set(tasks.LABEL_KINDS)
+  assert set(checks.REFERENCE_LOSS) == set(tasks.NAMES) == set(matrix.TASKS)
+  for name in tasks.NAMES:
+    x, y = rows(name, 8)
+    assert len(tasks.named(name).read_labels(y, 'lab')) == len(x) == 8
+  try:
+    tasks.TASKS['mystery'] = type('Mystery', (tasks.TASKS['regression'],), {'name': 'mystery'})
+    tasks.named.cache_clear()
+    tasks.TASKS['mystery'].label_kind = 'ranks'  # set after the class is defined, which would refuse it
+    with pytest.raises(AssertionError, match="declares labels of kind 'ranks', which the lab does not draw"):
+      rows('mystery', 8)
+  finally:
+    tasks.TASKS.pop('mystery', None)
+    tasks.named.cache_clear()
