@@ -31,7 +31,6 @@ from ensemble.defaults import FIELDS, Kwargs, Recipe, frozen, is_import_path
 from ensemble.backends import sharded
 from ensemble.errors import UsageError
 from ensemble.models import user
-from ensemble.tasks import quantile, regression
 
 __all__ = ['Recipe', 'of', 'resolve', 'from_record']
 
@@ -67,7 +66,7 @@ LEGACY = {'streaming': 'never', 'heldout_fraction': 0.0}
 CHOICES = {
     'backend': backends.NAMES, 'member_sharding': backends.MEMBER_SHARDINGS, 'method': methods.NAMES,
     'shared_sharding': backends.SHARED_SHARDINGS,
-    'task': tasks.NAMES, 'loss': regression.LOSSES, 'member_data': MEMBER_DATA, 'streaming': stream.MODES,
+    'task': tasks.NAMES, 'member_data': MEMBER_DATA, 'streaming': stream.MODES,
     'inputs': ('auto', *steps.INPUTS), 'augment': tuple(augment.AUGMENTATIONS), 'optimizer': tuple(optim.OPTIMIZERS),
     'schedule': tuple(optim.SCHEDULES), 'dtype': DTYPES,
 }
@@ -132,7 +131,12 @@ def _range(low, high, value, *, open_low=False, open_high=True) -> bool:
 
 
 def _check_field(name: str, value: Any):
-  """The rules of one field alone: a name among its choices, a number in its range."""
+  """The rules of one field alone: a name among its choices, a number in its range; a task's fields by the task
+  that reads them (`Task.field_error`)."""
+  for task in tasks.TASKS.values():
+    if name in task.fields:
+      problem = task.field_error(name, value)
+      _require(problem is None, problem)
   if name in CHOICES:
     _require(value in CHOICES[name], f'unknown {name} {value!r}: set --config.{name} to one of {list(CHOICES[name])}')
   one_of = lambda ok, what: _require(ok, f'{name}={value!r} must be {what}')
@@ -161,9 +165,6 @@ def _check_field(name: str, value: Any):
       'adversarial_epsilon': (lambda v: _range(0, 1, v), "a fraction of each input's range in [0, 1), e.g. "
                                                          "--config.adversarial_epsilon=0.01 (the paper's), or 0 for "
                                                          'no adversarial training'),
-      'beta': (lambda v: _range(0, 1, v, open_high=False), 'in [0, 1] (0: the Gaussian NLL, 1: gradients of the '
-                                                           'mean as MSE)'),
-      'distill_temperature': (_positive, 'positive'),
       'snapshot_cycles': (lambda v: v >= 1, 'a positive number of cycles'),
       'packed_alpha': (_positive, "a positive number, the width of the packed ensemble as a multiple of one "
                                   "network's (each member has alpha / ensemble_size of it): set e.g. "
@@ -197,15 +198,6 @@ def _check_field(name: str, value: Any):
     _require(not value or os.path.isdir(os.path.expanduser(value)),
              f'init_from={value!r} is no folder: give the workdir of a trained run (a 1-member run of the same model, '
              'or an ensemble saved with Ensemble.save)')
-  elif name == 'quantiles':
-    _require(len(value) >= 2 and all(isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 < v < 1
-                                     for v in value) and all(a < b for a, b in zip(value, value[1:])),
-             f'quantiles={value!r} must be at least two levels in (0, 1), increasing, e.g. '
-             f'--config.quantiles="{quantile.DEFAULT_LEVELS}" (the outermost pair bounds the interval)')
-  elif name == 'pos_weight':
-    _require(all(isinstance(v, numbers.Real) and not isinstance(v, bool) and _positive(v) for v in value),
-             f'pos_weight={value!r} must be positive weights, one per label, e.g. negatives / positives of each; '
-             'or () for 1 each')
   elif name in ('shared', 'frozen'):
     _require(all(isinstance(v, str) and v.strip('/') for v in value),
              f"{name}={value!r} must be module paths, e.g. --config.{name}=\"('backbone',)\"")

@@ -14,6 +14,8 @@ checks apply). A task answers in two halves:
 module and one line of `ensemble.tasks.TASKS`.
 """
 
+import math
+import numbers
 from typing import Any, ClassVar, Sequence
 
 import numpy as np
@@ -29,6 +31,15 @@ def host_float(values: np.ndarray) -> np.ndarray:
   keeps their precision until the loop has standardised them."""
   exact = values.dtype.itemsize <= 2 or values.dtype == np.float32
   return values.astype(np.float32 if exact else np.float64, copy=False)
+
+
+def is_number(value: Any) -> bool:
+  """A real number, not a bool: what a numeric field of the recipe takes."""
+  return isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != 'bool_'
+
+
+def positive(value: Any) -> bool:
+  return is_number(value) and math.isfinite(value) and value > 0
 
 
 def count(n: int, noun: tuple[str, str]) -> str:
@@ -117,6 +128,13 @@ class Task:
     if lacking:
       raise UsageError(f'task {cls.name!r} does not answer {", ".join(lacking)}: each is declared in '
                       'ensemble/tasks/base.py, with what it takes and returns')
+
+  @classmethod
+  def field_error(cls, name: str, value: Any) -> str | None:
+    """What is wrong with `value` for the recipe's field `name`, one of `fields`, as a one-line error that names the
+    field and the fix; None where it is right (ensemble/recipe.py asks it of each field alone)."""
+    del name, value
+    return None
 
   @classmethod
   def of(cls, config: Any, data_info: dict[str, Any] | None = None) -> 'Task':

@@ -101,6 +101,10 @@ class Classification(base.Task):
   batch_acquisitions = acquire.BATCHES
 
   @classmethod
+  def field_error(cls, name, value):
+    return None if base.positive(value) else f'{name}={value!r} must be positive'
+
+  @classmethod
   def of(cls, config, data_info=None):
     return cls(temperature=config.distill_temperature)
 

@@ -74,6 +74,13 @@ class Multilabel(base.Task):
   report_writer = 'ensemble.multilabel_report'
 
   @classmethod
+  def field_error(cls, name, value):
+    if all(base.positive(v) for v in value):
+      return None
+    return (f'{name}={value!r} must be positive weights, one per label, e.g. negatives / positives of each; or () for '
+            '1 each')
+
+  @classmethod
   def of(cls, config, data_info=None):
     return cls(pos_weight=tuple(float(w) for w in config.pos_weight))
 

@@ -95,6 +95,14 @@ class Quantile(base.Targets):
   eval_scores = {'loss': 'loss', 'coverage': 'covered'}
 
   @classmethod
+  def field_error(cls, name, value):
+    if (len(value) >= 2 and all(base.is_number(v) and 0 < v < 1 for v in value)
+        and all(a < b for a, b in zip(value, value[1:]))):
+      return None
+    return (f'{name}={value!r} must be at least two levels in (0, 1), increasing, e.g. '
+            f'--config.{name}="{DEFAULT_LEVELS}" (the outermost pair bounds the interval)')
+
+  @classmethod
   def of(cls, config, data_info=None):
     info = data_info or {}
     levels = tuple(float(level) for level in config.quantiles)

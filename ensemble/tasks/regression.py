@@ -78,6 +78,14 @@ class Regression(base.Targets):
   acquisitions = acquire.REGRESSION
 
   @classmethod
+  def field_error(cls, name, value):
+    if name == 'loss':
+      return None if value in LOSSES else f'unknown loss {value!r}: set --config.loss to one of {list(LOSSES)}'
+    if base.is_number(value) and 0 <= value <= 1:  # beta
+      return None
+    return f'{name}={value!r} must be in [0, 1] (0: the Gaussian NLL, 1: gradients of the mean as MSE)'
+
+  @classmethod
   def of(cls, config, data_info=None):
     """For data described by `data_info`: its targets in their units (its `target_mean` and `target_std`); where
     `data_info` leaves them out (what the programs are built for, so that they do not change when the data does),
