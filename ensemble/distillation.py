@@ -139,11 +139,10 @@ def distill(ens: api.Ensemble, student_model: Any, data: Any, *, temperature: fl
     test = _test_pair(test)
     ens.check(test[0], 'test')
   task = ens.task
-  # What the student is, whatever `config` says: one network of the teacher's task (and quantile levels), trained
-  # on every input given.
+  # What the student is, whatever `config` says: one network of the teacher's task (with the task's own settings of
+  # a student: `Task.student_settings`), trained on every input given.
   settings = api.fit_recipe(config, {**fit_kwargs, 'ensemble_size': 1, 'method': 'independent', 'task': task.name,
-                                     'distill_temperature': float(temperature), 'heldout_fraction': 0.0,
-                                     'quantiles': ens.config.quantiles})
+                                     'heldout_fraction': 0.0, **task.student_settings(ens.config, temperature)})
   x, y = task.student_labels(ens, inputs)  # the teacher's predictive as the task's labels
   dataset = base.Dataset({'image': x, 'label': y}, None, f'the predictive of {ens._name}',  # pylint: disable=protected-access
                          task.width(ens.num_classes), inputs=ens.member.inputs, task=task.name)

@@ -345,6 +345,12 @@ class Task:
 
   # --- distillation and the loops --------------------------------------------------------------------------------
 
+  def student_settings(self, teacher: Any, temperature: float) -> dict[str, Any]:
+    """The recipe's fields of this task a distilled student trains with, from the teacher's recipe and `distill`'s
+    `temperature`: here none (the defaults')."""
+    del teacher, temperature
+    return {}
+
   def student_labels(self, ens: Any, inputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(inputs, labels) a distilled student trains on, the teacher's predictive at `inputs`: here the members' mean
     probabilities as float32, (N, C) (a dense task's per position, a multi-label task's per label), without the

@@ -108,6 +108,10 @@ class Classification(base.Task):
   def of(cls, config, data_info=None):
     return cls(temperature=config.distill_temperature)
 
+  def student_settings(self, teacher, temperature):
+    """The student learns the teacher's probabilities at `temperature` (`distillation_loss`)."""
+    return {'distill_temperature': float(temperature)}
+
   def member_output(self, logits: jnp.ndarray) -> jnp.ndarray:
     """What prediction takes from a member: its log-probabilities."""
     return jax.nn.log_softmax(logits)

@@ -316,6 +316,10 @@ class Quantile(base.Targets):
 
   # --- distillation and the loops ----------------------------------------------------------------------------------
 
+  def student_settings(self, teacher, temperature):
+    """The student's heads are the teacher's levels, each fitted to the teacher's quantile at its own level."""
+    return {'quantiles': teacher.quantiles}
+
   def student_labels(self, ens, inputs):
     """(inputs, the teacher's quantiles (N, Q, D)), one target per head, which `loss` fits each head to. Not each
     input once per level with all heads fitted to every target: the head at tau would learn the tau-quantile of
