@@ -1,6 +1,6 @@
 """A multi-label ensemble's report: report.md, metrics.json and the ensemble-size plot, drawn from the numbers
-`scoring.score_multilabel` makes (the ensemble, its members and their mean on the test split, per label and over the
-labels; a temperature per label and conformal sets per label fitted on held-out examples; out-of-distribution
+`tasks.multilabel.report_scores` makes (the ensemble, its members and their mean on the test split, per label and
+over the labels; a temperature per label and conformal sets per label fitted on held-out examples; out-of-distribution
 detection by the members' disagreement).
 """
 

@@ -22,7 +22,7 @@ from absl import logging
 
 from ensemble import calibration, console, posthoc
 from ensemble.tasks.base import IGNORED
-from ensemble.uncertainty import conformal, decomposition, multilabel, ood, selective
+from ensemble.uncertainty import conformal, decomposition, ood, selective
 
 DEFAULT_ANGLES = tuple(range(0, 181, 15))
 # The standard deviations (pixels in [0, 1]) of CIFAR-10-C's gaussian_noise at severities 1 to 5.
@@ -116,7 +116,7 @@ def add_gaussian_noise(images: np.ndarray, std: float, seed: int = 0) -> np.ndar
   return np.clip(noisy, 0.0, 1.0)
 
 
-def _mean_member(member_scores: list[dict[str, float]]) -> dict[str, float]:
+def mean_of_members(member_scores: list[dict[str, float]]) -> dict[str, float]:
   return {name: float(np.mean([s[name] for s in member_scores])) for name in member_scores[0]}
 
 
@@ -124,13 +124,13 @@ def _mean_member(member_scores: list[dict[str, float]]) -> dict[str, float]:
 HIGHER_IS_BETTER = ('accuracy', 'map', 'subset_accuracy', 'miou')
 
 
-def _gain(ensemble: dict[str, float], reference: dict[str, float]) -> dict[str, float]:
+def gain(ensemble: dict[str, float], reference: dict[str, float]) -> dict[str, float]:
   """How much better the ensemble is: positive when it is better, whichever way the score points."""
   return {name: ensemble[name] - value if name in HIGHER_IS_BETTER else value - ensemble[name]
           for name, value in reference.items()}
 
 
-def _best(members: list[dict[str, float]], names) -> dict[str, float]:
+def best_of_members(members: list[dict[str, float]], names) -> dict[str, float]:
   """The best member taken score by score: the member with the highest accuracy need not have the lowest NLL."""
   return {name: (max if name in HIGHER_IS_BETTER else min)(s[name] for s in members) for name in names}
 
@@ -189,16 +189,16 @@ def score_test_set(member_log_probs: np.ndarray, labels: np.ndarray, iou: bool =
   ensemble = {**ensemble_scores(member_log_probs, labels, iou),
               'entropy': calibration.entropy(ensemble_probs),
               'disagreement': calibration.disagreement(member_probs)}
-  mean_member = _mean_member(members)
-  best_member = _best(members, mean_member)
+  mean_member = mean_of_members(members)
+  best_member = best_of_members(members, mean_member)
   pooled_labels = np.tile(labels, len(member_probs))
   return {
       'ensemble': ensemble,
       'members': members,
       'mean_member': mean_member,
       'best_member': best_member,
-      'gain_over_mean_member': _gain(ensemble, mean_member),
-      'gain_over_best_member': _gain(ensemble, best_member),
+      'gain_over_mean_member': gain(ensemble, mean_member),
+      'gain_over_best_member': gain(ensemble, best_member),
       'ensemble_size_curve': [
           {'members': k, 'accuracy': calibration.accuracy(member_probs[:k].mean(0), labels),
            'nll': calibration.ensemble_nll(member_log_probs[:k], labels)}
@@ -208,78 +208,6 @@ def score_test_set(member_log_probs: np.ndarray, labels: np.ndarray, iou: bool =
           'ensemble': _reliability(ensemble_probs, labels),
           'mean_member': _reliability(member_probs.reshape(-1, member_probs.shape[-1]), pooled_labels)},
   }
-
-
-def score_labels(member_logits: np.ndarray, labels: np.ndarray, scaled_probs: np.ndarray | None = None) -> dict:
-  """A multi-label ensemble's scores on one labelled split, from its members' logits (K, N, L): the ensemble's
-  and each member's (`uncertainty.multilabel.scores`, the NLL from the logits in log space), their mean and best,
-  the gains and the ensemble-size curve; 'temperature_scaled' of `scaled_probs` (the chain's) where given."""
-  member_probs = multilabel.sigmoid(member_logits)
-
-  def scores_of(k: slice) -> dict[str, Any]:
-    nll = multilabel.ensemble_nll(member_logits[k], labels)
-    return {**multilabel.scores(member_probs[k].mean(0), labels), 'nll': float(nll.mean()),
-            'nll_per_label': nll.tolist()}
-  ensemble = scores_of(slice(None))
-  members = [scores_of(slice(k, k + 1)) for k in range(len(member_logits))]
-  flat = [name for name, value in ensemble.items() if not isinstance(value, list)]
-  mean_member = _mean_member([{name: m[name] for name in flat} for m in members])
-  best_member = _best(members, flat)
-  result = {
-      'ensemble': ensemble, 'members': members, 'mean_member': mean_member, 'best_member': best_member,
-      'gain_over_mean_member': _gain(ensemble, mean_member), 'gain_over_best_member': _gain(ensemble, best_member),
-      'ensemble_size_curve': [{'members': k, **{name: scores_of(slice(0, k))[name] for name in ('map', 'nll')}}
-                              for k in range(1, len(member_logits) + 1)]}
-  if scaled_probs is not None:
-    result['temperature_scaled'] = multilabel.scores(scaled_probs, labels)
-  return result
-
-
-def score_multilabel(test_logits: np.ndarray, labels: np.ndarray, heldout_logits: np.ndarray | None,
-                     heldout_labels: np.ndarray | None, seen_in_training: bool, alphas: Sequence[float],
-                     ood_logits: dict[str, np.ndarray]) -> dict[str, Any]:
-  """A multi-label ensemble's report from its members' logits: the test split's scores (`score_labels`); with
-  held-out examples, a temperature per label fitted on them and the test scores before and after it, and conformal
-  sets per label at each alpha (each label's coverage, their mean set size, and the 99% bounds every label's
-  coverage falls in where calibration and test examples are exchangeable); per set of `ood_logits`, the AUROC,
-  AUPR and FPR95 of the members' disagreement (mutual information) and of the predictive entropy, each summed over
-  the labels."""
-  with console.stage('test scores'):
-    results = score_labels(test_logits, labels)
-  logging.info('test: ensemble mAP %.4f NLL %.4f Hamming loss %.4f; mean member mAP %.4f NLL %.4f',
-               *(results['ensemble'][name] for name in ('map', 'nll', 'hamming_loss')),
-               *(results['mean_member'][name] for name in ('map', 'nll')))
-  member_probs = multilabel.sigmoid(test_logits)
-  probs = member_probs.mean(0)
-  if heldout_logits is not None:
-    heldout_probs = multilabel.sigmoid(heldout_logits).mean(0)
-    with console.stage('temperature'):
-      temperature = multilabel.fit_temperature(heldout_probs, heldout_labels, per_label=True)
-      results['temperature_scaling'] = {
-          'temperature': [float(t) for t in temperature], 'heldout_examples': len(heldout_labels),
-          'seen_in_training': seen_in_training, 'before': multilabel.scores(probs, labels),
-          'after': multilabel.scores(multilabel.temperature_scale(probs, temperature), labels)}
-    rows = []
-    with console.stage('conformal'):
-      for alpha in alphas:
-        sets = multilabel.prediction_sets(probs,
-                                          multilabel.calibrated_quantiles(heldout_probs, heldout_labels, alpha))
-        coverage = np.take_along_axis(sets, np.asarray(labels)[..., None], -1)[..., 0].mean(0)
-        bounds = list(conformal.coverage_bounds(len(heldout_labels), len(labels), alpha))
-        rows.append({'alpha': alpha, 'coverage_per_label': coverage.tolist(), 'coverage': float(coverage.mean()),
-                     'mean_set_size': float(sets.sum(-1).mean()), 'bounds': bounds,
-                     'within_bounds': bool(((bounds[0] <= coverage) & (coverage <= bounds[1])).all())})
-    results['conformal'] = {'calibration_examples': len(heldout_labels), 'seen_in_training': seen_in_training,
-                            'rows': rows}
-  doubts = lambda member_probs: {name: values.sum(-1) for name, values in multilabel.decompose(member_probs).items()
-                                 if name in ('mutual_information', 'entropy')}
-  inside = doubts(member_probs)
-  results['ood'] = {}
-  for name, logits in ood_logits.items():
-    outside = doubts(multilabel.sigmoid(logits))
-    results['ood'][name] = {'examples': len(logits[0]),
-                            'ensemble': {score: ood.detection(inside[score], outside[score]) for score in inside}}
-  return results
 
 
 def score_shift(predict: Any, test: dict[str, np.ndarray], levels: dict[str, Any], shifted, *,
@@ -298,7 +226,7 @@ def score_shift(predict: Any, test: dict[str, np.ndarray], levels: dict[str, Any
       member_log_probs = predict.log_probs({'image': shifted(test['image'], **level), 'label': test['label']})
     ensemble = ensemble_scores(member_log_probs, test['label'])
     members = [ensemble_scores(log_probs[None], test['label']) for log_probs in member_log_probs]
-    rows.append({**level, 'ensemble': pick(ensemble), 'mean_member': pick(_mean_member(members))})
+    rows.append({**level, 'ensemble': pick(ensemble), 'mean_member': pick(mean_of_members(members))})
     logging.info('%s: ensemble accuracy %.4f NLL %.4f ECE %.4f', label,
                  ensemble['accuracy'], ensemble['nll'], ensemble['ece'])
   return rows
@@ -368,7 +296,7 @@ def score_ood(predict: Any, test_member_probs: np.ndarray, ood_sets: dict[str, n
     members = [{score: ood.detection(mine[score], theirs[score]) for score in theirs}
                for mine, theirs in zip(inside_members, (_ood_scores(p) for p in member_probs))]
     results[name] = {**_detected(inside, outside, scores, len(images)),
-                     'mean_member': {score: _mean_member([m[score] for m in members]) for score in members[0]}}
+                     'mean_member': {score: mean_of_members([m[score] for m in members]) for score in members[0]}}
     logging.info('%s: ensemble AUROC %s', name, ', '.join(
         f'{score} {results[name]["ensemble"][score]["auroc"]:.4f}' for score in scores))
   return results
@@ -450,7 +378,7 @@ def score_conformal(heldout_member_probs: np.ndarray, heldout_labels: np.ndarray
       rows.append({'alpha': alpha, 'score': score, 'guaranteed': [1 - alpha, min(1.0, 1 - alpha + 1 / (n + 1))],
                    'bounds': bounds, 'within_bounds': bounds[0] <= ensemble['coverage'] <= bounds[1],
                    'ensemble': {**ensemble, 'quantile': finite(ensemble['quantile'])},
-                   'mean_member': _mean_member([{k: v for k, v in m.items() if k != 'quantile'} for m in members])})
+                   'mean_member': mean_of_members([{k: v for k, v in m.items() if k != 'quantile'} for m in members])})
       logging.info('conformal %s at alpha %g: ensemble coverage %.4f, mean set size %.3f', score, alpha,
                    ensemble['coverage'], ensemble['mean_size'])
   return {'calibration_examples': n, 'seen_in_training': seen_in_training, 'rows': rows}

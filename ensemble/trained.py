@@ -467,7 +467,7 @@ class Ensemble:
     keeps its cost; the temperature is not applied to the members' scores. A
     regression ensemble takes float targets and returns RMSE, NLL, CRPS and
     interval coverage ('variance_scaled' with a variance scale in the chain); a multi-label ensemble 0/1 labels
-    (N, L) and per-label scores (`scoring.score_labels`).
+    (N, L) and per-label scores (`tasks.multilabel.scores`).
     """
     inputs, labels = self._labelled_pair(inputs, labels, 'evaluate')
     return self.task.evaluate(self._member_outputs(inputs, role='evaluate'), self.task.host_labels(labels),

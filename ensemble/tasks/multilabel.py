@@ -10,15 +10,18 @@ temperature divides them, and the members' probabilities are their sigmoids."""
 
 import dataclasses
 import numbers
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ensemble import posthoc, scoring
+from absl import logging
+
+from ensemble import console, posthoc, scoring
 from ensemble.errors import DataError, UsageError
 from ensemble.tasks import base, classification
-from ensemble.uncertainty import multilabel
+from ensemble.uncertainty import conformal, multilabel, ood
 
 AxisName = classification.AxisName
 Metrics = classification.Metrics
@@ -54,6 +57,80 @@ def as_multilabels(labels: np.ndarray, name: str) -> np.ndarray:
     raise DataError(f"{name}: a label of {bad:g}; task='multilabel' takes 0 or 1 per label (class indices: "
                     "task='classification'; a teacher's probabilities: ensemble.distill)")
   return labels.astype(np.int32)
+
+
+def scores(member_logits: np.ndarray, labels: np.ndarray, scaled_probs: np.ndarray | None = None) -> dict:
+  """A multi-label ensemble's scores on one labelled split, from its members' logits (K, N, L): the ensemble's
+  and each member's (`uncertainty.multilabel.scores`, the NLL from the logits in log space), their mean and best,
+  the gains and the ensemble-size curve; 'temperature_scaled' of `scaled_probs` (the chain's) where given."""
+  member_probs = multilabel.sigmoid(member_logits)
+
+  def scores_of(k: slice) -> dict[str, Any]:
+    nll = multilabel.ensemble_nll(member_logits[k], labels)
+    return {**multilabel.scores(member_probs[k].mean(0), labels), 'nll': float(nll.mean()),
+            'nll_per_label': nll.tolist()}
+  ensemble = scores_of(slice(None))
+  members = [scores_of(slice(k, k + 1)) for k in range(len(member_logits))]
+  flat = [name for name, value in ensemble.items() if not isinstance(value, list)]
+  mean_member = scoring.mean_of_members([{name: m[name] for name in flat} for m in members])
+  best_member = scoring.best_of_members(members, flat)
+  result = {
+      'ensemble': ensemble, 'members': members, 'mean_member': mean_member, 'best_member': best_member,
+      'gain_over_mean_member': scoring.gain(ensemble, mean_member),
+      'gain_over_best_member': scoring.gain(ensemble, best_member),
+      'ensemble_size_curve': [{'members': k, **{name: scores_of(slice(0, k))[name] for name in ('map', 'nll')}}
+                              for k in range(1, len(member_logits) + 1)]}
+  if scaled_probs is not None:
+    result['temperature_scaled'] = multilabel.scores(scaled_probs, labels)
+  return result
+
+
+def report_scores(test_logits: np.ndarray, labels: np.ndarray, heldout_logits: np.ndarray | None,
+                     heldout_labels: np.ndarray | None, seen_in_training: bool, alphas: Sequence[float],
+                     ood_logits: dict[str, np.ndarray]) -> dict[str, Any]:
+  """A multi-label ensemble's report from its members' logits: the test split's scores (`scores`); with
+  held-out examples, a temperature per label fitted on them and the test scores before and after it, and conformal
+  sets per label at each alpha (each label's coverage, their mean set size, and the 99% bounds every label's
+  coverage falls in where calibration and test examples are exchangeable); per set of `ood_logits`, the AUROC,
+  AUPR and FPR95 of the members' disagreement (mutual information) and of the predictive entropy, each summed over
+  the labels."""
+  with console.stage('test scores'):
+    results = scores(test_logits, labels)
+  logging.info('test: ensemble mAP %.4f NLL %.4f Hamming loss %.4f; mean member mAP %.4f NLL %.4f',
+               *(results['ensemble'][name] for name in ('map', 'nll', 'hamming_loss')),
+               *(results['mean_member'][name] for name in ('map', 'nll')))
+  member_probs = multilabel.sigmoid(test_logits)
+  probs = member_probs.mean(0)
+  if heldout_logits is not None:
+    heldout_probs = multilabel.sigmoid(heldout_logits).mean(0)
+    with console.stage('temperature'):
+      temperature = multilabel.fit_temperature(heldout_probs, heldout_labels, per_label=True)
+      results['temperature_scaling'] = {
+          'temperature': [float(t) for t in temperature], 'heldout_examples': len(heldout_labels),
+          'seen_in_training': seen_in_training, 'before': multilabel.scores(probs, labels),
+          'after': multilabel.scores(multilabel.temperature_scale(probs, temperature), labels)}
+    rows = []
+    with console.stage('conformal'):
+      for alpha in alphas:
+        sets = multilabel.prediction_sets(probs,
+                                          multilabel.calibrated_quantiles(heldout_probs, heldout_labels, alpha))
+        coverage = np.take_along_axis(sets, np.asarray(labels)[..., None], -1)[..., 0].mean(0)
+        bounds = list(conformal.coverage_bounds(len(heldout_labels), len(labels), alpha))
+        rows.append({'alpha': alpha, 'coverage_per_label': coverage.tolist(), 'coverage': float(coverage.mean()),
+                     'mean_set_size': float(sets.sum(-1).mean()), 'bounds': bounds,
+                     'within_bounds': bool(((bounds[0] <= coverage) & (coverage <= bounds[1])).all())})
+    results['conformal'] = {'calibration_examples': len(heldout_labels), 'seen_in_training': seen_in_training,
+                            'rows': rows}
+  doubts = lambda member_probs: {name: values.sum(-1) for name, values in multilabel.decompose(member_probs).items()
+                                 if name in ('mutual_information', 'entropy')}
+  inside = doubts(member_probs)
+  results['ood'] = {}
+  for name, logits in ood_logits.items():
+    outside = doubts(multilabel.sigmoid(logits))
+    results['ood'][name] = {'examples': len(logits[0]),
+                            'ensemble': {score: ood.detection(inside[score], outside[score]) for score in inside}}
+  return results
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +238,7 @@ class Multilabel(base.Task):
   def evaluate(self, outputs, labels, chain, size):
     scaled = (posthoc.apply(posthoc.of_outputs(chain), self.view(outputs))['label_probs']
               if any(step.kind == self.calibration for step in chain) else None)
-    return scoring.score_labels(outputs, labels, scaled)
+    return scores(outputs, labels, scaled)
 
   def report(self, forward, test, heldout, seen_in_training, *, size, angles, noise, ood_sets, alphas):
     outputs = scoring.outputs(forward, test, 'test')
@@ -171,7 +248,7 @@ class Multilabel(base.Task):
     ood_logits = {name: scoring.outputs(forward, {'image': x, 'label': np.zeros(len(x), np.int32)}, f'{name} (OOD)')
                   for name, x in (ood_sets or {}).items()}
     return {'test_examples': len(test['label']),
-            **scoring.score_multilabel(outputs, test['label'], held_outputs, held_labels, seen_in_training, alphas,
+            **report_scores(outputs, test['label'], held_outputs, held_labels, seen_in_training, alphas,
                                        ood_logits)}
 
   def exported(self, outputs, chain, xp):
