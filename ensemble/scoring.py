@@ -21,7 +21,6 @@ import scipy.ndimage
 from absl import logging
 
 from ensemble import calibration, console, posthoc
-from ensemble.tasks.base import IGNORED
 from ensemble.uncertainty import conformal, decomposition, ood, selective
 
 DEFAULT_ANGLES = tuple(range(0, 181, 15))
@@ -47,7 +46,7 @@ def score_classes(predict: Any, test: dict[str, np.ndarray], test_outputs: np.nd
   with console.stage('test scores'):
     results = {'test_examples': len(test['label']), **score_test_set(test_outputs, labels, iou=iou)}
     if iou:
-      results.update(labelled_positions=len(labels), iou=_iou_list(member_probs.mean(0), labels))
+      results.update(labelled_positions=len(labels), iou=iou_list(member_probs.mean(0), labels))
   logging.info('test: ensemble accuracy %.4f NLL %.4f ECE %.4f; mean member accuracy %.4f NLL %.4f ECE %.4f',
                *(results[who][name] for who in ('ensemble', 'mean_member') for name in ('accuracy', 'nll', 'ece')))
   if angles:
@@ -151,7 +150,7 @@ def intersection_over_union(probs: np.ndarray, labels: np.ndarray) -> np.ndarray
     return np.where(either > 0, both / np.maximum(either, 1), np.nan)
 
 
-def _iou_list(probs: np.ndarray, labels: np.ndarray) -> list[float | None]:
+def iou_list(probs: np.ndarray, labels: np.ndarray) -> list[float | None]:
   """Each class's IoU as JSON keeps it: None for a class neither predicted nor labelled."""
   return [None if math.isnan(v) else float(v) for v in intersection_over_union(probs, labels)]
 
@@ -163,20 +162,6 @@ def ensemble_scores(member_log_probs: np.ndarray, labels: np.ndarray, iou: bool 
   scores = {**calibration.scores(probs, labels), 'nll': calibration.ensemble_nll(member_log_probs, labels)}
   if iou:
     scores['miou'] = float(np.nanmean(intersection_over_union(probs, labels)))
-  return scores
-
-
-def score_positions(member_log_probs: np.ndarray, labels: np.ndarray,
-                    scaled_probs: np.ndarray | None = None) -> dict[str, Any]:
-  """A dense task's scores: `score_test_set`'s over the labelled positions, each a classification of its own
-  (accuracy, NLL, Brier, ECE), with the mean IoU of the classes ('miou') and the ensemble's IoU per class; with
-  `scaled_probs` (the chain's temperature applied), 'temperature_scaled' scores of them."""
-  labelled = labels != IGNORED
-  positions = member_log_probs[:, labelled]
-  scores = {'labelled_positions': int(labelled.sum()), **score_test_set(positions, labels[labelled], iou=True)}
-  scores['ensemble']['iou'] = _iou_list(np.exp(positions).mean(0), labels[labelled])
-  if scaled_probs is not None:
-    scores['temperature_scaled'] = calibration.scores(scaled_probs[labelled], labels[labelled])
   return scores
 
 
@@ -384,21 +369,6 @@ def score_conformal(heldout_member_probs: np.ndarray, heldout_labels: np.ndarray
   return {'calibration_examples': n, 'seen_in_training': seen_in_training, 'rows': rows}
 
 
-def boundary_positions(labels: np.ndarray) -> np.ndarray:
-  """(N, *positions) bool: the labelled positions with a neighbour along a position axis (a pixel's 4-neighbours)
-  that is labelled otherwise, the ignored label included: benchmarks (VOC; scripts/segmentation_mnist.py) leave
-  the band between two regions unlabelled, and the positions beside it are the boundary."""
-  labels = np.asarray(labels)
-  edge = np.zeros(labels.shape, bool)
-  for axis in range(1, labels.ndim):
-    before, after = [slice(None)] * labels.ndim, [slice(None)] * labels.ndim
-    before[axis], after[axis] = slice(None, -1), slice(1, None)
-    differ = labels[tuple(before)] != labels[tuple(after)]
-    edge[tuple(before)] |= differ
-    edge[tuple(after)] |= differ
-  return edge & (labels != IGNORED)
-
-
 def score_chain_conformal(task: Any, chain: Sequence[posthoc.Step], predict: Any, test: dict[str, np.ndarray]
                           ) -> dict[str, Any] | None:
   """The chain's own conformal sets or intervals (its last conformal step's) judged on labelled test examples: the
@@ -439,8 +409,8 @@ def score_chain_conformal(task: Any, chain: Sequence[posthoc.Step], predict: Any
   found = {'step': step.describe(), 'alpha': step['alpha'], 'class_conditional': own,
            'calibration_examples': step.fitted_on.examples, 'coverage': float(covered.mean()),
            'test_examples': int(covered.size), 'groups': groups}
-  if task.per_position:
-    boundary = boundary_positions(labels)[labels != IGNORED]
+  regions = task.coverage_regions(labels)
+  if regions:
     found['regions'] = {name: {'test_examples': int(where.sum()), 'coverage': float(covered[where].mean())}
-                        for name, where in (('boundary', boundary), ('interior', ~boundary)) if where.any()}
+                        for name, where in regions.items() if where.any()}
   return found

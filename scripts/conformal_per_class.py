@@ -25,7 +25,8 @@ from absl import flags  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 import ensemble  # pylint: disable=g-import-not-at-top
-from ensemble import cli, data, scoring  # pylint: disable=g-import-not-at-top
+from ensemble import cli, data  # pylint: disable=g-import-not-at-top
+from ensemble.tasks import dense  # pylint: disable=g-import-not-at-top
 from ensemble.errors import UsageError  # pylint: disable=g-import-not-at-top
 import segmentation_mnist  # pylint: disable=g-import-not-at-top  # its flags (task_tables), digits and recipe
 import task_tables  # pylint: disable=g-import-not-at-top
@@ -42,7 +43,7 @@ def coverage(ens: ensemble.Ensemble, x: np.ndarray, y: np.ndarray) -> dict[str, 
   found = {'coverage': covered.mean(), 'min class': min(classes), 'max class': max(classes),
            'set size': sets[mask].sum(-1).mean()}
   if ens.task.per_position:
-    boundary = scoring.boundary_positions(y)[mask]
+    boundary = dense.boundary_positions(y)[mask]
     found.update({'boundary': covered[boundary].mean(), 'interior': covered[~boundary].mean()})
   return found
 

@@ -14,6 +14,7 @@ import pytest
 import ensemble
 from conftest import assert_printed_as_the_page_says, run_guide_example
 from ensemble import scoring
+from ensemble.tasks import dense
 from ensemble.errors import UsageError
 from ensemble.uncertainty import conformal
 
@@ -238,7 +239,7 @@ def test_class_conditional_sets_cover_each_class_of_the_labelled_positions(fitte
                                           probability=1 - 1e-6)
     assert low <= covered[new_y[mask] == c].mean() <= high, (c, covered[new_y[mask] == c].mean(), (low, high))
   report = per_class.report(new_x[:1000], new_y[:1000], output_dir=str(tmp_path))['posthoc_conformal']
-  boundary = scoring.boundary_positions(new_y[:1000])[new_y[:1000] != -1]
+  boundary = dense.boundary_positions(new_y[:1000])[new_y[:1000] != -1]
   first = covered[:int(mask[:1000].sum())]
   assert report['coverage'] == pytest.approx(first.mean()) and [g['class'] for g in report['groups']] == [0, 1, 2]
   assert report['regions']['boundary']['coverage'] == pytest.approx(first[boundary].mean())
@@ -250,7 +251,7 @@ def test_boundary_positions_are_those_with_a_neighbour_labelled_otherwise():
   labels = np.array([[[0, 0, 1],
                       [0, 0, 1],
                       [-1, 0, 0]]])
-  np.testing.assert_array_equal(scoring.boundary_positions(labels), [[[0, 1, 1],
+  np.testing.assert_array_equal(dense.boundary_positions(labels), [[[0, 1, 1],
                                                                        [1, 1, 1],
                                                                        [0, 1, 1]]])
-  np.testing.assert_array_equal(scoring.boundary_positions(np.array([[2, 2, 2, -1, 2]])), [[0, 0, 1, 0, 1]])
+  np.testing.assert_array_equal(dense.boundary_positions(np.array([[2, 2, 2, -1, 2]])), [[0, 0, 1, 0, 1]])

@@ -329,6 +329,12 @@ class Task:
   def apply_conformal(self, step: Any, view: dict[str, Any], xp) -> dict[str, Any]:
     raise NotImplementedError
 
+  def coverage_regions(self, labels: np.ndarray) -> dict[str, np.ndarray]:
+    """Named masks over `covered`'s entries for `labels` (a dense task's boundary and interior positions), whose
+    coverage the report gives beside the marginal one; here none."""
+    del labels
+    return {}
+
   def covered(self, result: dict[str, np.ndarray], labels: np.ndarray) -> np.ndarray:
     """Whether each label lies in the conformal set (interval) `predict` gave for it, one entry per labelled
     example (a multi-label's per label)."""

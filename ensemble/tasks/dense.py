@@ -9,11 +9,12 @@ labelled positions, each counted once.
 """
 
 import dataclasses
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from ensemble import defaults, scoring
+from ensemble import calibration, defaults, scoring
 from ensemble.errors import DataError
 from ensemble.tasks import base, classification
 
@@ -49,6 +50,35 @@ def as_dense_labels(labels: np.ndarray, name: str, ignore: int = IGNORED) -> np.
   if labels.size and labels[~unlabelled].max(initial=0) > np.iinfo(np.int32).max:
     raise DataError(f'{name}: label {labels.max()} does not fit int32; labels must be class indices 0..C-1')
   return np.where(unlabelled, IGNORED, labels).astype(np.int32)
+
+
+def score_positions(member_log_probs: np.ndarray, labels: np.ndarray,
+                    scaled_probs: np.ndarray | None = None) -> dict[str, Any]:
+  """A dense task's scores: `score_test_set`'s over the labelled positions, each a classification of its own
+  (accuracy, NLL, Brier, ECE), with the mean IoU of the classes ('miou') and the ensemble's IoU per class; with
+  `scaled_probs` (the chain's temperature applied), 'temperature_scaled' scores of them."""
+  labelled = labels != IGNORED
+  positions = member_log_probs[:, labelled]
+  scores = {'labelled_positions': int(labelled.sum()), **scoring.score_test_set(positions, labels[labelled], iou=True)}
+  scores['ensemble']['iou'] = scoring.iou_list(np.exp(positions).mean(0), labels[labelled])
+  if scaled_probs is not None:
+    scores['temperature_scaled'] = calibration.scores(scaled_probs[labelled], labels[labelled])
+  return scores
+
+
+def boundary_positions(labels: np.ndarray) -> np.ndarray:
+  """(N, *positions) bool: the labelled positions with a neighbour along a position axis (a pixel's 4-neighbours)
+  that is labelled otherwise, the ignored label included: benchmarks (VOC; scripts/segmentation_mnist.py) leave
+  the band between two regions unlabelled, and the positions beside it are the boundary."""
+  labels = np.asarray(labels)
+  edge = np.zeros(labels.shape, bool)
+  for axis in range(1, labels.ndim):
+    before, after = [slice(None)] * labels.ndim, [slice(None)] * labels.ndim
+    before[axis], after[axis] = slice(None, -1), slice(1, None)
+    differ = labels[tuple(before)] != labels[tuple(after)]
+    edge[tuple(before)] |= differ
+    edge[tuple(after)] |= differ
+  return edge & (labels != IGNORED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +176,14 @@ class Dense(classification.Classification):
     mask = labels != IGNORED
     return {'member_probs': view['member_probs'][:, mask], 'probs': view['probs'][mask]}, labels[mask]
 
+  def coverage_regions(self, labels):
+    """The labelled positions beside a region's edge (`boundary_positions`), where a conformal set's misses
+    gather, and the rest."""
+    boundary = boundary_positions(labels)[labels != IGNORED]
+    return {'boundary': boundary, 'interior': ~boundary}
+
   def evaluate(self, outputs, labels, chain, size):
-    return scoring.score_positions(outputs, labels, self._scaled(chain, self.view(outputs)))
+    return score_positions(outputs, labels, self._scaled(chain, self.view(outputs)))
 
   def report(self, forward, test, heldout, seen_in_training, *, size, angles, noise, ood_sets, alphas):
     outputs, labels = scoring.outputs(forward, test, 'test'), test['label']
