@@ -96,7 +96,7 @@ def test_no_module_imports_itself_through_others():
 
 def test_the_check_finds_a_circle():
   edges, _ = _graph()
-  assert 'ensemble.scoring' in edges['ensemble.tasks.dense']  # the dense task imports scoring: scoring importing it back
+  assert 'ensemble.scoring' in edges['ensemble.tasks.dense']  # the dense task imports scoring; scoring importing it
   edges['ensemble.scoring'].add('ensemble.tasks.dense')
   assert any({'ensemble.scoring', 'ensemble.tasks.dense'} <= set(circle) for circle in _circles(edges))
 
