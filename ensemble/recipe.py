@@ -27,6 +27,7 @@ from absl import logging
 
 from ensemble import backends, data, methods, models, optim, steps, tasks
 from ensemble.data import augment, stream
+from ensemble.tasks.base import is_number, positive
 from ensemble.defaults import FIELDS, Kwargs, Recipe, frozen, is_import_path
 from ensemble.backends import sharded
 from ensemble.errors import UsageError
@@ -93,8 +94,7 @@ def _typed(name: str, value: Any) -> Any:
              f'{name}={value!r} must be a whole number')
     return int(value)
   if isinstance(default, float):
-    _require(isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != 'bool_',
-             f'{name}={value!r} must be a number')
+    _require(is_number(value), f'{name}={value!r} must be a number')
     return float(value)
   if isinstance(default, str):
     _require(isinstance(value, str), f'{name}={value!r} must be a string')
@@ -118,10 +118,6 @@ def _frozen(name: str, value: Any, what: str) -> Any:
   except TypeError:
     raise UsageError(f'{name}={value!r}: {what}') from None
   return value
-
-
-def _positive(value: float) -> bool:
-  return math.isfinite(value) and value > 0
 
 
 def _range(low, high, value, *, open_low=False, open_high=True) -> bool:
@@ -148,7 +144,7 @@ def _check_field(name: str, value: Any):
       'ensemble_size': (lambda v: v >= 0, f'positive (0: one member per device, {ONE_DEVICE_MEMBERS} on a single '
                                           'device)'),
       'num_devices': (lambda v: v >= 0, 'a number of devices, or 0 for all of them'),
-      'learning_rate': (_positive, 'positive and finite'),
+      'learning_rate': (positive, 'positive and finite'),
       'momentum': (lambda v: _range(0, 1, v), 'in [0, 1)'),
       'weight_decay': (lambda v: _range(0, math.inf, v), '0 or positive, and finite'),
       'warmup_epochs': (lambda v: v >= 0, '0 or a positive number of epochs'),
@@ -166,7 +162,7 @@ def _check_field(name: str, value: Any):
                                                          "--config.adversarial_epsilon=0.01 (the paper's), or 0 for "
                                                          'no adversarial training'),
       'snapshot_cycles': (lambda v: v >= 1, 'a positive number of cycles'),
-      'packed_alpha': (_positive, "a positive number, the width of the packed ensemble as a multiple of one "
+      'packed_alpha': (positive, "a positive number, the width of the packed ensemble as a multiple of one "
                                   "network's (each member has alpha / ensemble_size of it): set e.g. "
                                   '--config.packed_alpha=2'),
       'packed_gamma': (lambda v: v >= 1, 'a positive whole number, the groups of each member\'s inner layers: set '
@@ -190,7 +186,7 @@ def _check_field(name: str, value: Any):
     _require(value >= 8 and (value - 2) % 6 == 0, f'resnet_depth={value} is not 6n+2 with n >= 1: set '
              '--config.resnet_depth to 8, 14, 20, 32, 44, 56 or 110')
   elif name in ('hyper_learning_rate', 'hyper_weight_decay'):
-    _require(len(value) == 2 and all(isinstance(v, numbers.Real) and not isinstance(v, bool) and _positive(v)
+    _require(len(value) == 2 and all(positive(v)
                                      for v in value) and value[0] <= value[1],
              f'{name}={value!r} must be a range (low, high) of positive numbers with low <= high, '
              f"e.g. --config.{name}='{getattr(_DEFAULTS, name)}' (the default)")
